@@ -1,0 +1,315 @@
+"""Every message on the wire and every record in JetStream KV.
+
+Messages are msgspec Structs tagged on an explicit, stable ``kind`` field, so one decoder per
+stream handles a union of message types and a reader can always tell what it holds. Rules
+that keep versions rolling (see DESIGN.md "Messaging contract"):
+
+* new fields always get defaults; unknown fields are ignored on decode;
+* ``kind`` values never change once published;
+* an allocation is identified by ``request_id`` (pod UID + request generation), which every
+  handler uses as its idempotency key and every publisher uses to build ``Nats-Msg-Id``.
+
+The flow of one pod: ``AllocationRequest`` → ``Assignment`` (or ``AllocationFailed``) →
+``Applied`` → ``Release`` → ``Cleaned`` → ``Freed``.  Node agents also publish
+``NodeInventory``, ``HealthEvent`` and ``Heartbeat``; operators and the demo send
+``DeviceCommand``.  Records kept in KV (``NodeRecord``, ``NodeAllocations``,
+``RequestRecord``) are Structs too, encoded with the same codecs.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Annotated, Literal
+
+import msgspec
+
+from schemas.topology import BusId, DeviceName, NodeTopology, ScopeName
+
+__all__ = [
+    "AllocRecord",
+    "AllocationFailed",
+    "AllocationRequest",
+    "Applied",
+    "AssignedGpu",
+    "AssignedNic",
+    "Assignment",
+    "Cleaned",
+    "DeadLetter",
+    "DeviceCommand",
+    "DeviceHealth",
+    "Freed",
+    "HealthEvent",
+    "Heartbeat",
+    "InventoryQuery",
+    "InventoryReply",
+    "NetworkSpec",
+    "NodeAllocations",
+    "NodeInventory",
+    "NodeRecord",
+    "Pair",
+    "PodRef",
+    "Release",
+    "RequestRecord",
+    "now",
+]
+
+# Names that go into subjects and KV keys: Kubernetes names are DNS subdomains, so this
+# pattern accepts every real node name and rejects what would break a subject.
+NodeName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
+]
+RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_=.-]+$")]
+Count = Annotated[int, msgspec.Meta(ge=0, le=64)]
+Policy = Literal["required", "preferred"]
+Pairing = Literal["per-gpu", "shared"]
+
+
+def now() -> float:
+    return time.time()
+
+
+class _Msg(msgspec.Struct, tag_field="kind", omit_defaults=True, kw_only=True):
+    """Base of every wire message: tagged on ``kind``, unknown fields ignored."""
+
+
+class PodRef(msgspec.Struct, omit_defaults=True):
+    namespace: str
+    name: str
+    uid: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# node → inventory
+
+
+class DeviceHealth(msgspec.Struct, omit_defaults=True):
+    healthy: bool = True
+    cordoned: bool = False
+    reason: str = ""
+    since: float = 0.0
+
+
+class NodeInventory(_Msg, tag="node.inventory"):
+    """Full snapshot of one node: topology plus the health of each device by id."""
+
+    node: NodeName
+    topology: NodeTopology
+    generation: int
+    health: dict[str, DeviceHealth] = {}
+    agent: str = ""
+    ts: float = msgspec.field(default_factory=now)
+
+
+class HealthEvent(_Msg, tag="node.health"):
+    node: NodeName
+    device: DeviceName
+    healthy: bool
+    cordoned: bool = False
+    reason: str = ""
+    ts: float = msgspec.field(default_factory=now)
+
+
+class Heartbeat(_Msg, tag="node.heartbeat"):
+    node: NodeName
+    seq: int
+    generation: int = 0
+    ts: float = msgspec.field(default_factory=now)
+
+
+class DeviceCommand(_Msg, tag="node.command"):
+    """An operator's (or the demo's) command to a node agent about one device."""
+
+    node: NodeName
+    device: DeviceName
+    action: Literal["fail", "recover", "cordon", "uncordon"]
+    reason: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# allocation flow
+
+
+class NetworkSpec(msgspec.Struct, omit_defaults=True):
+    """How the pod wants its RDMA netdevs: interface names ``<prefix><n>``, MTU, addresses.
+
+    ``addresses`` are CIDRs assigned in NIC order (one per NIC; fewer leaves the rest bare).
+    """
+
+    ifname_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9]{0,10}$")] = "net"
+    mtu: Annotated[int, msgspec.Meta(ge=576, le=9216)] | None = None
+    addresses: list[str] = []
+
+
+class AllocationRequest(_Msg, tag="alloc.request"):
+    request_id: RequestId
+    pod: PodRef
+    gpus: Count
+    rdma: Count = 0
+    scope: ScopeName | None = None
+    policy: Policy | None = None
+    pairing: Pairing | None = None
+    device_class: str = "default"
+    priority: int = 0
+    node_selector: dict[str, str] = {}
+    network: NetworkSpec | None = None
+    created_at: float = msgspec.field(default_factory=now)
+
+
+class AssignedGpu(msgspec.Struct, omit_defaults=True):
+    index: int
+    uuid: str
+    pci_bus_id: BusId | None = None
+
+
+class AssignedNic(msgspec.Struct, omit_defaults=True):
+    """One NIC handed to the pod. ``pf`` is the physical NIC; ``vf`` set when a VF is used."""
+
+    name: DeviceName
+    pf: DeviceName
+    vf: int | None = None
+    pci_bus_id: BusId | None = None
+    netdev: str | None = None
+    ifname: str | None = None
+    mtu: int | None = None
+    mac: str | None = None
+    addresses: list[str] = []
+
+
+class Pair(msgspec.Struct):
+    gpu: int
+    nic: DeviceName
+    scope: ScopeName
+
+
+class Assignment(_Msg, tag="alloc.assigned"):
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName
+    gpus: list[AssignedGpu]
+    nics: list[AssignedNic] = []
+    pairs: list[Pair] = []
+    scope: ScopeName = "node"
+    candidates: int = 0
+    allocator: str = ""
+    requested_at: float = 0.0
+    decided_at: float = msgspec.field(default_factory=now)
+
+    def device_ids(self) -> list[str]:
+        return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+
+
+class AllocationFailed(_Msg, tag="alloc.failed"):
+    """The request could not be placed now; ``reason`` is written for the pod author."""
+
+    request_id: RequestId
+    pod: PodRef
+    reason: str
+    retrying: bool = True
+    ts: float = msgspec.field(default_factory=now)
+
+
+class Applied(_Msg, tag="node.applied"):
+    request_id: RequestId
+    node: NodeName
+    ok: bool = True
+    error: str = ""
+    ts: float = msgspec.field(default_factory=now)
+
+
+class Release(_Msg, tag="alloc.release"):
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName | None = None
+    reason: str = ""
+    ts: float = msgspec.field(default_factory=now)
+
+
+class Cleaned(_Msg, tag="node.cleaned"):
+    """Cleanup verdict. ``ok`` only when every device was verified clean; else ``problems``."""
+
+    request_id: RequestId
+    node: NodeName
+    ok: bool = True
+    devices: list[str] = []
+    problems: list[str] = []
+    ts: float = msgspec.field(default_factory=now)
+
+
+class Freed(_Msg, tag="alloc.freed"):
+    request_id: RequestId
+    node: NodeName | None = None
+    devices: list[str] = []
+    ts: float = msgspec.field(default_factory=now)
+
+
+class DeadLetter(_Msg, tag="dlq"):
+    service: str
+    subject: str
+    error: str
+    data: bytes
+    headers: dict[str, str] = {}
+    ts: float = msgspec.field(default_factory=now)
+
+
+# ---------------------------------------------------------------------------------------------
+# queries (request/reply, core NATS)
+
+
+class InventoryQuery(_Msg, tag="query.inventory"):
+    node: NodeName | None = None
+
+
+class InventoryReply(_Msg, tag="reply.inventory"):
+    nodes: list[NodeRecord] = []
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------------------------
+# KV records
+
+
+class NodeRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Inventory's view of a node (bucket ``KV_NODES``, key = node name)."""
+
+    node: str
+    topology: NodeTopology
+    health: dict[str, DeviceHealth] = {}
+    status: Literal["ready", "lost"] = "ready"
+    generation: int = 0
+    last_heartbeat: float = 0.0
+    updated_at: float = msgspec.field(default_factory=now)
+
+    def unavailable(self) -> set[str]:
+        return {d for d, h in self.health.items() if not h.healthy or h.cordoned}
+
+
+class AllocRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    assignment: Assignment
+    state: Literal["assigned", "applied", "releasing"] = "assigned"
+    priority: int = 0
+    updated_at: float = msgspec.field(default_factory=now)
+
+
+class NodeAllocations(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """The unit of atomicity (bucket ``KV_ALLOCS``, key = node): every device held on a node.
+
+    Written only with compare-and-set on the KV revision, so two allocators can never both
+    hand out one device.
+    """
+
+    node: str
+    allocations: dict[str, AllocRecord] = {}
+
+    def used(self) -> set[str]:
+        return {d for rec in self.allocations.values() for d in rec.assignment.device_ids()}
+
+
+class RequestRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Where one request stands (bucket ``KV_REQUESTS``, key = request id)."""
+
+    request: AllocationRequest
+    state: Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled"]
+    node: str | None = None
+    owner: str = ""
+    reason: str = ""
+    updated_at: float = msgspec.field(default_factory=now)

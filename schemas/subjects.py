@@ -1,0 +1,127 @@
+"""Every NATS subject, stream, consumer and KV bucket name. Services never spell one out.
+
+Subject tree (``<node>`` is a node token, see :func:`node_token`)::
+
+    tandem.node.<node>.inventory | health | applied | cleaned   stream NODE_STREAM
+    tandem.node.<node>.heartbeat                                core NATS (loss is harmless)
+    tandem.node.<node>.command                                  core NATS request/reply
+    tandem.alloc.request                                        stream ALLOC_STREAM
+    tandem.alloc.assigned.<node>                                stream ALLOC_STREAM
+    tandem.alloc.failed | tandem.alloc.freed                    stream ALLOC_STREAM
+    tandem.alloc.release.<node>  (``_unplaced`` when unknown)   stream ALLOC_STREAM
+    tandem.dlq.<service>                                        stream DLQ_STREAM
+    tandem.query.inventory                                      core NATS request/reply
+
+A release goes to the node's own subject, so a node agent reads only its own assignments and
+releases (the NATS permission model in DESIGN.md "Security"); the allocator reads them all.
+"""
+
+from __future__ import annotations
+
+ROOT = "tandem"
+
+NODE_STREAM = "TANDEM_NODE"
+ALLOC_STREAM = "TANDEM_ALLOC"
+DLQ_STREAM = "TANDEM_DLQ"
+
+KV_NODES = "tandem-nodes"
+KV_ALLOCS = "tandem-allocs"
+KV_REQUESTS = "tandem-requests"
+
+ALLOC_REQUEST = f"{ROOT}.alloc.request"
+ALLOC_FAILED = f"{ROOT}.alloc.failed"
+ALLOC_FREED = f"{ROOT}.alloc.freed"
+ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
+ALLOC_RELEASE_ALL = f"{ROOT}.alloc.release.*"
+UNPLACED = "_unplaced"
+QUERY_INVENTORY = f"{ROOT}.query.inventory"
+
+NODE_EVENTS_ALL = f"{ROOT}.node.*.*"
+NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
+DLQ_ALL = f"{ROOT}.dlq.*"
+
+STREAM_SUBJECTS: dict[str, list[str]] = {
+    NODE_STREAM: [
+        f"{ROOT}.node.*.inventory",
+        f"{ROOT}.node.*.health",
+        f"{ROOT}.node.*.applied",
+        f"{ROOT}.node.*.cleaned",
+    ],
+    ALLOC_STREAM: [f"{ROOT}.alloc.>"],
+    DLQ_STREAM: [f"{ROOT}.dlq.>"],
+}
+
+# Durable consumer names, one per role; all replicas of a role share one durable.
+CONSUMER_ALLOCATOR_REQUESTS = "allocator-requests"
+CONSUMER_ALLOCATOR_NODE = "allocator-node-events"
+CONSUMER_ALLOCATOR_RELEASES = "allocator-releases"
+CONSUMER_INVENTORY = "inventory-node-events"
+CONSUMER_BRIDGE = "bridge-outcomes"
+
+
+def node_token(node: str) -> str:
+    """A node name as one subject token. Kubernetes node names are DNS subdomains
+    (``[a-z0-9.-]``), so mapping ``.`` to ``_`` is reversible and never collides."""
+    return node.replace(".", "_")
+
+
+def node_from_token(token: str) -> str:
+    return token.replace("_", ".")
+
+
+def node_subject(node: str, event: str) -> str:
+    return f"{ROOT}.node.{node_token(node)}.{event}"
+
+
+def node_inventory(node: str) -> str:
+    return node_subject(node, "inventory")
+
+
+def node_health(node: str) -> str:
+    return node_subject(node, "health")
+
+
+def node_heartbeat(node: str) -> str:
+    return node_subject(node, "heartbeat")
+
+
+def node_applied(node: str) -> str:
+    return node_subject(node, "applied")
+
+
+def node_cleaned(node: str) -> str:
+    return node_subject(node, "cleaned")
+
+
+def node_command(node: str) -> str:
+    return node_subject(node, "command")
+
+
+def alloc_assigned(node: str) -> str:
+    return f"{ROOT}.alloc.assigned.{node_token(node)}"
+
+
+def alloc_release(node: str | None) -> str:
+    return f"{ROOT}.alloc.release.{node_token(node) if node else UNPLACED}"
+
+
+def dlq(service: str) -> str:
+    return f"{ROOT}.dlq.{service}"
+
+
+def node_of(subject: str) -> str:
+    """The node a ``tandem.node.<node>.*`` / ``tandem.alloc.*.<node>`` subject is about."""
+    parts = subject.split(".")
+    if len(parts) >= 4 and parts[1] == "node":
+        return node_from_token(parts[2])
+    return node_from_token(parts[-1])
+
+
+def kv_key(name: str) -> str:
+    """KV keys allow ``[-/_=.a-zA-Z0-9]``; node names and request ids already fit."""
+    return name
+
+
+def msg_id(*parts: object) -> str:
+    """The ``Nats-Msg-Id`` for a publish: same logical event, same id, so JetStream dedups."""
+    return ":".join(str(p) for p in parts)

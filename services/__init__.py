@@ -1,0 +1,1 @@
+"""Tandem services: allocator, inventory, nodeagent, admission, plus the shared runtime kit."""

@@ -1,0 +1,1 @@
+"""The ``tandem`` command line: one module per command group, registered in ``main``."""

@@ -1,0 +1,41 @@
+"""``tandem`` entry point. Each command module exposes ``register(subparsers)``; a command's
+handler returns the process exit code. Errors a user can fix print one line, not a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+from services.cli import schema_cmd
+from services.cli.errors import CliError
+
+# Command modules, in help order. Each adds its own subcommands.
+MODULES: list[ModuleType] = [schema_cmd]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tandem", description="Joint GPU + RDMA NIC allocation")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for module in MODULES:
+        module.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code: int = args.func(args)
+    except CliError as exc:
+        print(f"tandem: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""NATS for services: connect with reconnect, idempotent provisioning, traced publishing,
+and durable pull consumers whose undecodable messages go to the dead-letter subject.
+
+:class:`Bus` is what a service holds. ``publish`` puts the W3C trace context and the
+``Nats-Msg-Id`` (server-side dedup) on every JetStream publish. :meth:`Bus.consume` runs a
+durable pull consumer: each message is decoded with the stream's union decoder; a decode
+failure is published to ``tandem.dlq.<service>`` with the error and the original bytes and
+then acked (never retried, never fatal); a handler that returns normally is acked with
+``ack_sync`` (the effect is committed first, DESIGN.md "ack only after the effect"); a handler
+that raises is nak'ed with a delay and redelivered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
+from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.kv import KeyValue
+from opentelemetry import context as otel_context
+
+from schemas import codec, subjects
+from schemas.messages import DeadLetter
+from services.runtime.logging import get_logger
+from services.runtime.settings import Settings
+from services.runtime.tracing import extract, inject
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
+DUPLICATE_WINDOW_S = 120.0
+
+
+class Retry(Exception):
+    """Raised by a handler to have the message redelivered after ``delay`` seconds."""
+
+    def __init__(self, reason: str, *, delay: float = 1.0) -> None:
+        super().__init__(reason)
+        self.delay = delay
+
+
+@dataclass(slots=True)
+class Delivery:
+    """What a handler knows about the message besides its decoded body."""
+
+    subject: str
+    headers: dict[str, str]
+    num_delivered: int
+    context: otel_context.Context = field(default_factory=otel_context.Context)
+
+
+Handler = Callable[[T, Delivery], Awaitable[None]]
+
+
+async def connect(settings: Settings, *, name: str | None = None) -> NATS:
+    """Connect with unlimited reconnects; the client buffers publishes while reconnecting."""
+
+    async def on_error(exc: Exception) -> None:
+        log.warning("nats_error", error=repr(exc))
+
+    async def on_disconnect() -> None:
+        log.warning("nats_disconnected")
+
+    async def on_reconnect() -> None:
+        log.info("nats_reconnected")
+
+    opts: dict[str, Any] = {}
+    if settings.nats_creds:
+        opts["user_credentials"] = settings.nats_creds
+    return await nats.connect(
+        servers=[settings.nats_url],
+        name=name or f"{settings.service}/{settings.instance}",
+        max_reconnect_attempts=-1,
+        reconnect_time_wait=0.5,
+        error_cb=on_error,
+        disconnected_cb=on_disconnect,
+        reconnected_cb=on_reconnect,
+        **opts,
+    )
+
+
+async def provision(js: JetStreamContext, *, replicas: int = 1) -> None:
+    """Create or update every stream and KV bucket; safe to run from every service at start."""
+    for name, subjects_ in subjects.STREAM_SUBJECTS.items():
+        cfg = api.StreamConfig(
+            name=name,
+            subjects=subjects_,
+            duplicate_window=DUPLICATE_WINDOW_S,
+            num_replicas=replicas,
+            max_age=7 * 24 * 3600.0,
+        )
+        try:
+            await js.stream_info(name)
+            await js.update_stream(cfg)
+        except NotFoundError:
+            await js.add_stream(cfg)
+    for bucket in KV_BUCKETS:
+        try:
+            await js.key_value(bucket)
+        except BucketNotFoundError:
+            await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=5, replicas=replicas))
+
+
+class Bus:
+    """A service's connection: traced publishes, KV handles, consumers, dead letters."""
+
+    def __init__(self, nc: NATS, *, service: str, settings: Settings) -> None:
+        self.nc = nc
+        self.js = nc.jetstream()
+        self.service = service
+        self.settings = settings
+        self._kv: dict[str, KeyValue] = {}
+        self._subs: list[Any] = []
+
+    @classmethod
+    async def open(cls, settings: Settings, *, provision_streams: bool = True) -> Bus:
+        nc = await connect(settings)
+        bus = cls(nc, service=settings.service, settings=settings)
+        if provision_streams:
+            await provision(bus.js, replicas=settings.stream_replicas)
+        return bus
+
+    async def close(self) -> None:
+        for sub in self._subs:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+        if not self.nc.is_closed:
+            await self.nc.drain()
+
+    async def kv(self, bucket: str) -> KeyValue:
+        if bucket not in self._kv:
+            self._kv[bucket] = await self.js.key_value(bucket)
+        return self._kv[bucket]
+
+    async def publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        """JetStream publish with trace context and dedup id; waits for the stream's ack."""
+        hdrs = inject(headers)
+        if msg_id:
+            hdrs["Nats-Msg-Id"] = msg_id
+        await self.js.publish(subject, codec.encode(message), headers=hdrs)
+
+    async def publish_core(self, subject: str, message: msgspec.Struct) -> None:
+        """Core NATS publish (no persistence) for messages whose loss is harmless."""
+        await self.nc.publish(subject, codec.encode(message), headers=inject())
+
+    async def request(self, subject: str, message: msgspec.Struct, *, timeout: float = 2.0) -> Msg:
+        return await self.nc.request(subject, codec.encode(message), timeout=timeout, headers=inject())
+
+    async def dead_letter(
+        self, *, subject: str, data: bytes, error: str, headers: dict[str, str] | None = None
+    ) -> None:
+        letter = DeadLetter(
+            service=self.service, subject=subject, error=error, data=data, headers=headers or {}
+        )
+        log.warning("dead_letter", subject=subject, error=error)
+        await self.js.publish(subjects.dlq(self.service), codec.encode(letter))
+
+    async def consume(
+        self,
+        *,
+        stream: str,
+        durable: str,
+        filter_subject: str,
+        decoder: msgspec.msgpack.Decoder[Any],
+        handler: Handler[Any],
+        batch: int = 32,
+        stop: asyncio.Event | None = None,
+        deliver_new: bool = False,
+    ) -> None:
+        """Run a durable pull consumer until ``stop`` is set (or the task is cancelled)."""
+        config = api.ConsumerConfig(
+            durable_name=durable,
+            ack_policy=api.AckPolicy.EXPLICIT,
+            ack_wait=self.settings.ack_wait,
+            max_ack_pending=1000,
+            filter_subject=filter_subject,
+            deliver_policy=api.DeliverPolicy.NEW if deliver_new else api.DeliverPolicy.ALL,
+        )
+        psub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
+        self._subs.append(psub)
+        try:
+            while stop is None or not stop.is_set():
+                try:
+                    msgs = await psub.fetch(batch, timeout=1.0)
+                except nats.errors.TimeoutError:
+                    continue
+                for msg in msgs:
+                    await self._deliver(msg, decoder, handler)
+        finally:
+            with contextlib.suppress(Exception):
+                await psub.unsubscribe()
+
+    async def _deliver(self, msg: Msg, decoder: msgspec.msgpack.Decoder[Any], handler: Handler[Any]) -> None:
+        headers = dict(msg.headers or {})
+        try:
+            body = decoder.decode(msg.data)
+        except codec.DecodeErrors as exc:
+            await self.dead_letter(subject=msg.subject, data=msg.data, error=str(exc), headers=headers)
+            await msg.ack_sync()
+            return
+        delivery = Delivery(
+            subject=msg.subject,
+            headers=headers,
+            num_delivered=msg.metadata.num_delivered,
+            context=extract(headers),
+        )
+        try:
+            await handler(body, delivery)
+        except Retry as r:
+            log.info("redeliver", subject=msg.subject, reason=str(r), delay=r.delay)
+            await msg.nak(delay=r.delay)
+            return
+        except Exception as exc:
+            log.error("handler_failed", subject=msg.subject, error=repr(exc), exc_info=True)
+            await msg.nak(delay=1.0)
+            return
+        await msg.ack_sync()
+
+    async def serve(
+        self,
+        subject: str,
+        *,
+        decoder: msgspec.msgpack.Decoder[Any],
+        handler: Callable[[Any, Delivery], Awaitable[msgspec.Struct | None]],
+        queue: str = "",
+    ) -> None:
+        """Core NATS subscription (request/reply or fire-and-forget), same DLQ rule."""
+
+        async def on_msg(msg: Msg) -> None:
+            headers = dict(msg.headers or {})
+            try:
+                body = decoder.decode(msg.data)
+            except codec.DecodeErrors as exc:
+                await self.dead_letter(subject=msg.subject, data=msg.data, error=str(exc), headers=headers)
+                return
+            delivery = Delivery(
+                subject=msg.subject, headers=headers, num_delivered=1, context=extract(headers)
+            )
+            try:
+                reply = await handler(body, delivery)
+            except Exception as exc:
+                log.error("handler_failed", subject=msg.subject, error=repr(exc), exc_info=True)
+                return
+            if reply is not None and msg.reply:
+                await msg.respond(codec.encode(reply))
+
+        self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))

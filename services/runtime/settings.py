@@ -1,0 +1,113 @@
+"""Settings, loaded in one place: defaults ← optional config file ← ``TANDEM_*`` environment.
+
+The config file (YAML or JSON; ``TANDEM_CONFIG`` or ``--config``) holds the same keys as
+:class:`Settings`. Everything is validated by msgspec, so a bad file fails at start with the
+path and the offending field (``/etc/tandem.yaml: Expected `float`, got `str` - at
+`$.heartbeat_interval```) instead of surfacing later. This module is the only place that reads
+``os.environ`` (enforced by ruff's banned-api rule).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import yaml
+
+from services.runtime.errors import SettingsError
+
+ENV_PREFIX = "TANDEM_"
+
+
+class DeviceClass(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
+    """A named device template: which GPUs and NICs qualify, default scope and pairing."""
+
+    gpu_models: list[str] = []
+    gpu_min_memory_mib: int = 0
+    nic_link_type: str | None = None
+    nic_min_speed_gbps: int = 0
+    nic_function: str = "any"  # "pf", "vf" or "any"
+    scope: str = "pcie-switch"
+    policy: str = "preferred"
+    pairing: str | None = None
+
+
+class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    nats_url: str = "nats://127.0.0.1:4222"
+    nats_creds: str | None = None
+    service: str = "tandem"
+    instance: str = msgspec.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    node_name: str = msgspec.field(default_factory=socket.gethostname)
+    log_level: str = "info"
+    log_json: bool = True
+    otlp_endpoint: str | None = None
+    heartbeat_interval: float = 2.0
+    node_lost_after: float = 8.0
+    ack_wait: float = 30.0
+    stream_replicas: int = 1
+    topology_file: str | None = None
+    state_dir: str = "/var/lib/tandem"
+    node_policy: str = "binpack"
+    device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=lambda: {"default": DeviceClass()})
+
+
+# Environment variables that are not TANDEM_* but are standard for their tool.
+_STANDARD_ENV = {"OTEL_EXPORTER_OTLP_ENDPOINT": "otlp_endpoint", "NODE_NAME": "node_name"}
+
+
+def _read_file(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise SettingsError(f"{path}: cannot read config file: {exc.strerror}") from exc
+    try:
+        data = yaml.safe_load(text) if path.suffix in {".yaml", ".yml"} else msgspec.json.decode(text)
+    except (yaml.YAMLError, msgspec.DecodeError) as exc:
+        raise SettingsError(f"{path}: not valid {path.suffix.lstrip('.') or 'JSON'}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise SettingsError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def _env_values(environ: dict[str, str]) -> dict[str, Any]:
+    fields = {f.name: f for f in msgspec.structs.fields(Settings)}
+    out: dict[str, Any] = {}
+    for key, value in environ.items():
+        name = _STANDARD_ENV.get(key)
+        if name is None and key.startswith(ENV_PREFIX):
+            name = key[len(ENV_PREFIX) :].lower()
+        if name is None or name not in fields or name == "config":
+            continue
+        # Environment values are strings; let YAML turn "2.5"/"true" into typed scalars.
+        out[name] = yaml.safe_load(value) if value else None
+    return out
+
+
+def load_settings(
+    service: str,
+    *,
+    config: str | Path | None = None,
+    environ: dict[str, str] | None = None,
+    **overrides: Any,
+) -> Settings:
+    """Build :class:`Settings` for ``service``; raise :class:`SettingsError` naming the source."""
+    env = dict(os.environ) if environ is None else environ
+    merged: dict[str, Any] = {"service": service}
+    source = "defaults"
+    path = config or env.get(f"{ENV_PREFIX}CONFIG")
+    if path:
+        merged.update(_read_file(Path(path)))
+        source = str(path)
+    env_values = _env_values(env)
+    merged.update(env_values)
+    merged.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return msgspec.convert(merged, Settings, strict=False)
+    except msgspec.ValidationError as exc:
+        where = source if not env_values else f"{source} / TANDEM_* environment"
+        raise SettingsError(f"{where}: {exc}") from exc

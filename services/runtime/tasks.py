@@ -1,0 +1,65 @@
+"""Guarded background tasks: no bare ``create_task``; a crashed task is logged, never lost.
+
+A :class:`TaskGroup`-like supervisor: ``spawn(name, coro_fn)`` runs the coroutine and, if it
+raises, logs the error and restarts it after a back-off (``restart=True``) or records it so
+``wait()`` re-raises (``restart=False``). ``aclose()`` cancels everything and waits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from services.runtime.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class Supervisor:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._failed: asyncio.Future[BaseException] | None = None
+
+    def spawn(
+        self,
+        name: str,
+        fn: Callable[[], Awaitable[Any]],
+        *,
+        restart: bool = True,
+        backoff: float = 0.5,
+    ) -> asyncio.Task[None]:
+        async def guarded() -> None:
+            delay = backoff
+            while True:
+                try:
+                    await fn()
+                    return
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:
+                    log.error("task_failed", task=name, owner=self.name, error=repr(exc), exc_info=True)
+                    if not restart:
+                        if self._failed is not None and not self._failed.done():
+                            self._failed.set_result(exc)
+                        return
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, 10.0)
+
+        task = asyncio.get_running_loop().create_task(guarded(), name=f"{self.name}:{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def wait_failure(self) -> BaseException:
+        """Block until a non-restarting task fails; return its exception."""
+        if self._failed is None:
+            self._failed = asyncio.get_running_loop().create_future()
+        return await self._failed
+
+    async def aclose(self) -> None:
+        tasks = list(self._tasks)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
