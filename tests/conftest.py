@@ -7,6 +7,7 @@ cost is paid once.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any
 
@@ -39,10 +40,8 @@ async def clean_jetstream(nats_url: str) -> AsyncIterator[None]:
     """Delete every Tandem stream and bucket before the test so it starts from nothing."""
     bus = await Bus.open(make_settings(nats_url, "test-cleaner"), provision_streams=False)
     for name in [*subjects.STREAM_SUBJECTS, *(f"KV_{b}" for b in KV_BUCKETS)]:
-        try:
+        with contextlib.suppress(NotFoundError):
             await bus.js.delete_stream(name)
-        except NotFoundError:
-            pass
     await bus.close()
     yield
 

@@ -65,6 +65,8 @@ async def test_consume_decodes_acks_and_dead_letters_garbage(bus_factory: BusFac
 
 
 def test_undecodable_message_error_names_the_field() -> None:
-    bad = codec.encode({"kind": "alloc.request", "request_id": "x", "pod": {"namespace": "a", "name": "b"}, "gpus": -1})
+    bad = codec.encode(
+        {"kind": "alloc.request", "request_id": "x", "pod": {"namespace": "a", "name": "b"}, "gpus": -1}
+    )
     with pytest.raises(msgspec.ValidationError, match=r"\$\.gpus"):
         codec.ALLOC_EVENT.decode(bad)
