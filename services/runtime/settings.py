@@ -17,22 +17,10 @@ from typing import Any
 import msgspec
 import yaml
 
+from schemas.config import DeviceClass, default_device_classes
 from services.runtime.errors import SettingsError
 
 ENV_PREFIX = "TANDEM_"
-
-
-class DeviceClass(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True):
-    """A named device template: which GPUs and NICs qualify, default scope and pairing."""
-
-    gpu_models: list[str] = []
-    gpu_min_memory_mib: int = 0
-    nic_link_type: str | None = None
-    nic_min_speed_gbps: int = 0
-    nic_function: str = "any"  # "pf", "vf" or "any"
-    scope: str = "pcie-switch"
-    policy: str = "preferred"
-    pairing: str | None = None
 
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -51,7 +39,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     topology_file: str | None = None
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
-    device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=lambda: {"default": DeviceClass()})
+    device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)
 
 
 # Environment variables that are not TANDEM_* but are standard for their tool.

@@ -1,0 +1,32 @@
+"""Configuration types more than one component reads: device classes.
+
+A device class is a named template (DESIGN.md "unified device template"): which GPUs and NICs
+qualify, and the scope / policy / pairing a request gets when it does not say. The admission
+webhook validates class names against it, the allocator core applies it, and operators set
+classes in Helm values (``deviceClasses``) or the services' config file.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from schemas.topology import LinkType, ScopeName
+
+
+class DeviceClass(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+    gpu_models: list[str] = []
+    """GPU model substrings that qualify (case-insensitive); empty means any model."""
+    gpu_min_memory_mib: int = 0
+    nic_link_type: LinkType | None = None
+    nic_min_speed_gbps: int = 0
+    nic_function: Literal["pf", "vf", "any"] = "pf"
+    scope: ScopeName = "pcie-switch"
+    policy: Literal["required", "preferred"] = "preferred"
+    pairing: Literal["per-gpu", "shared"] | None = None
+    """None: ``per-gpu`` when the request asks as many NICs as GPUs, else ``shared``."""
+
+
+def default_device_classes() -> dict[str, DeviceClass]:
+    return {"default": DeviceClass()}

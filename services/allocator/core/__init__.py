@@ -1,0 +1,1 @@
+"""Pure allocation core (no I/O imports; enforced by import-linter, see ``.importlinter``)."""
