@@ -125,3 +125,8 @@ def kv_key(name: str) -> str:
 def msg_id(*parts: object) -> str:
     """The ``Nats-Msg-Id`` for a publish: same logical event, same id, so JetStream dedups."""
     return ":".join(str(p) for p in parts)
+
+
+def nodeagent_durable(node: str, what: str) -> str:
+    """Durable consumer name of one node agent (durable names may not contain ``.``)."""
+    return f"nodeagent-{node_token(node)}-{what}"

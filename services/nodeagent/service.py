@@ -1,0 +1,287 @@
+"""The node agent service: one per GPU node.
+
+It publishes the node's inventory snapshot at start and on every change, a heartbeat every
+``heartbeat_interval`` (core NATS: a lost heartbeat is harmless, a missing run of them is the
+signal), and a health event whenever a device's health or cordon changes — from the backend
+(XID, link down), from operator commands (``tandem.node.<node>.command``), or from recovery
+after a clean period. It consumes its own assignments and releases from JetStream:
+
+* assigned → ``Applier.apply`` → ``Applied`` (idempotent: re-applying is a no-op in appliers);
+* release  → ``Applier.cleanup`` + no compute process left on the GPUs → ``Cleaned``. A cleanup
+  that cannot be verified marks the devices unhealthy with the reason and reports
+  ``Cleaned(ok=False)``: the allocator keeps them held rather than freeing them silently.
+
+A release for an assignment this agent does not remember (it restarted) is resolved from the
+allocator's record of the node (KV ``tandem-allocs``), so cleanup still happens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from nats.js.errors import KeyNotFoundError
+from opentelemetry import trace
+
+from schemas import codec, subjects
+from schemas.messages import (
+    Applied,
+    Assignment,
+    Cleaned,
+    DeviceCommand,
+    HealthEvent,
+    Heartbeat,
+    NodeInventory,
+    Release,
+)
+from schemas.topology import NodeTopology, locate
+from services.nodeagent.backends.base import Applier, BackendError, DiscoveryBackend
+from services.nodeagent.health import HealthTracker
+from services.runtime.bus import Bus, Delivery
+from services.runtime.logging import get_logger
+from services.runtime.tasks import Supervisor
+from services.runtime.tracing import tracer
+
+log = get_logger(__name__)
+_tracer = tracer("tandem.nodeagent")
+
+
+def device_ids(topology: NodeTopology) -> list[str]:
+    """Every allocatable device id of a node: GPUs, NIC PFs and their VFs."""
+    ids: list[str] = []
+    for loc in locate(topology):
+        ids.append(loc.device.id)
+        ids.extend(vf.name for vf in getattr(loc.device, "vfs", []))
+    return ids
+
+
+class NodeAgent:
+    def __init__(
+        self,
+        bus: Bus,
+        *,
+        node: str,
+        backend: DiscoveryBackend,
+        applier: Applier,
+        heartbeat_interval: float = 2.0,
+        clean_period: float = 60.0,
+        rescan_interval: float = 30.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.bus = bus
+        self.node = node
+        self.backend = backend
+        self.applier = applier
+        self.heartbeat_interval = heartbeat_interval
+        self.rescan_interval = rescan_interval
+        self.clock = clock
+        self.health = HealthTracker([], clean_period=clean_period)
+        self.topology: NodeTopology | None = None
+        self.generation = 0
+        self.assignments: dict[str, Assignment] = {}
+        self.heartbeats_paused = False  # tests and the demo simulate a silent node
+        self._seq = 0
+        self._tasks = Supervisor(f"nodeagent:{node}")
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.rescan(force=True)
+        await self.bus.serve(
+            subjects.node_command(self.node), decoder=codec.COMMAND, handler=self._on_command
+        )
+        self._tasks.spawn("heartbeat", self._heartbeat_loop)
+        self._tasks.spawn("health", self._health_loop)
+        self._tasks.spawn("rescan", self._rescan_loop)
+        self._tasks.spawn(
+            "assignments",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.nodeagent_durable(self.node, "assigned"),
+                filter_subject=subjects.alloc_assigned(self.node),
+                decoder=codec.ALLOC_EVENT,
+                handler=self._on_alloc_event,
+            ),
+        )
+        self._tasks.spawn(
+            "releases",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.nodeagent_durable(self.node, "release"),
+                filter_subject=subjects.alloc_release(self.node),
+                decoder=codec.ALLOC_EVENT,
+                handler=self._on_alloc_event,
+            ),
+        )
+        log.info("nodeagent_started", node=self.node, backend=self.backend.name)
+
+    async def stop(self) -> None:
+        await self._tasks.aclose()
+        await self.backend.close()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
+
+    # -- inventory and health ---------------------------------------------------------------
+
+    async def rescan(self, *, force: bool = False) -> None:
+        """Discover again; publish a new snapshot when the hardware changed (hot-plug)."""
+        topology = await self.backend.discover()
+        if not force and topology == self.topology:
+            return
+        self.topology = topology
+        self.health.ensure(device_ids(topology))
+        await self.publish_inventory()
+
+    async def publish_inventory(self) -> None:
+        assert self.topology is not None
+        self.generation += 1
+        inv = NodeInventory(
+            node=self.node,
+            topology=self.topology,
+            generation=self.generation,
+            health=dict(self.health.state),
+            agent=self.backend.name,
+            ts=self.clock(),
+        )
+        await self.bus.publish(subjects.node_inventory(self.node), inv)
+
+    async def _publish_health(self, device: str) -> HealthEvent:
+        h = self.health.state[device]
+        event = HealthEvent(
+            node=self.node,
+            device=device,
+            healthy=h.healthy,
+            cordoned=h.cordoned,
+            reason=h.reason,
+            ts=self.clock(),
+        )
+        await self.bus.publish(subjects.node_health(self.node), event)
+        log.info("device_health", device=device, healthy=h.healthy, cordoned=h.cordoned, reason=h.reason)
+        return event
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            if not self.heartbeats_paused:
+                self._seq += 1
+                beat = Heartbeat(node=self.node, seq=self._seq, generation=self.generation, ts=self.clock())
+                await self.bus.publish_core(subjects.node_heartbeat(self.node), beat)
+            for device in self.health.tick(now=self.clock()):
+                await self._publish_health(device)
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _rescan_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.rescan_interval)
+            await self.rescan()
+
+    async def _health_loop(self) -> None:
+        async for change in self.backend.health_changes():
+            if change.device not in self.health.state:
+                log.warning("health_for_unknown_device", device=change.device)
+                continue
+            now = self.clock()
+            if change.healthy:
+                changed = self.health.recover(change.device, now=now, reason=change.reason or "recovered")
+            else:
+                changed = self.health.fail(change.device, change.reason, now=now)
+            if changed is not None:
+                await self._publish_health(change.device)
+
+    async def _on_command(self, cmd: DeviceCommand, _: Delivery) -> HealthEvent | None:
+        if cmd.device not in self.health.state:
+            return HealthEvent(node=self.node, device=cmd.device, healthy=False, reason="unknown device")
+        now = self.clock()
+        reason = cmd.reason or f"operator {cmd.action}"
+        if cmd.action == "fail":
+            self.health.fail(cmd.device, reason, now=now)
+        elif cmd.action == "recover":
+            self.health.recover(cmd.device, now=now, reason=reason)
+        elif cmd.action == "cordon":
+            self.health.cordon(cmd.device, reason, now=now)
+        else:
+            self.health.uncordon(cmd.device, now=now)
+        return await self._publish_health(cmd.device)
+
+    # -- apply and cleanup -------------------------------------------------------------------
+
+    async def _on_alloc_event(self, event: object, delivery: Delivery) -> None:
+        if isinstance(event, Assignment):
+            await self._apply(event, delivery)
+        elif isinstance(event, Release):
+            await self._cleanup(event, delivery)
+
+    async def _apply(self, assignment: Assignment, delivery: Delivery) -> None:
+        with _tracer.start_as_current_span("nodeagent.apply", context=delivery.context) as span:
+            span.set_attributes(
+                {
+                    "k8s.node.name": self.node,
+                    "k8s.pod.uid": assignment.pod.uid,
+                    "k8s.pod.name": assignment.pod.name,
+                    "k8s.namespace.name": assignment.pod.namespace,
+                    "tandem.request_id": assignment.request_id,
+                }
+            )
+            self.assignments[assignment.request_id] = assignment
+            try:
+                await self.applier.apply(assignment)
+                result = Applied(request_id=assignment.request_id, node=self.node, ts=self.clock())
+            except BackendError as exc:
+                span.set_status(trace.StatusCode.ERROR, str(exc))
+                result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))
+            await self.bus.publish(
+                subjects.node_applied(self.node),
+                result,
+                msg_id=subjects.msg_id(assignment.request_id, "applied"),
+            )
+
+    async def _known_assignment(self, request_id: str) -> Assignment | None:
+        if request_id in self.assignments:
+            return self.assignments[request_id]
+        kv = await self.bus.kv(subjects.KV_ALLOCS)
+        try:
+            entry = await kv.get(subjects.kv_key(self.node))
+        except KeyNotFoundError:
+            return None
+        record = codec.NODE_ALLOCS.decode(entry.value or b"").allocations.get(request_id)
+        return record.assignment if record else None
+
+    async def _cleanup(self, release: Release, delivery: Delivery) -> None:
+        with _tracer.start_as_current_span("nodeagent.cleanup", context=delivery.context) as span:
+            span.set_attributes({"k8s.node.name": self.node, "tandem.request_id": release.request_id})
+            assignment = await self._known_assignment(release.request_id)
+            if assignment is None:
+                # Nothing was ever applied here (or it is already cleaned and freed).
+                cleaned = Cleaned(request_id=release.request_id, node=self.node, ts=self.clock())
+            else:
+                problems = await self.applier.cleanup(assignment)
+                procs = await self.backend.gpu_processes([g.index for g in assignment.gpus])
+                problems += [
+                    f"gpu{i}: compute processes {pids} still running" for i, pids in procs.items() if pids
+                ]
+                if problems:
+                    span.set_status(trace.StatusCode.ERROR, "; ".join(problems))
+                    for device in {p.split(":", 1)[0] for p in problems}:
+                        if device in self.health.state:
+                            self.health.fail(device, f"cleanup failed: {problems[0]}", now=self.clock())
+                            await self._publish_health(device)
+                else:
+                    self.assignments.pop(release.request_id, None)
+                cleaned = Cleaned(
+                    request_id=release.request_id,
+                    node=self.node,
+                    ok=not problems,
+                    devices=assignment.device_ids(),
+                    problems=problems,
+                    ts=self.clock(),
+                )
+            await self.bus.publish(
+                subjects.node_cleaned(self.node),
+                cleaned,
+                msg_id=subjects.msg_id(release.request_id, "cleaned", "ok" if cleaned.ok else "failed"),
+            )

@@ -1,0 +1,53 @@
+"""Watch a JetStream KV bucket and hand each change, decoded, to a callback.
+
+Services keep their read models (the allocator's cluster view, the inventory's heartbeat
+table) current this way instead of polling. The initial state is delivered first; ``ready``
+is set once it has been, so a service can wait for a complete view before deciding anything.
+Values that fail to decode are logged and skipped (the writer is the bug, not the reader).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from nats.js.kv import KeyValue
+
+from schemas import codec
+from services.runtime.logging import get_logger
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+OnChange = Callable[[str, T | None, int], Awaitable[None] | None]
+
+
+async def watch_bucket(
+    kv: KeyValue,
+    decoder: msgspec.msgpack.Decoder[T],
+    on_change: OnChange[T],
+    *,
+    ready: asyncio.Event | None = None,
+) -> None:
+    """Run until cancelled; ``on_change(key, value_or_None_when_deleted, revision)``."""
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                if ready is not None:
+                    ready.set()
+                continue
+            value: Any = None
+            if entry.operation is None and entry.value:
+                try:
+                    value = decoder.decode(entry.value)
+                except codec.DecodeErrors as exc:
+                    log.error("kv_decode_failed", bucket=kv._name, key=entry.key, error=str(exc))
+                    continue
+            result = on_change(entry.key, value, entry.revision or 0)
+            if asyncio.iscoroutine(result):
+                await result
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
