@@ -1,0 +1,1 @@
+"""Built-in node topologies (YAML package data); list them with ``tandem topology list``."""
