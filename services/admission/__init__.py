@@ -1,0 +1,47 @@
+"""The Kubernetes edge: a mutating admission webhook and the pod bridge.
+
+* :mod:`.policy` — pure decisions: read a pod, validate its Tandem request, compute the
+  admission JSONPatch, the allocation request, the bind patch and the Event to write. No I/O.
+* :mod:`.webhook` — aiohttp over TLS serving ``admission.k8s.io/v1`` AdmissionReview; adds the
+  scheduling gate, the managed label, the device class defaults and the ``tandem.io/traceparent``
+  that starts the allocation's trace (span ``admission.admit``). It never publishes: in
+  mutating admission a pod from ``generateName`` has no name or UID yet, and the create can
+  still fail later.
+* :mod:`.kube` — the thin project-owned Kubernetes wrapper (:class:`~.kube.KubeApi`) over
+  kubernetes-asyncio; unit tests fake it, integration tests run it against an API emulator.
+* :mod:`.bridge` — turns persisted gated pods into ``alloc.request``, applies ``assigned`` back
+  onto the pod (node affinity, assignment annotation, gate removed), records ``failed`` as one
+  updated Event, publishes ``alloc.release`` when a pod is deleted or finishes, and resyncs
+  pods against the request records at start.
+* :mod:`.leader` — Lease-based leader election so only one bridge replica acts.
+
+Error tree::
+
+    AdmissionError
+    ├── InvalidPod     the object is not a readable pod (names the JSON path)
+    ├── PolicyError    the Tandem request is invalid (message for the pod author)
+    ├── ReviewError    the body is not an AdmissionReview v1 request
+    └── KubeError      the Kubernetes API answered with an error
+        ├── NotFound   404
+        └── Conflict   409 (exists already / resourceVersion moved on)
+"""
+
+from services.admission.errors import (
+    AdmissionError,
+    Conflict,
+    InvalidPod,
+    KubeError,
+    NotFound,
+    PolicyError,
+    ReviewError,
+)
+
+__all__ = [
+    "AdmissionError",
+    "Conflict",
+    "InvalidPod",
+    "KubeError",
+    "NotFound",
+    "PolicyError",
+    "ReviewError",
+]

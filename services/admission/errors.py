@@ -1,0 +1,36 @@
+"""Typed errors of the Kubernetes edge (tree drawn in ``services.admission``)."""
+
+from __future__ import annotations
+
+
+class AdmissionError(Exception):
+    """Base of every error the admission package raises."""
+
+
+class InvalidPod(AdmissionError):
+    """The object is not a readable pod; the message names the JSON path of the bad field."""
+
+
+class PolicyError(AdmissionError):
+    """The pod's Tandem request is invalid; the message is written for the pod author."""
+
+
+class ReviewError(AdmissionError):
+    """The HTTP body is not an ``admission.k8s.io/v1`` AdmissionReview request."""
+
+
+class KubeError(AdmissionError):
+    """The Kubernetes API answered with an error status (``status``/``reason`` kept)."""
+
+    def __init__(self, message: str, *, status: int = 0, reason: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.reason = reason
+
+
+class NotFound(KubeError):
+    """404: the object does not exist (any more)."""
+
+
+class Conflict(KubeError):
+    """409: the object exists already, or its resourceVersion moved on (optimistic lock lost)."""

@@ -1,0 +1,52 @@
+"""Every Kubernetes name Tandem puts on or reads from a pod: resources, annotations, label, gate.
+
+These are the pod author's and the operator's interface (documented in ``docs/kubernetes.md``);
+they live in one module so the webhook, the bridge, the chart tests and the docs cannot drift.
+All keys carry the ``tandem.io/`` prefix.
+"""
+
+from __future__ import annotations
+
+PREFIX = "tandem.io/"
+
+# Extended resources a container asks for in ``resources.limits`` (requests, if given, equal).
+RESOURCE_GPU = f"{PREFIX}gpu"
+RESOURCE_RDMA = f"{PREFIX}rdma"
+RESOURCES = (RESOURCE_GPU, RESOURCE_RDMA)
+
+# Annotations a pod author may set; the webhook fills in the device class's defaults.
+DEVICE_CLASS = f"{PREFIX}device-class"
+SCOPE = f"{PREFIX}scope"
+POLICY = f"{PREFIX}policy"
+PAIRING = f"{PREFIX}pairing"
+PRIORITY = f"{PREFIX}priority"
+NETWORK_IFNAME_PREFIX = f"{PREFIX}network-ifname-prefix"
+NETWORK_MTU = f"{PREFIX}network-mtu"
+NETWORK_ADDRESSES = f"{PREFIX}network-addresses"
+NETWORK_KEYS = (NETWORK_IFNAME_PREFIX, NETWORK_MTU, NETWORK_ADDRESSES)
+
+# Annotations Tandem writes.
+TRACEPARENT = f"{PREFIX}traceparent"
+"""W3C trace context of the pod's ``admission.admit`` span: every later span joins this trace."""
+ASSIGNMENT = f"{PREFIX}assignment"
+"""JSON of the devices the allocator chose (set by the bridge when it removes the gate)."""
+
+# Label on every pod the webhook accepted as a Tandem pod; the bridge watches by it.
+MANAGED = f"{PREFIX}managed"
+MANAGED_SELECTOR = f"{MANAGED}=true"
+
+# Scheduling gate that keeps the pod away from the scheduler until its devices are chosen.
+GATE = f"{PREFIX}allocation"
+
+# Namespace label that opts a namespace out of the webhook (used by the chart's namespaceSelector).
+NAMESPACE_OPT_OUT = f"{PREFIX}admission"
+NAMESPACE_OPT_OUT_VALUE = "disabled"
+
+DEFAULT_CLASS = "default"
+DEFAULT_PRIORITY = 0
+PRIORITY_RANGE = (-1_000_000, 1_000_000)
+
+# Event written on a pod whose allocation failed.
+EVENT_REASON_FAILED = "AllocationFailed"
+EVENT_REASON_INVALID = "InvalidTandemRequest"
+EVENT_COMPONENT = "tandem-bridge"

@@ -1,0 +1,206 @@
+"""The mutating admission webhook: aiohttp over TLS, ``admission.k8s.io/v1`` AdmissionReview.
+
+``POST /mutate`` takes an AdmissionReview, judges the pod with :func:`policy.admit` and answers
+with a JSONPatch (gate, managed label, class defaults, ``tandem.io/traceparent``) or a denial
+whose message names what to fix. Pods that ask no Tandem resources are allowed untouched and
+cost no span. For a Tandem pod the span ``admission.admit`` is started here (as a child of a
+``tandem.io/traceparent`` the author may already have set) and its context is written to the
+annotation, so the bridge, allocator and node agent all join this one trace.
+
+A body that is not an AdmissionReview v1 request gets HTTP 400 with a one-line reason: without
+a request uid there is nothing to answer. The certificate files are re-read when they change
+(cert-manager rotates them in place), without a restart.
+
+The webhook publishes nothing: a pod being admitted may have no name or UID yet (generateName)
+and its create can still fail; the bridge acts once the pod is persisted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import os
+import ssl
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from schemas.config import DeviceClass
+from services.admission import names, policy
+from services.admission.errors import InvalidPod, ReviewError
+from services.runtime.logging import get_logger
+from services.runtime.tracing import context_from_traceparent, current_traceparent, tracer
+
+log = get_logger(__name__)
+
+API_VERSION = "admission.k8s.io/v1"
+MAX_BODY = 8 * 1024 * 1024  # an AdmissionReview holds the object (etcd caps it at 1.5 MiB) and more
+MUTATE_PATH = "/mutate"
+HEALTH_PATH = "/healthz"
+
+
+def parse_review(body: bytes) -> dict[str, Any]:
+    """The ``request`` of an AdmissionReview v1 body; :class:`ReviewError` says what is wrong."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ReviewError(f"body is not JSON: {exc}") from None
+    if not isinstance(doc, dict):
+        raise ReviewError(f"expected an AdmissionReview object, got JSON {type(doc).__name__}")
+    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != "AdmissionReview":
+        raise ReviewError(
+            f"expected apiVersion {API_VERSION} kind AdmissionReview, got "
+            f"{doc.get('apiVersion')!r} {doc.get('kind')!r}"
+        )
+    req = doc.get("request")
+    if not isinstance(req, dict):
+        raise ReviewError("AdmissionReview has no request object")
+    uid = req.get("uid")
+    if not isinstance(uid, str) or not uid:
+        raise ReviewError("AdmissionReview request has no uid")
+    return req
+
+
+def review_response(uid: str, verdict: policy.Verdict) -> dict[str, Any]:
+    response: dict[str, Any] = {"uid": uid, "allowed": verdict.allowed}
+    if not verdict.allowed:
+        response["status"] = {
+            "code": verdict.code,
+            "message": verdict.message,
+            "reason": "Forbidden" if verdict.code == 403 else "BadRequest",
+        }
+    if verdict.patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(verdict.patch).encode()).decode()
+    if verdict.warnings:
+        response["warnings"] = list(verdict.warnings)
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+class Webhook:
+    """Admission decisions with tracing; holds nothing but the device classes."""
+
+    def __init__(self, *, device_classes: dict[str, DeviceClass]) -> None:
+        self.device_classes = device_classes
+        self._tracer = tracer("tandem.admission")
+
+    def review(self, request: dict[str, Any]) -> dict[str, Any]:
+        uid: str = request["uid"]
+        kind = (request.get("kind") or {}).get("kind")
+        operation = request.get("operation", "")
+        obj = request.get("object")
+        if kind != "Pod" or operation != "CREATE" or request.get("subResource"):
+            return review_response(uid, policy.Verdict(allowed=True))
+        try:
+            pod = policy.read_pod(obj)
+        except InvalidPod as exc:
+            return review_response(uid, policy.Verdict(allowed=False, code=400, message=f"tandem: {exc}"))
+        if not policy.mentions_tandem(pod):
+            return review_response(uid, policy.Verdict(allowed=True))
+        namespace = request.get("namespace") or pod.metadata.namespace or ""
+        parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
+        with self._tracer.start_as_current_span("admission.admit", context=parent) as span:
+            span.set_attribute("k8s.namespace.name", namespace)
+            span.set_attribute("k8s.pod.name", pod.display_name)
+            span.set_attribute("tandem.admission.uid", uid)
+            verdict = policy.admit(
+                obj,
+                operation=operation,
+                device_classes=self.device_classes,
+                traceparent=current_traceparent(),
+            )
+            span.set_attribute("tandem.admission.allowed", verdict.allowed)
+            if verdict.request is not None:
+                span.set_attribute("tandem.gpus", verdict.request.gpus)
+                span.set_attribute("tandem.rdma", verdict.request.rdma)
+                span.set_attribute("tandem.device_class", verdict.request.device_class)
+                span.set_attribute("tandem.scope", verdict.request.scope)
+            if not verdict.allowed:
+                span.set_attribute("tandem.admission.message", verdict.message)
+        log.info(
+            "admission",
+            namespace=namespace,
+            pod=pod.display_name,
+            allowed=verdict.allowed,
+            message=verdict.message or None,
+        )
+        return review_response(uid, verdict)
+
+    async def handle_mutate(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        try:
+            review = parse_review(body)
+        except ReviewError as exc:
+            log.warning("bad_admission_review", error=str(exc))
+            return web.json_response({"error": f"tandem: {exc}"}, status=400)
+        return web.json_response(self.review(review))
+
+    async def handle_health(self, _: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=MAX_BODY)
+        app.router.add_post(MUTATE_PATH, self.handle_mutate)
+        app.router.add_get(HEALTH_PATH, self.handle_health)
+        return app
+
+
+class CertReloader:
+    """Keeps a server SSLContext's certificate in step with files rotated in place."""
+
+    def __init__(self, *, cert_file: str, key_file: str) -> None:
+        self.cert_file = cert_file
+        self.key_file = key_file
+        self.context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        self.context.minimum_version = ssl.TLSVersion.TLSv1_2
+        self._stamp: tuple[float, float] | None = None
+        self.reload()
+
+    def _mtimes(self) -> tuple[float, float]:
+        return (os.stat(self.cert_file).st_mtime, os.stat(self.key_file).st_mtime)
+
+    def reload(self) -> bool:
+        """Load the pair if the files changed; new handshakes use it, open ones keep theirs."""
+        stamp = self._mtimes()
+        if stamp == self._stamp:
+            return False
+        self.context.load_cert_chain(self.cert_file, self.key_file)
+        self._stamp = stamp
+        return True
+
+    async def watch(self, stop: asyncio.Event, *, interval: float = 30.0) -> None:
+        while not stop.is_set():
+            try:
+                if await asyncio.to_thread(self.reload):
+                    log.info("webhook_certificate_reloaded", cert=self.cert_file)
+            except (OSError, ssl.SSLError) as exc:
+                # A half-written rotation: keep serving the old pair, try again next round.
+                log.warning("webhook_certificate_reload_failed", error=repr(exc))
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+
+
+@dataclass(slots=True)
+class RunningServer:
+    runner: web.AppRunner
+    port: int
+
+    async def close(self) -> None:
+        await self.runner.cleanup()
+
+
+async def start_server(
+    webhook: Webhook, *, host: str, port: int, ssl_context: ssl.SSLContext | None
+) -> RunningServer:
+    """Start serving; ``port=0`` picks a free port (returned)."""
+    runner = web.AppRunner(webhook.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host=host, port=port, ssl_context=ssl_context)
+    await site.start()
+    bound = port
+    for address in runner.addresses:  # (host, port) of each listening socket
+        bound = int(address[1])
+    return RunningServer(runner=runner, port=bound)

@@ -1,0 +1,129 @@
+"""Builders shared by the admission and bridge tests (no tests here): TLS pair, realistic pods."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import ipaddress
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+
+def write_self_signed(directory: Path, *, host: str = "127.0.0.1") -> tuple[Path, Path]:
+    """A certificate for ``host`` (IP SAN) and ``localhost``, valid one day; returns cert, key."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "tandem-admission-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.IPAddress(ipaddress.ip_address(host)), x509.DNSName("localhost")]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "tls.crt", directory / "tls.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def deployment_pod(
+    *,
+    gpu: Any = "4",
+    rdma: Any = "4",
+    annotations: dict[str, str] | None = None,
+    requests: dict[str, Any] | None = None,
+    **spec_extra: Any,
+) -> dict[str, Any]:
+    """A pod as a ReplicaSet creates it: generateName, owner reference, no name, no uid."""
+    limits: dict[str, Any] = {"cpu": "8", "memory": "64Gi"}
+    if gpu is not None:
+        limits["tandem.io/gpu"] = gpu
+    if rdma is not None:
+        limits["tandem.io/rdma"] = rdma
+    resources: dict[str, Any] = {"limits": limits}
+    if requests is not None:
+        resources["requests"] = requests
+    meta: dict[str, Any] = {
+        "generateName": "trainer-7d9f8b6c5d-",
+        "namespace": "ml",
+        "labels": {"app": "trainer", "pod-template-hash": "7d9f8b6c5d"},
+        "ownerReferences": [
+            {
+                "apiVersion": "apps/v1",
+                "kind": "ReplicaSet",
+                "name": "trainer-7d9f8b6c5d",
+                "uid": "0b1f4a52-8f0e-4a57-9d1b-2f4f7d1c9e10",
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
+    if annotations is not None:
+        meta["annotations"] = annotations
+    spec: dict[str, Any] = {
+        "containers": [
+            {
+                "name": "trainer",
+                "image": "nvcr.io/nvidia/pytorch:24.05-py3",
+                "command": ["torchrun", "train.py"],
+                "resources": resources,
+            }
+        ],
+        "restartPolicy": "Always",
+        "schedulerName": "default-scheduler",
+        "terminationGracePeriodSeconds": 30,
+    }
+    spec.update(spec_extra)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def review(
+    obj: Any, *, uid: str = "705ab4f5-6393-11e8-b7cc-42010a800002", operation: str = "CREATE"
+) -> dict[str, Any]:
+    """An AdmissionReview v1 request as kube-apiserver sends it for a pod create."""
+    namespace = obj.get("metadata", {}).get("namespace", "default") if isinstance(obj, dict) else "default"
+    return {
+        "apiVersion": "admission.k8s.io/v1",
+        "kind": "AdmissionReview",
+        "request": {
+            "uid": uid,
+            "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "name": "",
+            "namespace": namespace,
+            "operation": operation,
+            "userInfo": {
+                "username": "system:serviceaccount:kube-system:replicaset-controller",
+                "uid": "c9a4c1b8-57c8-4d3c-9b1e-3f1f2a4b5c6d",
+                "groups": ["system:serviceaccounts", "system:authenticated"],
+            },
+            "object": copy.deepcopy(obj),
+            "oldObject": None,
+            "dryRun": False,
+            "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+        },
+    }
