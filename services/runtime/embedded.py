@@ -39,7 +39,10 @@ def server_binary() -> str:
 class EmbeddedNats:
     """``with EmbeddedNats() as srv: srv.url`` — a private JetStream server for one run."""
 
-    def __init__(self, *, store_dir: str | None = None, startup_timeout: float = 15.0) -> None:
+    def __init__(
+        self, *, port: int | None = None, store_dir: str | None = None, startup_timeout: float = 15.0
+    ) -> None:
+        self.requested_port = port
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="tandem-nats-")
         self.startup_timeout = startup_timeout
@@ -66,7 +69,8 @@ class EmbeddedNats:
                 self._ready.set()
 
     def start(self) -> EmbeddedNats:
-        cmd = [server_binary(), "-a", "127.0.0.1", "-p", "-1", "-js", "-sd", self.store_dir]
+        port = str(self.requested_port) if self.requested_port else "-1"
+        cmd = [server_binary(), "-a", "127.0.0.1", "-p", port, "-js", "-sd", self.store_dir]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._reader, name="nats-server-log", daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout

@@ -7,12 +7,17 @@ its consumers and returns. Tracing is flushed on the way out.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Protocol
 
+from services.runtime.bus import Bus
+from services.runtime.errors import SettingsError
 from services.runtime.logging import setup_logging
-from services.runtime.settings import Settings
+from services.runtime.settings import Settings, load_settings
 from services.runtime.tracing import setup_tracing, shutdown_tracing
 
 
@@ -35,3 +40,34 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]], settings: Settings) ->
         asyncio.run(_runner())
     finally:
         shutdown_tracing()
+
+
+class Runnable(Protocol):
+    async def run(self, stop: asyncio.Event) -> None: ...
+
+
+def service_main(
+    service: str,
+    build: Callable[[Bus, Settings], Awaitable[Runnable]],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """``python -m services.<service> [--config FILE]``: load settings (a bad file fails here,
+    naming the path), connect, provision, build the service and run it until SIGTERM."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    parser.add_argument("--config", help="YAML/JSON config file (default: $TANDEM_CONFIG)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(service, config=args.config)
+    except SettingsError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        return 2
+
+    async def main(stop: asyncio.Event) -> None:
+        bus = await Bus.open(settings)
+        try:
+            await (await build(bus, settings)).run(stop)
+        finally:
+            await bus.close()
+
+    run(main, settings)
+    return 0

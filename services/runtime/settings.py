@@ -36,7 +36,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     node_lost_after: float = 8.0
     ack_wait: float = 30.0
     stream_replicas: int = 1
+    backend: str = "simulated"
     topology_file: str | None = None
+    health_clean_period: float = 60.0
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)

@@ -1,0 +1,23 @@
+"""``python -m services.allocator``: run one allocator replica."""
+
+from __future__ import annotations
+
+import sys
+
+from services.allocator.service import Allocator
+from services.runtime.bus import Bus
+from services.runtime.lifecycle import service_main
+from services.runtime.settings import Settings
+
+
+async def build(bus: Bus, settings: Settings) -> Allocator:
+    return Allocator(
+        bus,
+        instance=settings.instance,
+        policy=settings.node_policy,
+        device_classes=settings.device_classes,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(service_main("allocator", build))

@@ -1,0 +1,267 @@
+"""``tandem demo`` (``make demo``): the whole event flow on simulated nodes, scripted.
+
+Starts an embedded nats-server and the full system (inventory, allocator, one node agent per
+simulated node of a mixed fleet), then plays what a cluster would see:
+
+1. a realistic mix of pods asks for 1/2/4/8 GPUs with matching RDMA NICs, plus GPU-only pods;
+2. one GPU fails (as an XID would report it): a pod that needs it stays pending with the reason;
+   the GPU recovers and the pending pod is placed without being resubmitted;
+3. some pods finish: their devices are cleaned up (verified) and freed, and a large pod that
+   did not fit before gets the whole freed board;
+
+and prints who got which GPUs and NICs with the alignment of each GPU/NIC pair, the latency
+from request to assignment (p50/p99, measured by the client on the wall clock), and the trace
+of one allocation across the services. Exits 0 when every step behaved, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections import Counter
+from typing import Any
+
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef
+from services.cli.stack_cmd import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
+from services.cli.table import render_table
+from services.client import TandemClient
+from services.localstack import DEFAULT_FLEET, LocalStack
+from services.runtime.bus import Bus
+from services.runtime.embedded import EmbeddedNats
+from services.runtime.logging import setup_logging
+from services.runtime.tracing import context_from_traceparent, current_traceparent, setup_tracing, tracer
+
+_tracer = tracer("tandem.demo")
+HOSTNAME = "kubernetes.io/hostname"
+
+# (pod name, gpus, rdma, scope, policy): what a mixed training/inference cluster asks for.
+WORKLOAD: list[tuple[str, int, int, str | None, str | None]] = [
+    ("llm-pretrain-0", 8, 8, "pcie-switch", "required"),
+    ("llm-pretrain-1", 8, 8, "pcie-switch", "required"),
+    ("finetune-a", 4, 4, "pcie-switch", "preferred"),
+    ("finetune-b", 4, 4, "pcie-switch", "preferred"),
+    ("finetune-c", 4, 4, "numa", "required"),
+    ("ddp-small-0", 2, 2, None, None),
+    ("ddp-small-1", 2, 2, None, None),
+    ("ddp-small-2", 2, 2, None, None),
+    ("rl-actor-0", 1, 1, None, None),
+    ("rl-actor-1", 1, 1, None, None),
+    ("rl-actor-2", 1, 1, "pcie-root", "required"),
+    ("inference-0", 1, 0, None, None),
+    ("inference-1", 2, 0, None, None),
+    ("inference-2", 4, 0, None, None),
+    ("notebook-0", 1, 0, None, None),
+]
+
+
+class DemoFailure(Exception):
+    """A demo step did not behave as the system promises."""
+
+
+def _request(name: str, gpus: int, rdma: int, scope: str | None, policy: str | None) -> AllocationRequest:
+    uid = f"demo-{name}"
+    return AllocationRequest(
+        request_id=f"{uid}.1",
+        pod=PodRef(namespace="training", name=name, uid=uid),
+        gpus=gpus,
+        rdma=rdma,
+        scope=scope,  # type: ignore[arg-type]
+        policy=policy,  # type: ignore[arg-type]
+    )
+
+
+class Demo:
+    def __init__(self, client: TandemClient, stack: LocalStack, spans: InMemorySpanExporter) -> None:
+        self.client = client
+        self.stack = stack
+        self.spans = spans
+        self.latencies: list[float] = []
+        self.trace_ids: dict[str, str] = {}
+        self.traceparents: dict[str, str] = {}
+
+    async def submit(self, req: AllocationRequest) -> None:
+        # The pod's trace starts here (in a cluster: the admission webhook) and its
+        # traceparent is kept for the release, as the pod annotation keeps it.
+        with _tracer.start_as_current_span("demo.submit") as span:
+            span.set_attributes({"k8s.pod.name": req.pod.name, "k8s.pod.uid": req.pod.uid})
+            self.trace_ids[req.request_id] = format(span.get_span_context().trace_id, "032x")
+            self.traceparents[req.request_id] = current_traceparent() or ""
+            await self.client.submit(req)
+
+    def all_assignments(self) -> list[Assignment]:
+        out = []
+        for rid in self.trace_ids:
+            a = self.client.assignment(rid)
+            if a is not None:
+                out.append(a)
+        return out
+
+    async def place(self, req: AllocationRequest, *, timeout: float = 10.0) -> Assignment | AllocationFailed:
+        t0 = time.perf_counter()
+        await self.submit(req)
+        outcome = await self.client.wait_for(req.request_id, timeout=timeout)
+        if isinstance(outcome, Assignment):
+            self.latencies.append((time.perf_counter() - t0) * 1000)
+        assert isinstance(outcome, Assignment | AllocationFailed)
+        return outcome
+
+    async def release(self, request_id: str) -> Freed:
+        parent = context_from_traceparent(self.traceparents.get(request_id))
+        with _tracer.start_as_current_span("demo.release", context=parent):
+            await self.client.release(request_id)
+        outcome = await self.client.wait_for(request_id, (Freed,), timeout=10.0)
+        assert isinstance(outcome, Freed)
+        return outcome
+
+
+def _print_section(title: str) -> None:
+    print(f"\n== {title}")
+
+
+async def run_demo(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    spans = InMemorySpanExporter()
+    with EmbeddedNats() as server:
+        settings = cli_settings(
+            "demo",
+            nats_url=server.url,
+            log_level="warning",
+            heartbeat_interval=0.5,
+            node_lost_after=3.0,
+        )
+        setup_logging(level=settings.log_level, json=True)
+        setup_tracing("tandem-demo", otlp_endpoint=settings.otlp_endpoint, exporter=spans)
+        stack = LocalStack(settings, fleet=DEFAULT_FLEET, retry_interval=0.5)
+        await stack.start()
+        bus = await Bus.open(settings, provision_streams=False)
+        client = await TandemClient(bus).start()
+        try:
+            await stack.wait_ready()
+            return await _script(Demo(client, stack, spans), t_start)
+        except DemoFailure as exc:
+            print(f"\nDEMO FAILED: {exc}")
+            return 1
+        finally:
+            await client.close()
+            await bus.close()
+            await stack.stop()
+
+
+async def _script(demo: Demo, t_start: float) -> int:
+    stack, client = demo.stack, demo.client
+    fleet = ", ".join(f"{e.count}x {e.topology}" for e in DEFAULT_FLEET)
+    gpus = sum(len(a.topology.gpus()) for a in stack.agents.values() if a.topology)
+    nics = sum(len(a.topology.nics()) for a in stack.agents.values() if a.topology)
+    print(f"Tandem demo: embedded NATS JetStream, {len(stack.agents)} simulated nodes ({fleet})")
+    print(f"             {gpus} GPUs, {nics} RDMA NICs")
+
+    _print_section(f"1. {len(WORKLOAD)} pods ask for GPUs and RDMA NICs")
+    placed: dict[str, Assignment] = {}
+    pending: list[str] = []
+    for spec in WORKLOAD:
+        outcome = await demo.place(_request(*spec))
+        if isinstance(outcome, Assignment):
+            placed[outcome.request_id] = outcome
+        else:
+            pending.append(f"{spec[0]}: {outcome.reason}")
+    print(render_table(assignment_rows(list(placed.values())), ASSIGNMENT_HEADERS))
+    for line in pending:
+        print(f"pending  {line}")
+    if len(placed) < len(WORKLOAD) - 1:
+        raise DemoFailure(f"only {len(placed)} of {len(WORKLOAD)} pods placed on an empty fleet")
+
+    _print_section("2. a GPU fails (XID 79: fallen off the bus), then recovers")
+    node, free = _most_free_gpus(stack, placed)
+    victim = f"gpu{free[0]}"
+    ev = await client.command(node, victim, "fail", reason="XID 79: GPU has fallen off the bus")
+    print(f"{node}/{victim}: healthy={ev.healthy} reason={ev.reason!r}")
+    # A pod that needs every GPU still free on that node can only wait for the failed one.
+    big = AllocationRequest(
+        **{**_as_dict(_request("eval-job", len(free), 0, None, None)), "node_selector": {HOSTNAME: node}}
+    )
+    outcome = await demo.place(big)
+    if isinstance(outcome, Assignment):
+        raise DemoFailure(f"{big.pod.name} was placed although {node}/{victim} is failed")
+    print(f"{big.pod.name} ({len(free)} GPUs on {node}): pending: {outcome.reason}")
+    ev = await client.command(node, victim, "recover", reason="operator: GPU reset done")
+    print(f"{node}/{victim}: healthy={ev.healthy} reason={ev.reason!r}")
+    late = await client.wait_for(big.request_id, (Assignment,), timeout=10.0)
+    assert isinstance(late, Assignment)
+    placed[late.request_id] = late
+    print(f"{big.pod.name}: placed after recovery, not resubmitted → {late.node} gpus {_gpus(late)}")
+
+    _print_section("3. pods finish: verified cleanup frees their devices")
+    for name in ("llm-pretrain-0", "finetune-a", "ddp-small-0", "inference-0"):
+        rid = f"demo-{name}.1"
+        if rid in placed:
+            freed = await demo.release(rid)
+            placed.pop(rid)
+            print(f"{name}: cleaned and freed on {freed.node}: {', '.join(freed.devices)}")
+    outcome = await demo.place(_request("llm-pretrain-2", 8, 8, "pcie-switch", "required"))
+    if not isinstance(outcome, Assignment):
+        raise DemoFailure(f"llm-pretrain-2 not placed on the freed board: {outcome.reason}")
+    placed[outcome.request_id] = outcome
+    print("a new 8-GPU job takes the freed board:")
+    print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
+
+    _print_section("Alignment achieved (GPU/NIC pairs by scope)")
+    hist = Counter(p.scope for a in demo.all_assignments() for p in a.pairs)
+    total = sum(hist.values())
+    for scope in ("pcie-switch", "pcie-root", "numa", "socket", "node"):
+        if hist[scope]:
+            print(f"  {scope:<12} {hist[scope]:>3} pairs  {100 * hist[scope] / total:5.1f} %")
+
+    _print_section("Latency, request → assignment (client wall clock)")
+    lat = sorted(demo.latencies)
+    p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
+    print(f"  {len(lat)} assignments: p50 {statistics.median(lat):.1f} ms, p99 {p99:.1f} ms")
+
+    _print_section("One allocation's trace")
+    rid = "demo-llm-pretrain-0.1"
+    trace_id = demo.trace_ids[rid]
+    await asyncio.sleep(0.2)
+    names = [
+        s.name for s in demo.spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id
+    ]
+    print(f"  trace_id {trace_id}")
+    print(f"  spans: {' → '.join(dict.fromkeys(names))}")
+    expected = {
+        "allocator.decide",
+        "allocator.commit",
+        "nodeagent.apply",
+        "nodeagent.cleanup",
+        "allocator.free",
+    }
+    if not expected <= set(names):
+        raise DemoFailure(f"trace {trace_id} lacks spans {sorted(expected - set(names))}")
+    print(f"\nDemo finished in {time.perf_counter() - t_start:.1f} s")
+    return 0
+
+
+def _gpus(a: Assignment) -> list[int]:
+    return [g.index for g in a.gpus]
+
+
+def _most_free_gpus(stack: LocalStack, placed: dict[str, Assignment]) -> tuple[str, list[int]]:
+    best: tuple[str, list[int]] = ("", [])
+    for name, agent in sorted(stack.agents.items()):
+        used = {g.index for a in placed.values() if a.node == name for g in a.gpus}
+        free = [g.index for g in (agent.topology.gpus() if agent.topology else []) if g.index not in used]
+        if len(free) > len(best[1]):
+            best = (name, free)
+    if len(best[1]) < 2:
+        raise DemoFailure("no node has two free GPUs left for the failure scenario")
+    return best
+
+
+def _as_dict(req: AllocationRequest) -> dict[str, Any]:
+    return {f: getattr(req, f) for f in req.__struct_fields__}
+
+
+def register(sub: Any) -> None:
+    d = sub.add_parser("demo", help="scripted end-to-end demo on simulated nodes (make demo)")
+    d.set_defaults(func=lambda a: asyncio.run(run_demo(a)))

@@ -1,0 +1,136 @@
+"""The whole system in one process: inventory, allocator replicas and simulated node agents.
+
+``tandem up``, ``make demo`` and the end-to-end tests run this. Every component gets its own
+NATS connection, exactly as separate processes would, so nothing here shortcuts the bus: the
+only difference from a cluster is that the services share an event loop.
+
+A fleet is a list of ``FleetEntry(topology, count, prefix)``; the default fleet mixes every
+built-in kind of node (:data:`DEFAULT_FLEET`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+import msgspec
+
+from services.allocator.service import Allocator
+from services.inventory.service import Inventory
+from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.service import NodeAgent
+from services.runtime.bus import Bus
+from services.runtime.settings import Settings
+from services.topology import load_topology
+
+
+@dataclass(frozen=True)
+class FleetEntry:
+    topology: str  # built-in name or topology file
+    count: int
+    prefix: str
+
+
+DEFAULT_FLEET = (
+    FleetEntry("dgx-h100", 2, "h100"),
+    FleetEntry("dgx-a100", 2, "a100"),
+    FleetEntry("pcie-4gpu-2nic", 2, "pcie"),
+    FleetEntry("gpu-only-8", 1, "gpuonly"),
+)
+
+
+def parse_fleet(specs: list[str]) -> list[FleetEntry]:
+    """``TOPOLOGY[:COUNT[:PREFIX]]`` per spec, e.g. ``dgx-h100:4:h100``."""
+    out = []
+    for spec in specs:
+        parts = spec.split(":")
+        topo = parts[0]
+        count = int(parts[1]) if len(parts) > 1 and parts[1] else 1
+        prefix = parts[2] if len(parts) > 2 else topo.rsplit("/", 1)[-1].split(".")[0]
+        out.append(FleetEntry(topo, count, prefix))
+    return out
+
+
+class LocalStack:
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        fleet: list[FleetEntry] | tuple[FleetEntry, ...] = DEFAULT_FLEET,
+        allocators: int = 1,
+        retry_interval: float = 1.0,
+    ) -> None:
+        self.settings = settings
+        self.fleet = fleet
+        self.allocator_count = allocators
+        self.retry_interval = retry_interval
+        self.buses: list[Bus] = []
+        self.inventory: Inventory | None = None
+        self.allocators: list[Allocator] = []
+        self.agents: dict[str, NodeAgent] = {}
+        self.backends: dict[str, SimulatedBackend] = {}
+        self.appliers: dict[str, SimulatedApplier] = {}
+
+    async def _bus(self, service: str, **changes: object) -> Bus:
+        bus = await Bus.open(msgspec.structs.replace(self.settings, service=service, **changes))
+        self.buses.append(bus)
+        return bus
+
+    async def start(self) -> LocalStack:
+        s = self.settings
+        self.inventory = Inventory(await self._bus("inventory"), lost_after=s.node_lost_after)
+        await self.inventory.start()
+        for i in range(self.allocator_count):
+            instance = f"allocator-{i}"
+            allocator = Allocator(
+                await self._bus("allocator", instance=instance),
+                instance=instance,
+                policy=s.node_policy,
+                device_classes=s.device_classes,
+                retry_interval=self.retry_interval,
+            )
+            await allocator.start()
+            self.allocators.append(allocator)
+        for entry in self.fleet:
+            topology = load_topology(entry.topology)
+            for n in range(entry.count):
+                await self.add_node(f"{entry.prefix}-{n}", topology)
+        return self
+
+    async def add_node(self, name: str, topology: object) -> NodeAgent:
+        backend = SimulatedBackend(topology, node=name)  # type: ignore[arg-type]
+        applier = SimulatedApplier()
+        agent = NodeAgent(
+            await self._bus("nodeagent", node_name=name),
+            node=name,
+            backend=backend,
+            applier=applier,
+            heartbeat_interval=self.settings.heartbeat_interval,
+            clean_period=self.settings.health_clean_period,
+        )
+        await agent.start()
+        self.agents[name], self.backends[name], self.appliers[name] = agent, backend, applier
+        return agent
+
+    async def wait_ready(self, *, timeout: float = 20.0) -> None:
+        """Until every allocator sees every node as ready."""
+        names = set(self.agents)
+
+        async def seen() -> None:
+            # The allocators' read models have no "changed" event; poll them briefly.
+            while not all(  # noqa: ASYNC110
+                names <= {n for n, r in a.nodes.items() if r.status == "ready"} for a in self.allocators
+            ):
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(seen(), timeout)
+
+    async def stop(self) -> None:
+        for agent in self.agents.values():
+            await agent.stop()
+        for allocator in self.allocators:
+            await allocator.stop()
+        if self.inventory is not None:
+            await self.inventory.stop()
+        for bus in self.buses:
+            await bus.close()

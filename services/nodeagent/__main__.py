@@ -1,0 +1,37 @@
+"""``python -m services.nodeagent``: run the node agent of this node.
+
+``backend: simulated`` reads ``topology_file`` (a path or a built-in topology name) and
+applies nothing real; it is what ``tandem up`` and the demo run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from services.nodeagent.backends.base import BackendUnavailable
+from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.service import NodeAgent
+from services.runtime.bus import Bus
+from services.runtime.lifecycle import service_main
+from services.runtime.settings import Settings
+from services.topology import load_topology
+
+
+async def build(bus: Bus, settings: Settings) -> NodeAgent:
+    if settings.backend != "simulated":
+        raise BackendUnavailable(f"unknown node agent backend {settings.backend!r}; known: simulated")
+    if not settings.topology_file:
+        raise BackendUnavailable("backend 'simulated' needs topology_file (a path or built-in name)")
+    backend = SimulatedBackend(load_topology(settings.topology_file), node=settings.node_name)
+    return NodeAgent(
+        bus,
+        node=settings.node_name,
+        backend=backend,
+        applier=SimulatedApplier(),
+        heartbeat_interval=settings.heartbeat_interval,
+        clean_period=settings.health_clean_period,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(service_main("nodeagent", build))
