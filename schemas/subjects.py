@@ -57,6 +57,7 @@ CONSUMER_ALLOCATOR_NODE = "allocator-node-events"
 CONSUMER_ALLOCATOR_RELEASES = "allocator-releases"
 CONSUMER_INVENTORY = "inventory-node-events"
 CONSUMER_BRIDGE = "bridge-outcomes"
+CONSUMER_BRIDGE_FAILED = "bridge-failures"
 
 
 def node_token(node: str) -> str:
