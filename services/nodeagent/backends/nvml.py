@@ -1,0 +1,348 @@
+"""GPUs from NVML (``nvidia-ml-py``, module ``pynvml``): discovery, health events, processes.
+
+Discovery reads, per GPU index: UUID, model, minor number, total memory, PCI bus id, NUMA node
+and NVLink peers (a link to another GPU names that GPU; a link to an NVSwitch puts the GPU in
+the switch fabric, where every fabric GPU is a peer of every other). Health comes from one
+NVML event set: XID critical errors (application XIDs — 13, 31, 43, 45, 68, 109 by default —
+are ignored: they are the job's fault, not the GPU's), double-bit ECC errors, and a GPU that
+NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the bus"). Only failures are
+reported; a device returns to service through :class:`~services.nodeagent.health.HealthTracker`
+after its clean period or an operator's uncordon — never by restarting the agent. Compute
+processes per GPU back the "cleanup verified, not assumed" rule.
+
+NVML is a blocking C library: every call runs in a worker thread (``asyncio.to_thread``), one
+call at a time under a lock (NVML is thread-safe, but the event wait holds a thread for up to
+``event_timeout_ms`` and must not starve discovery). The decisions — which event is a
+failure and with which reason, who is an NVLink peer of whom — are pure functions below.
+
+The module is injectable (``nvml=``): tests pass a fake built from the real API's names and
+return shapes; production imports ``pynvml``. Without the NVIDIA driver ``nvmlInit`` raises
+``NVMLError_LibraryNotFound``; :meth:`NvmlBackend.open` turns that into one
+:class:`BackendUnavailable` naming ``libnvidia-ml.so.1`` and the other backends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from schemas.topology import Gpu, NodeTopology
+from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
+from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id
+from services.runtime.logging import get_logger
+
+__all__ = [
+    "DEFAULT_IGNORED_XIDS",
+    "NVML_MISSING_HELP",
+    "GpuFacts",
+    "NvmlBackend",
+    "classify_event",
+    "nvlink_peers",
+]
+
+log = get_logger(__name__)
+
+DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+
+# Well-known XIDs, so a health reason says what happened (NVIDIA's XID catalogue).
+XID_NAMES: dict[int, str] = {
+    48: "double-bit ECC error",
+    61: "internal micro-controller breakpoint",
+    62: "internal micro-controller halt",
+    63: "ECC page retirement or row remapping event",
+    64: "ECC page retirement or row remapper failure",
+    74: "NVLink error",
+    79: "GPU has fallen off the bus",
+    92: "high single-bit ECC error rate",
+    94: "contained ECC error",
+    95: "uncontained ECC error",
+    119: "GSP RPC timeout",
+    120: "GSP error",
+}
+
+NVML_MISSING_HELP = (
+    "NVML backend unavailable: {error}. The NVIDIA driver's libnvidia-ml.so.1 could not be used on "
+    "this machine (no NVIDIA driver, or the library is not mounted into the agent). Backend options: "
+    "'host' (NVML GPUs + sysfs NICs; needs the NVIDIA driver), 'sysfs' (RDMA NICs only, no GPUs), "
+    "'simulated' (a topology file: TANDEM_TOPOLOGY_FILE)."
+)
+
+# NVML's NVLink remote device types (nvmlIntNvLinkDeviceType_t).
+_NVLINK_GPU = 0
+_NVLINK_SWITCH = 2
+
+
+def classify_event(
+    *, event_type: int, data: int, xid_type: int, dbe_type: int, ignored_xids: Iterable[int]
+) -> str | None:
+    """The failure reason for one NVML event, or None when it does not make the GPU unhealthy."""
+    if event_type & xid_type:
+        if data in set(ignored_xids):
+            return None
+        name = XID_NAMES.get(data)
+        return f"XID {data}" + (f" ({name})" if name else "")
+    if event_type & dbe_type:
+        return "double-bit ECC error"
+    return None
+
+
+def nvlink_peers(links: dict[str, list[tuple[str, int]]]) -> dict[str, list[str]]:
+    """GPU bus id → peer GPU bus ids, from each GPU's active links (remote bus id, remote type).
+
+    A direct link to another GPU makes the two peers; GPUs with links into NVSwitches form one
+    fabric in which all are peers (an HGX board: every GPU reaches every other at full speed)."""
+    gpus = set(links)
+    peers: dict[str, set[str]] = {g: set() for g in gpus}
+    fabric = {g for g, ls in links.items() if any(t == _NVLINK_SWITCH for _, t in ls)}
+    for g, ls in links.items():
+        for remote, kind in ls:
+            if kind == _NVLINK_GPU and remote in gpus and remote != g:
+                peers[g].add(remote)
+                peers[remote].add(g)
+        if g in fabric:
+            peers[g] |= fabric - {g}
+    return {g: sorted(p) for g, p in peers.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuFacts:
+    gpu: Gpu
+    numa: int | None
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+class NvmlBackend:
+    """GPU discovery and health from NVML. Create with :meth:`open` (it initialises NVML)."""
+
+    name = "nvml"
+
+    def __init__(
+        self,
+        nvml: ModuleType,
+        *,
+        node_name: str,
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        event_timeout_ms: int = 1000,
+    ) -> None:
+        self.nvml = nvml
+        self.node_name = node_name
+        self.ignored_xids = frozenset(ignored_xids)
+        self.event_timeout_ms = event_timeout_ms
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._event_set: Any = None
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        node_name: str,
+        nvml: ModuleType | None = None,
+        ignored_xids: Iterable[int] = DEFAULT_IGNORED_XIDS,
+        event_timeout_ms: int = 1000,
+    ) -> NvmlBackend:
+        if nvml is None:
+            import pynvml
+
+            nvml = pynvml
+        try:
+            await asyncio.to_thread(nvml.nvmlInit)
+        except nvml.NVMLError as exc:
+            raise BackendUnavailable(NVML_MISSING_HELP.format(error=exc)) from exc
+        return cls(nvml, node_name=node_name, ignored_xids=ignored_xids, event_timeout_ms=event_timeout_ms)
+
+    # -- blocking parts (run in a thread) ---------------------------------------------------
+
+    def _call(self, fn: str, *args: Any) -> Any:
+        with self._lock:
+            return getattr(self.nvml, fn)(*args)
+
+    def _optional(self, fn: str, *args: Any) -> Any:
+        """A call some GPUs/drivers do not support: None instead of NOT_SUPPORTED & co."""
+        n = self.nvml
+        try:
+            return self._call(fn, *args)
+        except (n.NVMLError_NotSupported, n.NVMLError_FunctionNotFound, n.NVMLError_InvalidArgument):
+            return None
+
+    def read_gpus(self) -> list[GpuFacts]:
+        n = self.nvml
+        try:
+            count = self._call("nvmlDeviceGetCount")
+        except n.NVMLError as exc:
+            raise BackendError(f"NVML: cannot count GPUs: {exc}") from exc
+        rows: list[tuple[int, str, str, int | None, int, str, int | None]] = []
+        links: dict[str, list[tuple[str, int]]] = {}
+        for index in range(count):
+            try:
+                h = self._call("nvmlDeviceGetHandleByIndex", index)
+                uuid = _text(self._call("nvmlDeviceGetUUID", h))
+                model = _text(self._call("nvmlDeviceGetName", h))
+                minor = self._optional("nvmlDeviceGetMinorNumber", h)
+                memory = self._call("nvmlDeviceGetMemoryInfo", h).total // (1024 * 1024)
+                bus = normalize_bus_id(_text(self._call("nvmlDeviceGetPciInfo_v3", h).busId))
+            except n.NVMLError as exc:
+                # One GPU off the bus must not hide the node's other GPUs: skip it, say why.
+                log.error("nvml_gpu_unreadable", index=index, error=str(exc))
+                continue
+            numa = self._optional("nvmlDeviceGetNumaNodeId", h)
+            rows.append((index, uuid, model, minor, memory, bus, numa))
+            links[bus] = self._links(h)
+        peers = nvlink_peers(links)
+        index_of = {bus: index for index, _, _, _, _, bus, _ in rows}
+        return [
+            GpuFacts(
+                Gpu(
+                    index=index,
+                    uuid=uuid,
+                    model=model,
+                    memory_mib=memory,
+                    minor=minor,
+                    pci_bus_id=bus,
+                    nvlink_peers=sorted(index_of[p] for p in peers.get(bus, []) if p in index_of),
+                ),
+                numa if isinstance(numa, int) and numa >= 0 else None,
+            )
+            for index, uuid, model, minor, memory, bus, numa in rows
+        ]
+
+    def _links(self, handle: Any) -> list[tuple[str, int]]:
+        n = self.nvml
+        out: list[tuple[str, int]] = []
+        for link in range(int(getattr(n, "NVML_NVLINK_MAX_LINKS", 18))):
+            try:
+                if self._call("nvmlDeviceGetNvLinkState", handle, link) != n.NVML_FEATURE_ENABLED:
+                    continue
+                remote = normalize_bus_id(
+                    _text(self._call("nvmlDeviceGetNvLinkRemotePciInfo", handle, link).busId)
+                )
+            except n.NVMLError:
+                continue  # link index past this GPU's links, or NVLink unsupported
+            kind = self._optional("nvmlDeviceGetNvLinkRemoteDeviceType", handle, link)
+            out.append((remote, _NVLINK_GPU if kind is None else int(kind)))
+        return out
+
+    def processes(self, indices: list[int]) -> dict[int, list[int]]:
+        n = self.nvml
+        out: dict[int, list[int]] = {}
+        for index in indices:
+            try:
+                h = self._call("nvmlDeviceGetHandleByIndex", index)
+                procs = self._call("nvmlDeviceGetComputeRunningProcesses", h)
+            except n.NVMLError as exc:
+                raise BackendError(f"gpu{index}: cannot list compute processes: {exc}") from exc
+            out[index] = sorted(int(p.pid) for p in procs)
+        return out
+
+    def _register_events(self) -> dict[str, int]:
+        """Create the event set; register every GPU for XID + DBE events. Returns uuid → index."""
+        n = self.nvml
+        wanted = n.nvmlEventTypeXidCriticalError | n.nvmlEventTypeDoubleBitEccError
+        self._event_set = self._call("nvmlEventSetCreate")
+        by_uuid: dict[str, int] = {}
+        for index in range(self._call("nvmlDeviceGetCount")):
+            try:
+                h = self._call("nvmlDeviceGetHandleByIndex", index)
+                by_uuid[_text(self._call("nvmlDeviceGetUUID", h))] = index
+                supported = self._optional("nvmlDeviceGetSupportedEventTypes", h)
+                mask = wanted if supported is None else wanted & int(supported)
+                if mask:
+                    self._call("nvmlDeviceRegisterEvents", h, mask, self._event_set)
+            except n.NVMLError as exc:
+                log.warning("nvml_events_unavailable", index=index, error=str(exc))
+        return by_uuid
+
+    def _wait_event(self, by_uuid: dict[str, int]) -> HealthChange | None:
+        """Wait up to ``event_timeout_ms`` for one event (no lock: the wait is the long call)."""
+        n = self.nvml
+        try:
+            data = n.nvmlEventSetWait_v2(self._event_set, self.event_timeout_ms)
+        except n.NVMLError_Timeout:
+            return None
+        except n.NVMLError_GpuIsLost:
+            return self._find_lost(by_uuid)
+        reason = classify_event(
+            event_type=int(data.eventType),
+            data=int(data.eventData),
+            xid_type=n.nvmlEventTypeXidCriticalError,
+            dbe_type=n.nvmlEventTypeDoubleBitEccError,
+            ignored_xids=self.ignored_xids,
+        )
+        if reason is None:
+            return None
+        try:
+            uuid = _text(self._call("nvmlDeviceGetUUID", data.device))
+        except n.NVMLError_GpuIsLost:
+            return self._find_lost(by_uuid)
+        index = by_uuid.get(uuid)
+        if index is None:
+            log.warning("nvml_event_for_unknown_gpu", uuid=uuid, reason=reason)
+            return None
+        return HealthChange(f"gpu{index}", False, reason)
+
+    def _find_lost(self, by_uuid: dict[str, int]) -> HealthChange | None:
+        """NVML said 'GPU is lost' without saying which: probe each GPU."""
+        n = self.nvml
+        for index in sorted(by_uuid.values()):
+            try:
+                h = self._call("nvmlDeviceGetHandleByIndex", index)
+                self._call("nvmlDeviceGetUUID", h)
+            except n.NVMLError_GpuIsLost:
+                return HealthChange(f"gpu{index}", False, "GPU is lost (fallen off the bus)")
+            except n.NVMLError:
+                continue
+        return None
+
+    # -- DiscoveryBackend ---------------------------------------------------------------------
+
+    async def gpus(self) -> list[GpuFacts]:
+        return await asyncio.to_thread(self.read_gpus)
+
+    async def discover(self) -> NodeTopology:
+        """GPUs alone (the host backend adds sysfs placement): without sysfs the PCIe tree is
+        unknown, so each NUMA node gets one pseudo root ``numa<N>`` and no switches."""
+        facts = await self.gpus()
+        placed = [
+            (f.gpu, Placement(socket=0, numa=f.numa or 0, root=f"numa{f.numa or 0}", switch=None))
+            for f in facts
+        ]
+        return build_topology(self.node_name, gpus=placed, nics=[], description="nvml")
+
+    async def health_changes(self) -> AsyncIterator[HealthChange]:
+        by_uuid = await asyncio.to_thread(self._register_events)
+        reported: set[str] = set()
+        while not self._closed.is_set():
+            change = await asyncio.to_thread(self._wait_event, by_uuid)
+            if change is None:
+                continue
+            # "GPU lost" repeats on every wait once a GPU is gone; report it once per episode.
+            key = f"{change.device}:{change.reason}"
+            if change.reason.startswith("GPU is lost") and key in reported:
+                await asyncio.sleep(self.event_timeout_ms / 1000)
+                continue
+            reported.add(key)
+            yield change
+
+    async def gpu_processes(self, indices: list[int]) -> dict[int, list[int]]:
+        return await asyncio.to_thread(self.processes, indices)
+
+    async def close(self) -> None:
+        self._closed.set()
+        n = self.nvml
+
+        def shutdown() -> None:
+            try:
+                if self._event_set is not None:
+                    self._call("nvmlEventSetFree", self._event_set)
+                self._call("nvmlShutdown")
+            except n.NVMLError as exc:
+                log.warning("nvml_shutdown_failed", error=str(exc))
+
+        await asyncio.to_thread(shutdown)
