@@ -1,1 +1,34 @@
-"""Pure allocation core (no I/O imports; enforced by import-linter, see ``.importlinter``)."""
+"""Pure allocation core: joint GPU + RDMA NIC placement (no I/O; see ``.importlinter``).
+
+Public API::
+
+    cluster = Cluster(policy="binpack", device_classes={...})
+    cluster.set_node(name, topology, labels=..., unavailable=...)
+    cluster.hold(name, request_id, devices) / cluster.release(name, request_id)
+    cluster.decide(request) -> Placement | Unschedulable      # does not change holds
+
+Modules: :mod:`.model` compiles a node topology into a bit-mask *shape*; :mod:`.search` is the
+exact in-node search and its quality order; :mod:`.cluster` is the node index and cache;
+:mod:`.request` applies device-class defaults and orders pending requests.
+
+Exception tree: ``ValueError`` → :class:`InvalidRequest` (the only exception for bad input);
+"cannot place now" is the :class:`Unschedulable` value, not an exception.
+"""
+
+from .cluster import Cluster, NodeReason, Placement, Unschedulable
+from .errors import InvalidRequest
+from .model import HOPPER_PARTITIONS, nvlink_partitions
+from .request import Spec, normalise, pending_order
+
+__all__ = [
+    "HOPPER_PARTITIONS",
+    "Cluster",
+    "InvalidRequest",
+    "NodeReason",
+    "Placement",
+    "Spec",
+    "Unschedulable",
+    "normalise",
+    "nvlink_partitions",
+    "pending_order",
+]

@@ -1,0 +1,463 @@
+"""The cluster index: which node gets a request, without walking every node.
+
+State is kept per node as ``(hardware id, free mask)``: the hardware id names the compiled
+:class:`~services.allocator.core.model.Shape` plus the node's labels, the free mask the slots
+neither held nor unavailable. Nodes with the same pair form a *group*; the in-node search
+(:func:`~services.allocator.core.search.evaluate`) runs once per (request key, shape, mask)
+and is cached, so a fleet of identical servers costs one search per distinct free state.
+
+Every change of a node's group is appended to a change log as ``(group, -1)`` / ``(group,
++1)``. For each distinct request *signature* (request key + node selector) the index keeps a
+:class:`_SigState`: a heap of the groups that can take the request, ordered by (placement
+quality, node policy, fragmentation), the number of nodes that can take it, and per-reason
+counts of the nodes that cannot. A decision first replays the log entries that signature has
+not seen yet (a handful per decision under churn; each is a cache lookup), then reads the top
+of the heap, dropping groups that have emptied meanwhile. So a decision costs O(changes since
+the signature's last decision), not O(nodes); a refusal's aggregated reason comes from the
+counters without a scan.
+
+Node policy, after quality: ``binpack`` prefers the node with the fewest free GPUs (then
+NICs), ``spread`` the most. Quality always comes first: a half-empty node with switch-aligned
+pairs beats a nearly full node that could only align at NUMA level.
+
+Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
+unknown node keeps its holds until they are released, so a node that comes back never has its
+in-use devices handed out twice). Not thread-safe: one owner calls it.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas.config import DeviceClass, default_device_classes
+from schemas.messages import AllocationRequest, AssignedGpu, AssignedNic, Pair
+from schemas.topology import Gpu, Nic, NodeTopology, ScopeName, VirtualFunction, locate
+
+from .errors import InvalidRequest
+from .model import Shape, bits, compile_shape, shape_signature
+from .request import Spec, normalise
+from .search import Choice, Refusal, evaluate
+
+__all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
+
+NodePolicy = Literal["binpack", "spread"]
+GroupKey = tuple[int, int]  # (hardware id, free mask)
+
+_LOG_MAX = 200_000  # change-log entries kept before lagging signatures are rebuilt
+_SIG_MAX = 512  # signature states kept (least recently used dropped)
+_EVAL_MAX = 400_000  # cached in-node results before the cache is cleared
+
+
+@dataclass(slots=True)
+class Placement:
+    """A decision: the node, the exact devices, and how they pair.
+
+    ``scope`` is the worst (coarsest) scope over ``pairs``; a placement without pairs (GPU-only
+    or NIC-only) reports the finest scope that holds all its devices. ``met`` says whether the
+    requested scope was met (always true for ``required``). ``candidates`` is the number of
+    nodes that could take the request at this moment.
+    """
+
+    node: str
+    gpus: list[AssignedGpu]
+    nics: list[AssignedNic]
+    pairs: list[Pair]
+    scope: ScopeName
+    candidates: int
+    met: bool = True
+    quality: tuple[int, ...] = ()
+
+    def devices(self) -> list[str]:
+        return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeReason:
+    code: str  # "gpus" | "nics" | "scope" | "selector"
+    text: str
+    nodes: int
+
+
+@dataclass(slots=True)
+class Unschedulable:
+    """No node can take the request now. ``reason`` aggregates ``reasons`` for people."""
+
+    reason: str
+    counts: dict[str, int]
+    reasons: list[NodeReason] = field(default_factory=list)
+    candidates: int = 0
+
+
+@dataclass(slots=True)
+class _Node:
+    name: str
+    topology: NodeTopology
+    shape: Shape
+    hw: int
+    labels: dict[str, str]
+    unavailable: set[str]
+    devices: list[tuple[Gpu | Nic, VirtualFunction | None]]
+    port_down: set[str]
+    mask: int = 0
+
+
+@dataclass(slots=True)
+class _SigState:
+    spec: Spec
+    cursor: int
+    heap: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey]] = field(
+        default_factory=list
+    )
+    in_heap: set[GroupKey] = field(default_factory=set)
+    refused: Counter[Refusal] = field(default_factory=Counter)
+    feasible: int = 0
+
+
+class Cluster:
+    """All nodes' hardware, health and holds; decides placements (see the module docstring)."""
+
+    def __init__(
+        self,
+        policy: NodePolicy = "binpack",
+        device_classes: Mapping[str, DeviceClass] | None = None,
+    ) -> None:
+        if policy not in ("binpack", "spread"):
+            raise InvalidRequest(f"unknown node policy {policy!r}; expected binpack or spread")
+        self.policy: NodePolicy = policy
+        self.device_classes: dict[str, DeviceClass] = dict(
+            device_classes if device_classes is not None else default_device_classes()
+        )
+        self._nodes: dict[str, _Node] = {}
+        self._holds: dict[str, dict[str, frozenset[str]]] = {}
+        self._shapes: dict[tuple[object, ...], Shape] = {}
+        self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
+        self._hw: list[tuple[Shape, dict[str, str]]] = []
+        self._groups: dict[GroupKey, dict[str, None]] = {}
+        self._log: list[tuple[GroupKey, int]] = []
+        self._log_base = 0
+        self._sigs: dict[tuple[object, ...], _SigState] = {}
+        self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
+        self._selector_ok: dict[tuple[int, tuple[tuple[str, str], ...]], bool] = {}
+        self._seq = 0
+
+    # ------------------------------------------------------------------------------------
+    # state changes
+
+    def set_node(
+        self,
+        name: str,
+        topology: NodeTopology,
+        *,
+        labels: Mapping[str, str] | None = None,
+        unavailable: Iterable[str] = (),
+    ) -> None:
+        """Add or replace a node's hardware, labels and unavailable devices; holds are kept."""
+        sig = shape_signature(topology)
+        shape = self._shapes.get(sig)
+        if shape is None:
+            shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
+        merged = {**topology.labels, **(labels or {})}
+        hw_key = (shape.id, tuple(sorted(merged.items())))
+        hw = self._hw_ids.get(hw_key)
+        if hw is None:
+            hw = self._hw_ids[hw_key] = len(self._hw)
+            self._hw.append((shape, merged))
+        devices: list[tuple[Gpu | Nic, VirtualFunction | None]] = []
+        nics: list[tuple[Gpu | Nic, VirtualFunction | None]] = []
+        for loc in locate(topology):
+            d = loc.device
+            if isinstance(d, Gpu):
+                devices.append((d, None))
+            else:
+                nics.append((d, None))
+                nics.extend((d, vf) for vf in d.vfs)
+        devices.extend(nics)
+        node = _Node(name, topology, shape, hw, merged, set(unavailable), devices, _port_down(topology))
+        old = self._nodes.get(name)
+        self._nodes[name] = node
+        self._refresh(node, old_key=None if old is None else (old.hw, old.mask))
+
+    def set_unavailable(self, name: str, devices: Iterable[str]) -> None:
+        """Replace the set of unhealthy or cordoned device ids of ``name``."""
+        node = self._need(name)
+        node.unavailable = set(devices)
+        self._refresh(node, old_key=(node.hw, node.mask))
+
+    def remove_node(self, name: str) -> None:
+        """Forget the node's hardware (its holds stay until released)."""
+        node = self._nodes.pop(name, None)
+        if node is not None:
+            self._move(name, (node.hw, node.mask), None)
+
+    def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
+        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
+        holds = self._holds.setdefault(name, {})
+        devs = frozenset(devices)
+        if holds.get(request_id) == devs:
+            return
+        holds[request_id] = devs
+        node = self._nodes.get(name)
+        if node is not None:
+            self._refresh(node, old_key=(node.hw, node.mask))
+
+    def release(self, name: str, request_id: str) -> None:
+        """Free ``request_id``'s hold on ``name``; releasing an unknown hold does nothing."""
+        holds = self._holds.get(name)
+        if not holds or request_id not in holds:
+            return
+        del holds[request_id]
+        if not holds:
+            del self._holds[name]
+        node = self._nodes.get(name)
+        if node is not None:
+            self._refresh(node, old_key=(node.hw, node.mask))
+
+    # ------------------------------------------------------------------------------------
+    # queries
+
+    def nodes(self) -> list[str]:
+        return list(self._nodes)
+
+    def topology(self, name: str) -> NodeTopology:
+        return self._need(name).topology
+
+    def labels(self, name: str) -> dict[str, str]:
+        return dict(self._need(name).labels)
+
+    def holds(self, name: str) -> dict[str, frozenset[str]]:
+        return dict(self._holds.get(name, {}))
+
+    def used_devices(self, name: str) -> set[str]:
+        return {d for devs in self._holds.get(name, {}).values() for d in devs}
+
+    def unavailable_devices(self, name: str) -> set[str]:
+        node = self._need(name)
+        return node.unavailable | node.port_down
+
+    def free_devices(self, name: str) -> list[str]:
+        """Device ids (``gpu<N>``, NIC and VF RDMA names) that a request could get now."""
+        node = self._need(name)
+        return [node.shape.slot_id[s] for s in bits(node.mask)]
+
+    def free_counts(self, name: str) -> tuple[int, int]:
+        """(free GPUs, free NIC physical functions) of ``name``."""
+        node = self._need(name)
+        return ((node.mask & node.shape.gpu_all).bit_count(), (node.mask & node.shape.pf_all).bit_count())
+
+    def totals(self) -> dict[str, int]:
+        """Cluster-wide counts: gpus, free_gpus, nics, free_nics (physical functions)."""
+        t = {"gpus": 0, "free_gpus": 0, "nics": 0, "free_nics": 0}
+        for (hw, mask), members in self._groups.items():
+            shape = self._hw[hw][0]
+            n = len(members)
+            t["gpus"] += shape.n_gpus * n
+            t["free_gpus"] += (mask & shape.gpu_all).bit_count() * n
+            t["nics"] += shape.pf_all.bit_count() * n
+            t["free_nics"] += (mask & shape.pf_all).bit_count() * n
+        return t
+
+    def group_count(self) -> int:
+        """Distinct (hardware, free-mask) groups: what a decision's work scales with."""
+        return len(self._groups)
+
+    # ------------------------------------------------------------------------------------
+    # decisions
+
+    def normalise(self, request: AllocationRequest) -> Spec:
+        """The request with class defaults applied; raises InvalidRequest."""
+        return normalise(request, self.device_classes)
+
+    def decide(self, request: AllocationRequest) -> Placement | Unschedulable:
+        """The best node and devices for ``request`` now; changes no hold."""
+        spec = normalise(request, self.device_classes)
+        st = self._state(spec)
+        heap, groups = st.heap, self._groups
+        while heap:
+            top = heap[0]
+            gkey = top[4]
+            members = groups.get(gkey)
+            if members:
+                name = next(iter(members))
+                hw, mask = gkey
+                res = self._eval(spec, hw, mask)
+                assert isinstance(res, Choice)
+                return self._placement(self._nodes[name], res, candidates=st.feasible)
+            heapq.heappop(heap)
+            st.in_heap.discard(gkey)
+        return self._unschedulable(spec, st)
+
+    # ------------------------------------------------------------------------------------
+    # internals
+
+    def _need(self, name: str) -> _Node:
+        node = self._nodes.get(name)
+        if node is None:
+            raise KeyError(f"unknown node {name!r}")
+        return node
+
+    def _refresh(self, node: _Node, *, old_key: GroupKey | None) -> None:
+        shape = node.shape
+        blocked = 0
+        slot_of = shape.slot_of
+        for dev in node.unavailable | node.port_down:
+            s = slot_of.get(dev)
+            if s is not None:
+                blocked |= 1 << s
+        for devs in self._holds.get(node.name, {}).values():
+            for dev in devs:
+                s = slot_of.get(dev)
+                if s is not None:
+                    blocked |= 1 << s
+        node.mask = shape.effective_free(blocked)
+        self._move(node.name, old_key, (node.hw, node.mask))
+
+    def _move(self, name: str, old: GroupKey | None, new: GroupKey | None) -> None:
+        if old == new:
+            return
+        log = self._log
+        if old is not None:
+            members = self._groups.get(old)
+            if members is not None and name in members:
+                del members[name]
+                if not members:
+                    del self._groups[old]
+                log.append((old, -1))
+        if new is not None:
+            members = self._groups.get(new)
+            if members is None:
+                members = self._groups[new] = {}
+            members[name] = None
+            log.append((new, 1))
+        if len(log) > _LOG_MAX:
+            self._compact()
+
+    def _compact(self) -> None:
+        end = self._log_base + len(self._log)
+        keep_from = end - _LOG_MAX // 2
+        for k in [k for k, st in self._sigs.items() if st.cursor < keep_from]:
+            del self._sigs[k]
+        new_base = min((st.cursor for st in self._sigs.values()), default=end)
+        del self._log[: new_base - self._log_base]
+        self._log_base = new_base
+
+    def _eval(self, spec: Spec, hw: int, mask: int) -> Choice | Refusal:
+        shape, labels = self._hw[hw]
+        if spec.selector:
+            sk = (hw, spec.selector)
+            ok = self._selector_ok.get(sk)
+            if ok is None:
+                ok = self._selector_ok[sk] = all(labels.get(k) == v for k, v in spec.selector)
+            if not ok:
+                return _SELECTOR_REFUSAL
+        key = (spec.key, shape.id, mask)
+        res = self._evals.get(key)
+        if res is None:
+            if len(self._evals) >= _EVAL_MAX:
+                self._evals.clear()
+            res = self._evals[key] = evaluate(shape, mask, spec)
+        return res
+
+    def _state(self, spec: Spec) -> _SigState:
+        sk = (spec.key, spec.selector)
+        st = self._sigs.get(sk)
+        end = self._log_base + len(self._log)
+        if st is None:
+            st = _SigState(spec=spec, cursor=end)
+            for gkey, members in self._groups.items():
+                self._apply(st, gkey, len(members))
+            if len(self._sigs) >= _SIG_MAX:
+                del self._sigs[next(iter(self._sigs))]
+            self._sigs[sk] = st
+            return st
+        # Most recently used last, so the LRU drop above takes the stalest.
+        self._sigs[sk] = self._sigs.pop(sk)
+        if st.cursor < end:
+            for gkey, delta in self._log[st.cursor - self._log_base :]:
+                self._apply(st, gkey, delta)
+            st.cursor = end
+        return st
+
+    def _apply(self, st: _SigState, gkey: GroupKey, delta: int) -> None:
+        hw, mask = gkey
+        res = self._eval(st.spec, hw, mask)
+        if isinstance(res, Refusal):
+            n = st.refused[res] + delta
+            if n:
+                st.refused[res] = n
+            else:
+                del st.refused[res]
+            return
+        st.feasible += delta
+        if delta > 0 and gkey not in st.in_heap:
+            shape = self._hw[hw][0]
+            free_g = (mask & shape.gpu_all).bit_count()
+            free_n = (mask & shape.pf_all).bit_count()
+            pol = (free_g, free_n) if self.policy == "binpack" else (-free_g, -free_n)
+            self._seq += 1
+            heapq.heappush(st.heap, (res.key, pol, res.frag, self._seq, gkey))
+            st.in_heap.add(gkey)
+
+    def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
+        shape = node.shape
+        devs = node.devices
+        gpus: list[AssignedGpu] = []
+        for s in res.gpus:
+            g = devs[s][0]
+            assert isinstance(g, Gpu)
+            gpus.append(AssignedGpu(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id))
+        nics: list[AssignedNic] = []
+        for s in res.nics:
+            pf, vf = devs[s]
+            assert isinstance(pf, Nic)
+            if vf is None:
+                nics.append(AssignedNic(name=pf.name, pf=pf.name, pci_bus_id=pf.pci_bus_id, netdev=pf.netdev))
+            else:
+                nics.append(
+                    AssignedNic(
+                        name=vf.name, pf=pf.name, vf=vf.index, pci_bus_id=vf.pci_bus_id, netdev=vf.netdev
+                    )
+                )
+        pairs = [
+            Pair(gpu=shape.gpu_index[gs], nic=shape.slot_id[ns], scope=_SCOPE[sc]) for gs, ns, sc in res.pairs
+        ]
+        return Placement(
+            node=node.name,
+            gpus=gpus,
+            nics=nics,
+            pairs=pairs,
+            scope=_SCOPE[res.scope],
+            candidates=candidates,
+            met=res.met,
+            quality=res.key,
+        )
+
+    def _unschedulable(self, spec: Spec, st: _SigState) -> Unschedulable:
+        if not self._nodes:
+            return Unschedulable(reason="no nodes", counts={}, reasons=[])
+        items = sorted(st.refused.items(), key=lambda kv: (-kv[1], kv[0].text))
+        reasons = [NodeReason(r.code, r.text, n) for r, n in items]
+        text = "; ".join(f"{n} node{'' if n == 1 else 's'}: {r.text}" for r, n in items)
+        what = f"{spec.gpus} GPUs + {spec.rdma} NICs"
+        return Unschedulable(
+            reason=f"no node can take {what}: {text}" if text else f"no node can take {what}",
+            counts={r.text: n for r, n in items},
+            reasons=reasons,
+        )
+
+
+_SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
+_SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
+
+
+def _port_down(topo: NodeTopology) -> set[str]:
+    """NICs whose port is down or still initialising (and their VFs) cannot be handed out."""
+    out: set[str] = set()
+    for nic in topo.nics():
+        if nic.port_state in ("down", "init"):
+            out.add(nic.name)
+            out.update(vf.name for vf in nic.vfs)
+    return out

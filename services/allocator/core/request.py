@@ -1,0 +1,97 @@
+"""Requests as the core sees them: defaults applied, names parsed, one hashable key.
+
+:func:`normalise` turns a wire :class:`~schemas.messages.AllocationRequest` into a
+:class:`Spec`: the device class fills in scope, policy and pairing the request left out, and
+``pairing=None`` becomes ``per-gpu`` when the request asks as many NICs as GPUs (and at least
+one), ``shared`` otherwise. Everything that can never work is an
+:class:`~services.allocator.core.errors.InvalidRequest` here, before any node is looked at.
+
+:func:`pending_order` is the queue order the allocator service retries pending requests in:
+higher priority first, then older first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import TypeVar
+
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest
+from schemas.topology import Scope
+
+from .errors import InvalidRequest
+
+__all__ = ["Spec", "normalise", "pending_order"]
+
+
+@dataclass(frozen=True, slots=True)
+class Spec:
+    """A normalised request. ``key`` is what two requests must share to share a decision."""
+
+    gpus: int
+    rdma: int
+    scope: Scope
+    required: bool
+    per_gpu: bool
+    device_class: str
+    dc: DeviceClass
+    selector: tuple[tuple[str, str], ...]
+
+    @property
+    def key(self) -> tuple[object, ...]:
+        """Everything node-independent the in-node search depends on."""
+        return (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
+
+    @property
+    def pairing(self) -> str:
+        return "per-gpu" if self.per_gpu else "shared"
+
+
+def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spec:
+    dc = classes.get(req.device_class)
+    if dc is None:
+        known = ", ".join(sorted(classes)) or "none"
+        raise InvalidRequest(
+            f"request {req.request_id}: unknown device class {req.device_class!r} (known: {known})"
+        )
+    try:
+        scope = Scope.parse(req.scope if req.scope is not None else dc.scope)
+    except ValueError as exc:
+        raise InvalidRequest(f"request {req.request_id}: {exc}") from None
+    policy = req.policy if req.policy is not None else dc.policy
+    if policy not in ("required", "preferred"):
+        raise InvalidRequest(f"request {req.request_id}: unknown policy {policy!r}")
+    if req.gpus < 0 or req.rdma < 0:
+        raise InvalidRequest(f"request {req.request_id}: negative device count")
+    if req.gpus == 0 and req.rdma == 0:
+        raise InvalidRequest(f"request {req.request_id}: asks for no GPU and no NIC")
+    pairing = req.pairing if req.pairing is not None else dc.pairing
+    if pairing is None or (req.pairing is None and pairing == "per-gpu" and req.gpus != req.rdma):
+        # A class default of per-gpu cannot apply to a request with unequal counts.
+        pairing = "per-gpu" if req.gpus == req.rdma else "shared"
+    if pairing not in ("per-gpu", "shared"):
+        raise InvalidRequest(f"request {req.request_id}: unknown pairing {pairing!r}")
+    if pairing == "per-gpu" and req.gpus != req.rdma:
+        raise InvalidRequest(
+            f"request {req.request_id}: pairing per-gpu needs as many NICs as GPUs "
+            f"(asked {req.gpus} GPUs, {req.rdma} NICs); use pairing shared"
+        )
+    return Spec(
+        gpus=req.gpus,
+        rdma=req.rdma,
+        scope=scope,
+        required=policy == "required",
+        per_gpu=pairing == "per-gpu",
+        device_class=req.device_class,
+        dc=dc,
+        selector=tuple(sorted(req.node_selector.items())),
+    )
+
+
+R = TypeVar("R", bound=AllocationRequest)
+
+
+def pending_order(requests: Iterable[R]) -> list[R]:
+    """Retry order for pending requests: priority descending, then creation time, then id."""
+    return sorted(requests, key=lambda r: (-r.priority, r.created_at, r.request_id))
