@@ -1,0 +1,60 @@
+"""Pure pieces of the node agent and inventory: health state machine, record updates."""
+
+from __future__ import annotations
+
+from schemas.messages import DeviceHealth, HealthEvent, NodeInventory, NodeRecord
+from schemas.topology import NodeTopology, Socket
+from services.inventory.service import apply_health, apply_inventory, set_status
+from services.nodeagent.health import HealthTracker
+
+TOPO = NodeTopology(name="n1", sockets=[Socket(id=0)])
+
+
+def test_failed_device_recovers_after_clean_period_only() -> None:
+    h = HealthTracker(["gpu0", "gpu1"], clean_period=10)
+    assert h.fail("gpu0", "XID 79", now=100) is not None
+    assert h.state["gpu1"].healthy  # one failure never takes other devices out
+    assert h.tick(now=105) == {}
+    h.fail("gpu0", "XID 79", now=106)  # a repeated failure restarts the clean period
+    assert h.tick(now=111) == {}
+    changed = h.tick(now=116.5)
+    assert list(changed) == ["gpu0"] and changed["gpu0"].healthy
+
+
+def test_cordon_survives_recovery_and_only_uncordon_lifts_it() -> None:
+    h = HealthTracker(["mlx5_0"], clean_period=1)
+    h.cordon("mlx5_0", "maintenance", now=0)
+    h.fail("mlx5_0", "link down", now=1)
+    h.tick(now=5)
+    assert h.state["mlx5_0"].healthy and h.state["mlx5_0"].cordoned
+    h.uncordon("mlx5_0", now=6)
+    assert h.state["mlx5_0"] == DeviceHealth(healthy=True, cordoned=False, reason="uncordoned", since=6)
+
+
+def test_repeated_identical_event_reports_no_change() -> None:
+    h = HealthTracker(["gpu0"])
+    assert h.fail("gpu0", "XID 48", now=1) is not None
+    assert h.fail("gpu0", "XID 48", now=2) is None
+    assert h.recover("gpu0", now=3) is not None
+    assert h.recover("gpu0", now=4) is None
+
+
+def test_older_inventory_snapshot_never_rolls_a_node_back() -> None:
+    new = apply_inventory(None, NodeInventory(node="n1", topology=TOPO, generation=2, ts=20), now=20)
+    assert new is not None and new.generation == 2
+    assert apply_inventory(new, NodeInventory(node="n1", topology=TOPO, generation=1, ts=10), now=21) is None
+
+
+def test_health_event_updates_one_device_and_ignores_stale_ones() -> None:
+    rec = NodeRecord(node="n1", topology=TOPO, health={"gpu0": DeviceHealth(since=5)})
+    out = apply_health(rec, HealthEvent(node="n1", device="gpu0", healthy=False, reason="XID 79", ts=6))
+    assert out is not None and out.unavailable() == {"gpu0"}
+    assert apply_health(out, HealthEvent(node="n1", device="gpu0", healthy=True, ts=5.5)) is None
+    assert apply_health(None, HealthEvent(node="n1", device="gpu0", healthy=True, ts=7)) is None
+
+
+def test_status_transitions_written_only_when_they_change() -> None:
+    rec = NodeRecord(node="n1", topology=TOPO)
+    lost = set_status(rec, "lost", now=1)
+    assert lost is not None and lost.status == "lost"
+    assert set_status(lost, "lost", now=2) is None
