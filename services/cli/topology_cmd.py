@@ -118,7 +118,8 @@ def _list(args: argparse.Namespace) -> int:
     rows = []
     for name in builtin_names():
         topo = load_topology(name)
-        rows.append((name, str(len(topo.gpus())), str(len(topo.nics())), topo.description))
+        desc = topo.description if len(topo.description) <= 90 else topo.description[:89] + "…"
+        rows.append((name, str(len(topo.gpus())), str(len(topo.nics())), desc))
     header = ("NAME", "GPUS", "NICS", "DESCRIPTION")
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(3)]
     for row in [header, *rows]:

@@ -87,6 +87,7 @@ _GPU_LABEL = re.compile(r"^GPU(\d+)$")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _DEVICE_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]*$")
 _NV = re.compile(r"^NV(\d+)$")
+_RELATION_WORD = re.compile(r"^[A-Za-z]+\d*$")  # what a relation cell looks like, valid or not
 # Trailing non-device columns, longest first ("GPU NUMA ID" before anything starting "GPU").
 _EXTRA_COLUMNS: tuple[tuple[str, ...], ...] = (
     ("GPU", "NUMA", "ID"),
@@ -256,14 +257,18 @@ def parse_matrix(text: str, *, source: str | Path | None = None) -> TopoMatrix:
             raise fail(f"second row for {label} (first on line {row_line[label]})", lineno)
         row_line[label] = lineno
         row = tokens[1 : 1 + n]
+        for k, (col, cell) in enumerate(zip(columns, row, strict=False)):
+            if not _valid_cell(cell):
+                if _RELATION_WORD.match(cell):
+                    raise fail(f"row {label}, column {col}: unknown relation {cell!r}", lineno)
+                # An affinity value where a relation belongs: the row is short of cells.
+                row = row[:k]
+                break
+            cells[(label, col)] = cell
         if len(row) < n:
             raise fail(
                 f"row {label} has {len(row)} relation cells; the header has {n} device columns", lineno
             )
-        for col, cell in zip(columns, row, strict=True):
-            if not _valid_cell(cell):
-                raise fail(f"row {label}, column {col}: unknown relation {cell!r}", lineno)
-            cells[(label, col)] = cell
         if cells[(label, label)] != "X":
             raise fail(f"row {label}: expected X on the diagonal, got {cells[(label, label)]!r}", lineno)
         values = tokens[1 + n :]

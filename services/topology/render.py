@@ -12,7 +12,8 @@ def summary(topo: NodeTopology) -> str:
     gpus, nics = topo.gpus(), topo.nics()
     vfs = sum(len(n.vfs) for n in nics)
     nvlinked = sum(1 for g in gpus if g.nvlink_peers)
-    parts = f", {len(topo.nvlink_partitions)} NVLink partitions" if topo.nvlink_partitions else ""
+    n_parts = len(topo.nvlink_partitions)
+    parts = f", {n_parts} NVLink partition{'s' if n_parts != 1 else ''}" if n_parts else ""
     return f"{len(gpus)} GPUs ({nvlinked} with NVLink{parts}), {len(nics)} NICs, {vfs} VFs"
 
 
