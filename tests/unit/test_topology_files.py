@@ -226,3 +226,12 @@ def test_yaml_dump_is_readable() -> None:
     # Metadata first, tree last; short number lists on one line.
     assert text.index("nvlink_partitions:") < text.index("sockets:")
     assert "nvlink_peers: [1, 2, 3, 4, 5, 6, 7]" in text
+
+
+def test_the_documented_example_loads(tmp_path: Path) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "topology.md").read_text()
+    example = doc.split("### Example\n\n```yaml\n", 1)[1].split("```", 1)[0]
+    topo = load_topology(_write(tmp_path, example, "example.yaml"))
+    assert topo.name == "gpu-node-7"
+    assert relations(topo) == {("gpu0", "mlx5_0"): Scope.PCIE_SWITCH, ("gpu1", "mlx5_0"): Scope.PCIE_SWITCH,
+                               ("gpu2", "mlx5_0"): Scope.PCIE_ROOT}  # fmt: skip
