@@ -1,0 +1,154 @@
+"""Reference search: every GPU subset x every NIC subset x every pairing, scored directly.
+
+Written from the definitions in ``services/allocator/core/search.py``'s docstring, not from its
+code: pair scopes come from :func:`schemas.topology.scope_between`, per-gpu pairings are tried
+as every permutation, and fragmentation is counted from the topology tree. It is exponential
+and only meant for small nodes (the property tests and ``bench.run``'s optimality check).
+"""
+
+from __future__ import annotations
+
+from itertools import combinations, permutations
+
+from schemas.config import DeviceClass
+from schemas.topology import DeviceLocation, Gpu, Nic, NodeTopology, Scope, locate, scope_between
+from services.allocator.core import Spec, nvlink_partitions
+
+Key = tuple[int, ...]
+NO_NVLINK = 1 << 10
+
+
+def effective_free(topo: NodeTopology, blocked: set[str]) -> set[str]:
+    """Free device ids: a blocked PF blocks its VFs; a blocked VF makes its PF unusable."""
+    free: set[str] = set()
+    for loc in locate(topo):
+        d = loc.device
+        if isinstance(d, Gpu):
+            if d.id not in blocked:
+                free.add(d.id)
+            continue
+        vf_names = {vf.name for vf in d.vfs}
+        pf_blocked = d.name in blocked
+        if not pf_blocked and not (vf_names & blocked):
+            free.add(d.name)
+        if not pf_blocked:
+            free |= vf_names - blocked
+    return free
+
+
+def _gpu_ok(g: Gpu, dc: DeviceClass) -> bool:
+    if dc.gpu_models and not any(m.lower() in g.model.lower() for m in dc.gpu_models):
+        return False
+    return g.memory_mib >= dc.gpu_min_memory_mib
+
+
+def _nic_candidates(nic: Nic, dc: DeviceClass) -> list[str]:
+    if dc.nic_link_type is not None and nic.link_type != dc.nic_link_type:
+        return []
+    if nic.speed_gbps < dc.nic_min_speed_gbps:
+        return []
+    vfs = [vf.name for vf in nic.vfs]
+    if dc.nic_function == "pf":
+        return [nic.name]
+    if dc.nic_function == "vf":
+        return vfs
+    return vfs if vfs else [nic.name]  # "any": by VF when split, whole otherwise
+
+
+def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str], list[str]] | None:
+    """The minimal quality key (with one placement reaching it), or None when nothing fits."""
+    locs = locate(topo)
+    where: dict[str, DeviceLocation] = {}
+    gpus: list[str] = []
+    nics: list[str] = []
+    for loc in locs:
+        d = loc.device
+        where[d.id] = loc
+        if isinstance(d, Gpu):
+            if d.id in free and _gpu_ok(d, spec.dc):
+                gpus.append(d.id)
+        else:
+            for name in _nic_candidates(d, spec.dc):
+                where[name] = loc
+                if name in free:
+                    nics.append(name)
+            for vf in d.vfs:
+                where[vf.name] = loc
+    # Units for fragmentation: every device id (GPU, PF, VF) under each switch/root/NUMA/socket.
+    units: list[tuple[int, set[str]]] = []
+    by_key: dict[tuple[object, ...], set[str]] = {}
+    for name, loc in where.items():
+        for level, key in (
+            (0, loc.key(Scope.PCIE_SWITCH)),
+            (1, loc.key(Scope.PCIE_ROOT)),
+            (2, loc.key(Scope.NUMA)),
+            (3, loc.key(Scope.SOCKET)),
+        ):
+            if key is not None:
+                by_key.setdefault((level, *key), set()).add(name)
+    units = [(k[0], members) for k, members in by_key.items()]  # type: ignore[misc]
+    whole = [(lvl, m) for lvl, m in units if m <= free]
+    index_of = {f"gpu{g.index}": g.index for g in topo.gpus()}
+    present = set(index_of.values())
+    parts = [set(p) & present for p in nvlink_partitions(topo)]
+    parts = [p for p in parts if len(p) > 1]
+    whole_parts = [p for p in parts if all(f"gpu{i}" in free for i in p)]
+    g, r, S = spec.gpus, spec.rdma, int(spec.scope)
+
+    def sc(a: str, b: str) -> int:
+        return int(scope_between(where[a], where[b]))
+
+    result: tuple[Key, list[str], list[str]] | None = None
+    for G in combinations(gpus, g):
+        gi = {index_of[x] for x in G}
+        if g <= 1:
+            nv = 0
+        else:
+            sizes = [len(p) for p in parts if gi <= p]
+            nv = min(sizes) if sizes else NO_NVLINK
+        for N in combinations(nics, r):
+            c = [0, 0, 0, 0]
+            d = [0, 0, 0, 0]
+            unmet = 0
+            if g and r:
+                if spec.per_gpu:
+                    best_c = None
+                    for perm in permutations(N):
+                        scopes = [sc(a, b) for a, b in zip(G, perm, strict=True)]
+                        cum = tuple(sum(1 for s in scopes if s <= k) for k in range(4))
+                        if best_c is None or cum > best_c:
+                            best_c = cum
+                    assert best_c is not None
+                    c = list(best_c)
+                    unmet = 1 if S < 4 and c[S] < g else 0
+                else:
+                    gn = [min(sc(a, b) for b in N) for a in G]
+                    ng = [min(sc(a, b) for a in G) for b in N]
+                    c = [sum(1 for s in gn if s <= k) for k in range(4)]
+                    d = [sum(1 for s in ng if s <= k) for k in range(4)]
+                    unmet = 1 if S < 4 and (c[S] < g or d[S] < r) else 0
+            if unmet and spec.required:
+                continue
+            chosen = set(G) | set(N)
+            nvb = sum(len(p) for p in whole_parts if gi & p)
+            broken = [sum(1 for lvl, m in whole if lvl == k and m & chosen) for k in range(4)]
+            key = (
+                unmet,
+                -c[0],
+                -c[1],
+                -c[2],
+                -c[3],
+                -d[0],
+                -d[1],
+                -d[2],
+                -d[3],
+                nv,
+                nvb,
+                broken[3],
+                broken[2],
+                broken[1],
+                broken[0],
+            )
+            if result is None or key < result[0]:
+                result = (key, list(G), list(N))
+    return result

@@ -1,0 +1,116 @@
+"""Random node topologies and cluster states for property tests and the optimality benchmark.
+
+Kept small on purpose (the reference search is exponential): a few GPUs and NICs, spread over
+1-2 sockets, 1-2 NUMA nodes each, PCIe roots with or without switches, optional SR-IOV VFs,
+NVLink peers and partitions, mixed GPU models and NIC link types.
+"""
+
+from __future__ import annotations
+
+import random
+
+from schemas.topology import (
+    Gpu,
+    Nic,
+    NodeTopology,
+    NumaNode,
+    PcieRoot,
+    PcieSwitch,
+    Socket,
+    VirtualFunction,
+)
+
+MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L40S")
+
+
+def random_topology(
+    rng: random.Random, *, max_gpus: int = 6, max_nics: int = 5, vfs: bool = True
+) -> NodeTopology:
+    counter = {"gpu": 0, "nic": 0}
+    model = rng.choice(MODELS)
+
+    def gpus(n: int) -> list[Gpu]:
+        out = []
+        for _ in range(n):
+            if counter["gpu"] >= max_gpus:
+                break
+            i = counter["gpu"]
+            counter["gpu"] += 1
+            m = model if rng.random() < 0.8 else rng.choice(MODELS)
+            out.append(Gpu(index=i, uuid=f"GPU-{i:04d}", model=m, memory_mib=rng.choice((40960, 81920))))
+        return out
+
+    def nics(n: int) -> list[Nic]:
+        out = []
+        for _ in range(n):
+            if counter["nic"] >= max_nics:
+                break
+            i = counter["nic"]
+            counter["nic"] += 1
+            vf_list = []
+            if vfs and rng.random() < 0.35:
+                vf_list = [
+                    VirtualFunction(index=k, name=f"mlx5_{100 + i * 4 + k}") for k in range(rng.randint(1, 2))
+                ]
+            out.append(
+                Nic(
+                    name=f"mlx5_{i}",
+                    link_type=rng.choice(("infiniband", "infiniband", "ethernet")),
+                    speed_gbps=rng.choice((100, 200, 400)),
+                    vfs=vf_list,
+                )
+            )
+        return out
+
+    sockets = []
+    root_n = 0
+    for s in range(rng.randint(1, 2)):
+        numas = []
+        for n in range(rng.randint(1, 2)):
+            roots = []
+            for _ in range(rng.randint(1, 2)):
+                sws = [
+                    PcieSwitch(
+                        id=f"sw{root_n}{w}",
+                        gpus=gpus(rng.choice((0, 1, 1, 2))),
+                        nics=nics(rng.choice((0, 1, 1, 2))),
+                    )
+                    for w in range(rng.choice((0, 1, 2, 2)))
+                ]
+                roots.append(
+                    PcieRoot(
+                        id=f"r{root_n}",
+                        switches=sws,
+                        gpus=gpus(rng.choice((0, 0, 1))),
+                        nics=nics(rng.choice((0, 0, 1))),
+                    )
+                )
+                root_n += 1
+            numas.append(NumaNode(id=s * 2 + n, roots=roots))
+        sockets.append(Socket(id=s, numa_nodes=numas))
+    topo = NodeTopology(name="rand", sockets=sockets)
+    n = counter["gpu"]
+    # NVLink: none, all-to-all, or pairs; sometimes explicit partitions.
+    mode = rng.choice(("none", "all", "pairs"))
+    peers: dict[int, list[int]] = {i: [] for i in range(n)}
+    if mode == "all":
+        peers = {i: [j for j in range(n) if j != i] for i in range(n)}
+    elif mode == "pairs":
+        for i in range(0, n - 1, 2):
+            peers[i].append(i + 1)
+            peers[i + 1].append(i)
+    for loc_gpu in topo.gpus():
+        loc_gpu.nvlink_peers = peers[loc_gpu.index]
+    if n >= 4 and rng.random() < 0.3:
+        topo.nvlink_partitions = [[0, 1], [2, 3], list(range(n))]
+    return topo.validate()
+
+
+def all_device_ids(topo: NodeTopology) -> list[str]:
+    out: list[str] = []
+    for g in topo.gpus():
+        out.append(g.id)
+    for nic in topo.nics():
+        out.append(nic.name)
+        out.extend(vf.name for vf in nic.vfs)
+    return out

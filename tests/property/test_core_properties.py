@@ -1,0 +1,211 @@
+"""Property tests of the allocator core against the plain exhaustive search (bench.exhaustive).
+
+Random small topologies, random holds and unhealthy devices, random requests (counts, scope,
+policy, pairing, device class). What must hold: no used / unavailable device handed out; a
+required scope always honoured; ``Unschedulable`` only when no node has a placement meeting the
+required scope; the chosen placement as good as the best any node offers (same quality tuple
+as the exhaustive search on the chosen node, same scope/pair/NVLink part as the best node);
+and the incremental index agrees with a cluster built from scratch after churn.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from bench import exhaustive
+from bench.randtopo import all_device_ids, random_topology
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest, PodRef
+from schemas.topology import Gpu, NodeTopology, Scope, locate, scope_between
+from services.allocator.core import Cluster, Placement, Unschedulable
+
+CLASSES = {
+    "default": DeviceClass(),
+    "ib": DeviceClass(nic_link_type="infiniband", scope="pcie-root"),
+    "vf": DeviceClass(nic_function="vf"),
+    "any": DeviceClass(nic_function="any", nic_min_speed_gbps=200),
+    "big": DeviceClass(gpu_min_memory_mib=81920, gpu_models=["h100", "a100"]),
+}
+SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def build(seed: int, n_nodes: int) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]]]:
+    """A cluster of random nodes with random holds and unavailable devices."""
+    rng = random.Random(seed)
+    cluster = Cluster(policy=rng.choice(("binpack", "spread")), device_classes=CLASSES)
+    topos: dict[str, NodeTopology] = {}
+    blocked: dict[str, set[str]] = {}
+    shared = random_topology(rng)
+    for i in range(n_nodes):
+        # Half the nodes share hardware, so the (shape, mask) cache is exercised.
+        topo = shared if rng.random() < 0.5 else random_topology(rng)
+        name = f"n{i}"
+        ids = all_device_ids(topo)
+        bad = {d for d in ids if rng.random() < 0.05}
+        cluster.set_node(name, topo, labels={"pool": rng.choice("ab")}, unavailable=bad)
+        held: set[str] = set()
+        for h in range(rng.randint(0, 2)):
+            devs = {d for d in ids if rng.random() < 0.15}
+            cluster.hold(name, f"h{h}", devs)
+            held |= devs
+        topos[name] = topo
+        blocked[name] = bad | held
+    return cluster, topos, blocked
+
+
+def random_request(rng: random.Random, rid: str = "req") -> AllocationRequest:
+    g = rng.choice((0, 1, 1, 2, 2, 3, 4))
+    r = g if g and rng.random() < 0.5 else rng.randint(0 if g else 1, 4)
+    pairing = None if g != r or rng.random() < 0.8 else "shared"
+    return AllocationRequest(
+        request_id=rid,
+        pod=PodRef("ns", rid),
+        gpus=g,
+        rdma=r,
+        scope=rng.choice((None, "pcie-switch", "pcie-root", "numa", "socket", "node")),
+        policy=rng.choice((None, "required", "preferred")),
+        pairing=pairing,
+        device_class=rng.choice(("default", "default", *CLASSES)),
+        node_selector=rng.choice(({}, {}, {}, {"pool": "a"})),
+    )
+
+
+def _loc_map(topo: NodeTopology) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for loc in locate(topo):
+        out[loc.device.id] = loc
+        if not isinstance(loc.device, Gpu):
+            for vf in loc.device.vfs:
+                out[vf.name] = loc
+    return out
+
+
+def check_placement(
+    p: Placement,
+    cluster: Cluster,
+    topos: dict[str, NodeTopology],
+    blocked: dict[str, set[str]],
+    req: AllocationRequest,
+) -> None:
+    spec = cluster.normalise(req)
+    free = exhaustive.effective_free(topos[p.node], blocked[p.node])
+    devs = p.devices()
+    assert len(devs) == len(set(devs)) == spec.gpus + spec.rdma
+    assert set(devs) <= free, f"handed out a used/unavailable device: {set(devs) - free}"
+    assert len(p.gpus) == spec.gpus and len(p.nics) == spec.rdma
+    labels = cluster.labels(p.node)
+    assert all(labels.get(k) == v for k, v in req.node_selector.items())
+    where = _loc_map(topos[p.node])
+    if spec.required and spec.gpus and spec.rdma:
+        for pair in p.pairs:
+            s = scope_between(where[f"gpu{pair.gpu}"], where[pair.nic])  # type: ignore[arg-type]
+            assert s <= spec.scope, f"pair {pair} outside required scope {spec.scope.wire}"
+            assert Scope.parse(pair.scope) == s
+        if not spec.per_gpu:
+            for nic in p.nics:
+                near = min(scope_between(where[f"gpu{g.index}"], where[nic.name]) for g in p.gpus)  # type: ignore[arg-type]
+                assert near <= spec.scope
+    if spec.per_gpu:
+        assert sorted(x.gpu for x in p.pairs) == sorted(g.index for g in p.gpus)
+        assert sorted(x.nic for x in p.pairs) == sorted(n.name for n in p.nics)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1))
+def test_single_node_equals_exhaustive(seed: int, rseed: int) -> None:
+    cluster, topos, blocked = build(seed, 1)
+    req = random_request(random.Random(rseed))
+    spec = cluster.normalise(req)
+    labels = cluster.labels("n0")
+    ref = None
+    if all(labels.get(k) == v for k, v in req.node_selector.items()):
+        ref = exhaustive.best(topos["n0"], exhaustive.effective_free(topos["n0"], blocked["n0"]), spec)
+    got = cluster.decide(req)
+    if ref is None:
+        assert isinstance(got, Unschedulable), f"core placed {got} where exhaustive search found nothing"
+        assert got.reason
+    else:
+        assert isinstance(got, Placement), f"core refused ({got.reason}) but exhaustive found {ref}"
+        check_placement(got, cluster, topos, blocked, req)
+        assert got.quality == ref[0], f"core {got.quality} vs exhaustive {ref[0]} ({ref[1]}, {ref[2]})"
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1), n=st.integers(2, 4))
+def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> None:
+    cluster, topos, blocked = build(seed, n)
+    req = random_request(random.Random(rseed))
+    spec = cluster.normalise(req)
+    refs = {}
+    for name, topo in topos.items():
+        labels = cluster.labels(name)
+        if all(labels.get(k) == v for k, v in req.node_selector.items()):
+            ref = exhaustive.best(topo, exhaustive.effective_free(topo, blocked[name]), spec)
+            if ref is not None:
+                refs[name] = ref[0]
+    got = cluster.decide(req)
+    if not refs:
+        assert isinstance(got, Unschedulable)
+        assert sum(got.counts.values()) == n  # every node accounted for in the reason
+        return
+    assert isinstance(got, Placement), f"refused ({got.reason}) though nodes {sorted(refs)} fit"
+    check_placement(got, cluster, topos, blocked, req)
+    assert got.quality == refs[got.node]
+    # Placement quality (scope met, pair counts, NVLink) is the best any node offers.
+    assert got.quality[:10] == min(k[:10] for k in refs.values())
+    assert got.candidates == len(refs)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1))
+def test_churn_keeps_invariants_and_matches_fresh_index(seed: int) -> None:
+    rng = random.Random(seed)
+    cluster, topos, blocked = build(seed, 4)
+    base_blocked = {k: set(v) for k, v in blocked.items()}
+    live: dict[str, tuple[str, list[str]]] = {}
+    for step in range(30):
+        if live and rng.random() < 0.35:
+            rid = rng.choice(sorted(live))
+            node, devs = live.pop(rid)
+            cluster.release(node, rid)
+            blocked[node] -= set(devs)
+            blocked[node] |= base_blocked[node] & set(devs)
+            continue
+        if rng.random() < 0.1:
+            # Health change on a random node: one more device becomes unavailable.
+            node = rng.choice(sorted(topos))
+            ids = all_device_ids(topos[node])
+            if not ids:
+                continue
+            dev = rng.choice(ids)
+            bad = cluster.unavailable_devices(node) | {dev}
+            cluster.set_unavailable(node, bad)
+            base_blocked[node].add(dev)
+            blocked[node].add(dev)
+            continue
+        req = random_request(rng, f"c{step}")
+        got = cluster.decide(req)
+        # A cluster rebuilt from the same state must reach an equally good decision.
+        fresh = Cluster(policy=cluster.policy, device_classes=CLASSES)
+        for name, topo in topos.items():
+            fresh.set_node(
+                name, topo, labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name)
+            )
+            for rid, devs in cluster.holds(name).items():
+                fresh.hold(name, rid, devs)
+        again = fresh.decide(req)
+        assert type(got) is type(again)
+        if isinstance(got, Placement):
+            assert isinstance(again, Placement)
+            assert got.quality == again.quality
+            assert cluster.free_counts(got.node) == fresh.free_counts(again.node)
+            check_placement(got, cluster, topos, blocked, req)
+            cluster.hold(got.node, req.request_id, got.devices())
+            live[req.request_id] = (got.node, got.devices())
+            blocked[got.node] |= set(got.devices())
+        else:
+            assert isinstance(again, Unschedulable)
+            assert got.counts == again.counts
