@@ -59,7 +59,9 @@ class Placement:
     ``scope`` is the worst (coarsest) scope over ``pairs``; a placement without pairs (GPU-only
     or NIC-only) reports the finest scope that holds all its devices. ``met`` says whether the
     requested scope was met (always true for ``required``). ``candidates`` is the number of
-    nodes that could take the request at this moment.
+    nodes that could take the request at this moment. ``quality`` is the in-node ranking
+    tuple (see :mod:`.search`: scope met, pair counts, NVLink fit, then fragmentation),
+    smaller is better; equal tuples are equally good placements.
     """
 
     node: str
@@ -432,7 +434,7 @@ class Cluster:
             scope=_SCOPE[res.scope],
             candidates=candidates,
             met=res.met,
-            quality=res.key,
+            quality=res.key + res.frag,
         )
 
     def _unschedulable(self, spec: Spec, st: _SigState) -> Unschedulable:
