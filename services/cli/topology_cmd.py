@@ -86,10 +86,8 @@ def _import(args: argparse.Namespace) -> int:
             sockets=args.sockets,
             source=path,
         )
-    except TopologyFileError as exc:
+    except TopologyFileError as exc:  # not a matrix, or a --name the model rejects
         raise CliError(str(exc)) from exc
-    except ValueError as exc:  # a --name the topology model rejects
-        raise CliError(f"{path}: {exc}") from exc
     for note in result.notes:
         print(f"note: {note}", file=sys.stderr)
     for mismatch in result.mismatches:

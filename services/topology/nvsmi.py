@@ -48,6 +48,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+import msgspec
+import msgspec.json
+
 from schemas.topology import (
     Gpu,
     Nic,
@@ -61,6 +64,7 @@ from schemas.topology import (
     scope_between,
 )
 from services.topology.errors import NvsmiFormatError
+from services.topology.files import decode_topology
 
 __all__ = [
     "UUID_NAMESPACE",
@@ -520,7 +524,7 @@ def build_topology(
         desc += f" ({Path(matrix.source).name})"
     if matrix.comments:
         desc += "; " + "; ".join(c for c in matrix.comments if c)
-    topo = NodeTopology(
+    tree_topo = NodeTopology(
         name=name,
         description=desc,
         labels={"tandem.io/source": "nvidia-smi-topo"},
@@ -534,7 +538,10 @@ def build_topology(
             )
             for sid, numas in sorted(tree.items())
         ],
-    ).validate()
+    )
+    # Constructing Structs does not apply field constraints (patterns, lengths); a decode of
+    # the encoded tree does, so a bad --name or NIC name fails here, not when the file is read.
+    topo = decode_topology(msgspec.json.encode(tree_topo), fmt="json", path=matrix.source)
     return ImportResult(topology=topo, matrix=matrix, mismatches=_mismatches(matrix, topo), notes=notes)
 
 

@@ -76,6 +76,12 @@ def test_user_errors_exit_2_with_one_line(tmp_path: Path, capsys: pytest.Capture
     assert main(["topology", "show", "no-such-topology"]) == 2
     assert "built-ins are" in capsys.readouterr().err
 
+    matrix = str(HERE / "18_aws-g6e.12xlarge_4xL40S_gpu-only.txt")
+    assert main(["topology", "import", "--nvidia-smi", matrix, "--name", "bad name"]) == 2
+    assert "- at `$.name`" in capsys.readouterr().err
+    assert main(["topology", "import", "--nvidia-smi", matrix, "--sockets", "0"]) == 2
+    assert "--sockets must be at least 1" in capsys.readouterr().err
+
 
 def test_strict_refuses_a_contradictory_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     odd = tmp_path / "odd.txt"
