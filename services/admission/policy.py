@@ -19,6 +19,7 @@ What counts as a Tandem request (documented for pod authors in ``docs/kubernetes
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import ipaddress
 import re
@@ -589,3 +590,47 @@ def event_due(state: EventState, *, message: str, now: float, min_interval: floa
     changed = message != state.message
     state.message = message
     return state.written_count == 0 or changed or now - state.written_at >= min_interval
+
+
+def rfc3339(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def event_body(
+    pod: PodView,
+    *,
+    name: str,
+    reason: str,
+    message: str,
+    count: int,
+    now: float,
+    instance: str,
+) -> dict[str, Any]:
+    """A core/v1 Event on the pod (``kubectl describe pod`` shows it)."""
+    stamp = rfc3339(now)
+    return {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": pod.metadata.namespace or ""},
+        "involvedObject": {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "name": pod.metadata.name or "",
+            "namespace": pod.metadata.namespace or "",
+            "uid": pod.metadata.uid or "",
+        },
+        "reason": reason,
+        "message": message[:1024],
+        "type": "Warning",
+        "count": count,
+        "firstTimestamp": stamp,
+        "lastTimestamp": stamp,
+        "source": {"component": names.EVENT_COMPONENT},
+        "reportingComponent": f"{names.PREFIX}bridge",
+        "reportingInstance": instance[:128],
+    }
+
+
+def event_update(*, message: str, count: int, now: float) -> dict[str, Any]:
+    """Merge patch that moves an existing Event on: new count, lastTimestamp and message."""
+    return {"count": count, "lastTimestamp": rfc3339(now), "message": message[:1024]}

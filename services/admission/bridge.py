@@ -1,0 +1,401 @@
+"""The pod bridge: persisted Tandem pods ⇄ allocation messages.
+
+Inputs and what they cause (all idempotent, keyed by ``request_id = <pod uid>.1``):
+
+* a managed pod that still carries the gate ``tandem.io/allocation`` → ``alloc.request``
+  (``Nats-Msg-Id`` from the request id, span ``bridge.request`` under the pod's
+  ``tandem.io/traceparent``);
+* ``alloc.assigned.<node>`` (durable ``CONSUMER_BRIDGE``) → one merge patch on the pod: required
+  node affinity to the node, ``tandem.io/assignment``, gate removed (span ``bridge.bind``, child
+  of the allocator's span). A pod that is gone gets its devices released instead;
+* ``alloc.failed`` (durable ``CONSUMER_BRIDGE_FAILED``) → one Warning Event per pod whose count
+  and lastTimestamp move while it stays pending (at most one write per ``event_interval`` for an
+  unchanged reason);
+* a managed pod deleted or finished (Succeeded/Failed) → ``alloc.release`` on the node's release
+  subject (span ``bridge.release``).
+
+Nothing is lost while the bridge is down: outcomes wait in the durable consumers, and every
+(re)list of pods runs :meth:`Bridge.resync`, which compares the pods with the allocator's
+``RequestRecord``\\ s in ``KV_REQUESTS`` — gated pods without a record are requested, records
+whose pod is gone are released, and a gated pod whose record is already ``assigned`` is bound
+from the node's allocation record. Nothing is duplicated: each publish carries a stable msg id
+(the server drops repeats within its window) and the bridge checks the records before
+re-requesting after a restart.
+
+Handlers ack only after the effect is committed (Bus.consume); a Kubernetes conflict (the pod
+changed since it was read) is retried by redelivery, which re-reads the pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+from typing import Any
+
+from nats.js.errors import KeyNotFoundError, NoKeysError
+
+from schemas import codec, subjects
+from schemas.config import DeviceClass
+from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
+from services.admission import names, policy
+from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
+from services.admission.kube import KubeApi
+from services.runtime.bus import Bus, Delivery, Retry
+from services.runtime.logging import get_logger
+from services.runtime.tasks import Supervisor
+from services.runtime.tracing import context_from_traceparent, tracer
+
+log = get_logger(__name__)
+
+ACTIVE_STATES = frozenset({"pending", "deciding", "assigned"})
+
+
+class Bridge:
+    def __init__(
+        self,
+        *,
+        kube: KubeApi,
+        bus: Bus,
+        device_classes: dict[str, DeviceClass],
+        event_interval: float = 30.0,
+        watch_timeout: int = 300,
+        relist_backoff: float = 1.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.kube = kube
+        self.bus = bus
+        self.device_classes = device_classes
+        self.event_interval = event_interval
+        self.watch_timeout = watch_timeout
+        self.relist_backoff = relist_backoff
+        self.clock = clock
+        self.instance = bus.settings.instance
+        self._tracer = tracer("tandem.bridge")
+        self._requested: set[str] = set()
+        self._released: set[str] = set()
+        self._events: dict[tuple[str, str], policy.EventState] = {}
+        self.synced = asyncio.Event()
+        """Set after the first resync finished (tests and readiness wait on it)."""
+
+    # -- running ---------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Watch pods and consume outcomes until ``stop`` is set (or the task is cancelled)."""
+        sup = Supervisor("bridge")
+        sup.spawn("pods", lambda: self.watch_pods(stop))
+        sup.spawn(
+            "assigned",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.CONSUMER_BRIDGE,
+                filter_subject=subjects.ALLOC_ASSIGNED_ALL,
+                decoder=codec.ALLOC_EVENT,
+                handler=self.on_outcome,
+                stop=stop,
+            ),
+        )
+        sup.spawn(
+            "failed",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.CONSUMER_BRIDGE_FAILED,
+                filter_subject=subjects.ALLOC_FAILED,
+                decoder=codec.ALLOC_EVENT,
+                handler=self.on_outcome,
+                stop=stop,
+            ),
+        )
+        try:
+            await stop.wait()
+        finally:
+            await sup.aclose()
+
+    async def watch_pods(self, stop: asyncio.Event) -> None:
+        """List + resync, then watch from the list's version; on any watch end, do it again."""
+        while not stop.is_set():
+            try:
+                # Records first, then pods: a record whose pod is missing from the later list
+                # really is orphaned (the pod existed when the request was made).
+                records = await self.request_records()
+                pods, version = await self.kube.list_pods(label_selector=names.MANAGED_SELECTOR)
+                await self.resync(pods, records)
+                self.synced.set()
+                async for kind, obj in self.kube.watch_pods(
+                    label_selector=names.MANAGED_SELECTOR,
+                    resource_version=version,
+                    timeout_s=self.watch_timeout,
+                ):
+                    await self.on_pod_event(kind, obj)
+            except KubeError as exc:
+                log.warning("pod_watch_restart", error=str(exc))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), self.relist_backoff)
+
+    # -- resync ----------------------------------------------------------------------------
+
+    async def request_records(self) -> dict[str, RequestRecord]:
+        kv = await self.bus.kv(subjects.KV_REQUESTS)
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return {}
+        out: dict[str, RequestRecord] = {}
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            if entry.value is None:
+                continue
+            try:
+                out[key] = codec.REQUEST_RECORD.decode(entry.value)
+            except codec.DecodeErrors as exc:
+                log.warning("bad_request_record", key=key, error=str(exc))
+        return out
+
+    async def resync(self, pods: list[dict[str, Any]], records: dict[str, RequestRecord]) -> None:
+        live: set[str] = set()
+        for raw in pods:
+            try:
+                pod = policy.read_pod(raw)
+            except InvalidPod:
+                continue
+            if pod.metadata.uid:
+                live.add(pod.metadata.uid)
+            rid = policy.request_id_for(pod.metadata.uid or "")
+            record = records.get(rid)
+            if record is not None:
+                # The allocator has it: never re-request after a restart.
+                self._requested.add(rid)
+            await self.on_pod_event("ADDED", raw)
+            if (
+                record is not None
+                and record.state == "assigned"
+                and record.node
+                and names.GATE in pod.gates
+                and not pod.terminal
+            ):
+                await self._bind_from_record(pod, raw, record)
+        for rid, record in records.items():
+            uid = record.request.pod.uid
+            if record.state not in ACTIVE_STATES or not uid or uid in live or rid in self._released:
+                continue
+            if await self._pod_gone(record.request.pod):
+                await self._publish_release(
+                    rid,
+                    record.request.pod,
+                    node=record.node,
+                    reason="pod deleted while the bridge was away",
+                    traceparent=None,
+                )
+
+    async def _pod_gone(self, ref: PodRef) -> bool:
+        """Confirm with a GET (a pod may merely have lost its label)."""
+        try:
+            raw = await self.kube.get_pod(ref.namespace, ref.name)
+        except NotFound:
+            return True
+        return (raw.get("metadata") or {}).get("uid") != ref.uid
+
+    async def _bind_from_record(
+        self, pod: policy.PodView, raw: dict[str, Any], record: RequestRecord
+    ) -> None:
+        assert record.node is not None
+        kv = await self.bus.kv(subjects.KV_ALLOCS)
+        try:
+            entry = await kv.get(subjects.kv_key(record.node))
+        except KeyNotFoundError:
+            return
+        if entry.value is None:
+            return
+        allocs = codec.NODE_ALLOCS.decode(entry.value)
+        rec = allocs.allocations.get(record.request.request_id)
+        if rec is None:
+            return
+        with contextlib.suppress(Retry):
+            await self._bind(rec.assignment, raw=raw)
+
+    # -- pods ------------------------------------------------------------------------------
+
+    async def on_pod_event(self, kind: str, raw: dict[str, Any]) -> None:
+        try:
+            pod = policy.read_pod(raw)
+        except InvalidPod as exc:
+            log.warning("unreadable_pod", error=str(exc))
+            return
+        # The API server filters by label; check again so a lax server cannot widen the scope.
+        if pod.labels.get(names.MANAGED) != "true" or not pod.metadata.uid:
+            return
+        rid = policy.request_id_for(pod.metadata.uid)
+        if kind == "DELETED":
+            await self.release(pod, reason="pod deleted")
+            self._released.discard(rid)
+            return
+        if pod.terminal:
+            phase = pod.status.phase if pod.status else ""
+            await self.release(pod, reason=f"pod {phase}")
+            return
+        if names.GATE in pod.gates and not pod.metadata.deletionTimestamp:
+            await self.request(pod)
+
+    async def request(self, pod: policy.PodView) -> None:
+        rid = policy.request_id_for(pod.metadata.uid or "")
+        if rid in self._requested:
+            return
+        try:
+            req = policy.allocation_request(pod, device_classes=self.device_classes)
+        except (PolicyError, InvalidPod) as exc:
+            await self.record_event(pod, reason=names.EVENT_REASON_INVALID, message=str(exc))
+            return
+        if req is None:
+            return
+        parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
+        with self._tracer.start_as_current_span("bridge.request", context=parent) as span:
+            _pod_attributes(span, req.pod)
+            span.set_attribute("tandem.request_id", rid)
+            span.set_attribute("tandem.gpus", req.gpus)
+            span.set_attribute("tandem.rdma", req.rdma)
+            await self.bus.publish(subjects.ALLOC_REQUEST, req, msg_id=subjects.msg_id("request", rid))
+        self._requested.add(rid)
+        log.info("allocation_requested", request_id=rid, namespace=req.pod.namespace, pod=req.pod.name)
+
+    async def release(self, pod: policy.PodView, *, reason: str) -> None:
+        rid = policy.request_id_for(pod.metadata.uid or "")
+        if rid in self._released:
+            return
+        await self._publish_release(
+            rid,
+            policy.pod_ref(pod),
+            node=policy.release_node(pod),
+            reason=reason,
+            traceparent=pod.annotations.get(names.TRACEPARENT),
+        )
+
+    async def _publish_release(
+        self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None
+    ) -> None:
+        msg = Release(request_id=rid, pod=ref, node=node, reason=reason)
+        with self._tracer.start_as_current_span(
+            "bridge.release", context=context_from_traceparent(traceparent)
+        ) as span:
+            _pod_attributes(span, ref)
+            if node:
+                span.set_attribute("k8s.node.name", node)
+            span.set_attribute("tandem.request_id", rid)
+            span.set_attribute("tandem.release.reason", reason)
+            # The node is part of the id: a release to ``_unplaced`` (pod deleted while pending)
+            # and a later one to the node chosen meanwhile are different events.
+            subject = subjects.alloc_release(node)
+            await self.bus.publish(subject, msg, msg_id=subjects.msg_id("release", rid, subject))
+        self._released.add(rid)
+        self._requested.discard(rid)
+        log.info("allocation_released", request_id=rid, node=node, reason=reason)
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    async def on_outcome(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, Assignment):
+            with self._tracer.start_as_current_span("bridge.bind", context=delivery.context) as span:
+                _pod_attributes(span, msg.pod)
+                span.set_attribute("k8s.node.name", msg.node)
+                span.set_attribute("tandem.request_id", msg.request_id)
+                await self._bind(msg, raw=None)
+        elif isinstance(msg, AllocationFailed):
+            await self.on_failed(msg)
+        # Other kinds on these subjects are not the bridge's business; ack them.
+
+    async def _bind(self, a: Assignment, *, raw: dict[str, Any] | None) -> None:
+        if raw is None:
+            try:
+                raw = await self.kube.get_pod(a.pod.namespace, a.pod.name)
+            except NotFound:
+                raw = None
+        pod = policy.read_pod(raw) if raw is not None else None
+        if raw is None or pod is None or pod.metadata.uid != a.pod.uid:
+            # The pod went away before it could be bound: give the devices back.
+            await self._publish_release(
+                a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
+            )
+            return
+        if policy.is_bound(pod, a.request_id):
+            return
+        if pod.terminal or pod.metadata.deletionTimestamp:
+            return  # the pod watch releases it
+        if names.GATE not in pod.gates:
+            log.warning("gate_already_removed", request_id=a.request_id, pod=pod.metadata.name)
+            return
+        try:
+            await self.kube.patch_pod(a.pod.namespace, a.pod.name, policy.bind_patch(raw, a))
+        except Conflict as exc:
+            raise Retry(f"pod changed while binding: {exc}", delay=0.2) from None
+        except NotFound:
+            await self._publish_release(
+                a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
+            )
+            return
+        log.info("pod_bound", request_id=a.request_id, node=a.node, pod=a.pod.name)
+
+    async def on_failed(self, f: AllocationFailed) -> None:
+        try:
+            raw = await self.kube.get_pod(f.pod.namespace, f.pod.name)
+        except NotFound:
+            return
+        pod = policy.read_pod(raw)
+        if pod.metadata.uid != f.pod.uid or policy.is_bound(pod, f.request_id):
+            return  # another pod by that name, or a late failure for a pod placed since
+        await self.record_event(pod, reason=names.EVENT_REASON_FAILED, message=f.reason)
+
+    async def record_event(self, pod: policy.PodView, *, reason: str, message: str) -> None:
+        ns, uid = pod.metadata.namespace or "", pod.metadata.uid or ""
+        name = policy.event_name(pod.metadata.name or "", f"{uid}/{reason}")
+        state = self._events.setdefault((ns, name), policy.EventState())
+        now = self.clock()
+        if not policy.event_due(state, message=message, now=now, min_interval=self.event_interval):
+            return
+        if state.written_count == 0:
+            body = policy.event_body(
+                pod,
+                name=name,
+                reason=reason,
+                message=message,
+                count=state.count,
+                now=now,
+                instance=self.instance,
+            )
+            try:
+                await self.kube.create_event(ns, body)
+            except Conflict:
+                # Written by an earlier bridge: carry its count on.
+                existing = await self.kube.get_event(ns, name)
+                state.count += int(existing.get("count") or 1)
+                await self.kube.patch_event(
+                    ns, name, policy.event_update(message=message, count=state.count, now=now)
+                )
+        else:
+            try:
+                await self.kube.patch_event(
+                    ns, name, policy.event_update(message=message, count=state.count, now=now)
+                )
+            except NotFound:  # expired (events have a TTL): start again
+                body = policy.event_body(
+                    pod,
+                    name=name,
+                    reason=reason,
+                    message=message,
+                    count=state.count,
+                    now=now,
+                    instance=self.instance,
+                )
+                await self.kube.create_event(ns, body)
+        state.written_count = state.count
+        state.written_at = now
+        log.info("pod_event", pod=pod.metadata.name, reason=reason, count=state.count)
+
+
+def _pod_attributes(span: Any, ref: PodRef) -> None:
+    span.set_attribute("k8s.namespace.name", ref.namespace)
+    span.set_attribute("k8s.pod.name", ref.name)
+    if ref.uid:
+        span.set_attribute("k8s.pod.uid", ref.uid)

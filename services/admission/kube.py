@@ -1,0 +1,184 @@
+"""The thin, project-owned Kubernetes wrapper the bridge and leader election talk to.
+
+:class:`KubeApi` is the boundary: plain JSON dicts in and out, typed errors
+(:class:`~.errors.NotFound`, :class:`~.errors.Conflict`, :class:`~.errors.KubeError`), and only
+the calls Tandem needs. Unit tests fake this Protocol; :class:`KubeClient` implements it with
+kubernetes-asyncio and is exercised against an API emulator in the integration tests.
+
+Writes are JSON merge patches (RFC 7386) carrying ``metadata.resourceVersion`` where a lost
+update would matter: the API server turns that into an optimistic-lock precondition (409 on a
+stale version), which is what the bridge and the lease rely on.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from kubernetes_asyncio import client, config
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.config.config_exception import ConfigException
+from kubernetes_asyncio.watch import Watch
+
+from services.admission.errors import Conflict, KubeError, NotFound
+
+MERGE_PATCH = "application/merge-patch+json"
+Obj = dict[str, Any]
+
+
+class KubeApi(Protocol):
+    async def list_pods(self, *, label_selector: str) -> tuple[list[Obj], str]:
+        """All pods (every namespace) matching the selector, and the list's resourceVersion."""
+        ...
+
+    def watch_pods(
+        self, *, label_selector: str, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        """``(type, pod)`` events after ``resource_version`` until the server ends the watch."""
+        ...
+
+    async def get_pod(self, namespace: str, name: str) -> Obj: ...
+
+    async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj: ...
+
+    async def create_event(self, namespace: str, body: Obj) -> Obj: ...
+
+    async def get_event(self, namespace: str, name: str) -> Obj: ...
+
+    async def patch_event(self, namespace: str, name: str, patch: Obj) -> Obj: ...
+
+    async def get_lease(self, namespace: str, name: str) -> Obj: ...
+
+    async def create_lease(self, namespace: str, body: Obj) -> Obj: ...
+
+    async def patch_lease(self, namespace: str, name: str, patch: Obj) -> Obj: ...
+
+    async def close(self) -> None: ...
+
+
+def _error(status: int, reason: str, body: str | bytes | None) -> KubeError:
+    message = reason
+    if body:
+        try:
+            doc = json.loads(body)
+            message = doc.get("message") or reason
+        except (ValueError, AttributeError):
+            pass
+    text = f"Kubernetes API {status}: {message}"
+    if status == 404:
+        return NotFound(text, status=status, reason=reason)
+    if status == 409:
+        return Conflict(text, status=status, reason=reason)
+    return KubeError(text, status=status, reason=reason)
+
+
+class KubeClient:
+    """:class:`KubeApi` over kubernetes-asyncio (responses read raw, as dicts)."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self.api_client = api_client
+        # Typed Any: the package's stubs omit ``_content_type``/``_preload_content`` and take
+        # models where the runtime also accepts dicts, which is how this wrapper calls it.
+        self.core: Any = client.CoreV1Api(api_client)
+        self.coordination: Any = client.CoordinationV1Api(api_client)
+
+    @classmethod
+    async def connect(cls, *, kubeconfig: str | None = None) -> KubeClient:
+        """In-cluster service account when running in a pod, else the kubeconfig."""
+        try:
+            config.load_incluster_config()  # type: ignore[no-untyped-call]
+        except ConfigException:
+            await config.load_kube_config(config_file=kubeconfig)
+        return cls(client.ApiClient())
+
+    @classmethod
+    def for_host(cls, host: str) -> KubeClient:
+        """A client for an API server URL without credentials (tests, ``kubectl proxy``)."""
+        conf = client.Configuration(host=host)
+        return cls(client.ApiClient(configuration=conf))
+
+    async def close(self) -> None:
+        await self.api_client.close()
+
+    async def _json(self, call: Any) -> Obj:
+        try:
+            resp = await call
+        except ApiException as exc:
+            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+        try:
+            body = await resp.read()
+            status = resp.status
+        finally:
+            resp.release()
+        if not 200 <= status < 300:
+            raise _error(status, resp.reason or "", body)
+        data: Obj = json.loads(body) if body else {}
+        return data
+
+    async def list_pods(self, *, label_selector: str) -> tuple[list[Obj], str]:
+        doc = await self._json(
+            self.core.list_pod_for_all_namespaces(label_selector=label_selector, _preload_content=False)
+        )
+        items: list[Obj] = doc.get("items") or []
+        return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_pods(
+        self, *, label_selector: str, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        # return_type "object" keeps events as dicts (no model round trip).
+        watch = Watch(return_type="object")
+        kwargs: dict[str, Any] = {"label_selector": label_selector, "timeout_seconds": timeout_s}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        try:
+            async with watch:
+                async for event in watch.stream(self.core.list_pod_for_all_namespaces, **kwargs):
+                    if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
+                        continue
+                    obj = event.get("raw_object")
+                    if isinstance(obj, dict):
+                        yield str(event["type"]), obj
+        except ApiException as exc:
+            # 410 Gone (resourceVersion too old) lands here too: the caller re-lists.
+            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+
+    async def get_pod(self, namespace: str, name: str) -> Obj:
+        return await self._json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+
+    async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.core.patch_namespaced_pod(
+                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )
+
+    async def create_event(self, namespace: str, body: Obj) -> Obj:
+        return await self._json(self.core.create_namespaced_event(namespace, body, _preload_content=False))
+
+    async def get_event(self, namespace: str, name: str) -> Obj:
+        return await self._json(self.core.read_namespaced_event(name, namespace, _preload_content=False))
+
+    async def patch_event(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.core.patch_namespaced_event(
+                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )
+
+    async def get_lease(self, namespace: str, name: str) -> Obj:
+        return await self._json(
+            self.coordination.read_namespaced_lease(name, namespace, _preload_content=False)
+        )
+
+    async def create_lease(self, namespace: str, body: Obj) -> Obj:
+        return await self._json(
+            self.coordination.create_namespaced_lease(namespace, body, _preload_content=False)
+        )
+
+    async def patch_lease(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.coordination.patch_namespaced_lease(
+                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )
