@@ -35,7 +35,7 @@ class StateError(BackendError):
     """The state file cannot be read or written; the message names the path."""
 
 
-class NicState(msgspec.Struct, kw_only=True, omit_defaults=True):
+class NicState(msgspec.Struct, kw_only=True):
     """One VF netdev handed to a pod, with what it looked like before (restored on cleanup)."""
 
     device: str
@@ -50,7 +50,7 @@ class NicState(msgspec.Struct, kw_only=True, omit_defaults=True):
     phase: Phase = "applying"
 
 
-class Record(msgspec.Struct, kw_only=True, omit_defaults=True):
+class Record(msgspec.Struct, kw_only=True):
     assignment: Assignment
     phase: Phase = "applying"
     netns: str = ""
