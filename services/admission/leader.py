@@ -173,7 +173,7 @@ class LeaderElector:
         self.is_leader = True
         lost = asyncio.Event()
         sup = Supervisor("leader")
-        sup.spawn("lead", lambda: lead(lost), restart=False)
+        work = sup.spawn("lead", lambda: lead(lost), restart=False)
         last_renew = self.clock()
         try:
             while not stop.is_set():
@@ -195,6 +195,10 @@ class LeaderElector:
         finally:
             lost.set()
             self.is_leader = False
+            # Let the work stop cleanly (close consumers, finish a handler) while the lease we
+            # last renewed still covers us; cancel whatever is left after that.
+            grace = max(0.0, self.lease_duration - self.renew_deadline)
+            await asyncio.wait({work}, timeout=grace)
             await sup.aclose()
             if stop.is_set():
                 await self.release()

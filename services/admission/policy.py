@@ -466,8 +466,11 @@ def allocation_request(pod: PodView, *, device_classes: dict[str, DeviceClass]) 
     )
 
 
-class AssignmentAnnotation(msgspec.Struct, omit_defaults=True, kw_only=True):
-    """What ``tandem.io/assignment`` holds: the devices chosen, for humans and the CLI."""
+class AssignmentAnnotation(msgspec.Struct, kw_only=True):
+    """What ``tandem.io/assignment`` holds: the devices chosen, for humans and the CLI.
+
+    Every field is always written (no omitted defaults), so a reader never has to know them.
+    """
 
     request_id: str
     node: str

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import datetime
 import ipaddress
@@ -127,3 +128,119 @@ def review(
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
         },
     }
+
+
+class FakeKube:
+    """In-memory stand-in for :class:`services.admission.kube.KubeApi` (the project's wrapper).
+
+    Objects are JSON dicts keyed by (kind, namespace, name); every write bumps a resourceVersion,
+    and a merge patch that carries ``metadata.resourceVersion`` fails with Conflict when stale,
+    as the API server's optimistic lock does. ``fail_writes`` makes every write a 500.
+    """
+
+    def __init__(self) -> None:
+        self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
+        self.version = 0
+        self.fail_writes = False
+        self.calls: list[tuple[str, str, str]] = []
+        self.after_get: list[Any] = []
+        """One-shot coroutines run after the next get (another writer acting in between)."""
+
+    def _bump(self, obj: dict[str, Any]) -> dict[str, Any]:
+        self.version += 1
+        obj.setdefault("metadata", {})["resourceVersion"] = str(self.version)
+        return copy.deepcopy(obj)
+
+    def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
+        from services.admission.errors import NotFound
+
+        self.calls.append(("get", kind, name))
+        try:
+            return copy.deepcopy(self.objects[(kind, namespace, name)])
+        except KeyError:
+            raise NotFound(f"{kind} {namespace}/{name} not found", status=404) from None
+
+    def _create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        from services.admission.errors import Conflict, KubeError
+
+        self.calls.append(("create", kind, body["metadata"]["name"]))
+        if self.fail_writes:
+            raise KubeError("injected failure", status=500)
+        key = (kind, namespace, body["metadata"]["name"])
+        if key in self.objects:
+            raise Conflict("exists", status=409)
+        self.objects[key] = copy.deepcopy(body)
+        return self._bump(self.objects[key])
+
+    def _patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        from services.admission.errors import Conflict, KubeError, NotFound
+
+        self.calls.append(("patch", kind, name))
+        if self.fail_writes:
+            raise KubeError("injected failure", status=500)
+        key = (kind, namespace, name)
+        if key not in self.objects:
+            raise NotFound("gone", status=404)
+        want = (patch.get("metadata") or {}).get("resourceVersion")
+        if want is not None and want != self.objects[key]["metadata"].get("resourceVersion"):
+            raise Conflict("the object has been modified", status=409)
+        self.objects[key] = merge_patch(self.objects[key], patch)
+        return self._bump(self.objects[key])
+
+    async def _hooks(self) -> None:
+        hooks, self.after_get = self.after_get, []
+        for hook in hooks:
+            await hook()
+
+    async def list_pods(self, *, label_selector: str) -> tuple[list[dict[str, Any]], str]:
+        key, _, value = label_selector.partition("=")
+        pods = [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "pod"]
+        return [p for p in pods if p["metadata"].get("labels", {}).get(key) == value], str(self.version)
+
+    async def watch_pods(self, *, label_selector: str, resource_version: str, timeout_s: int) -> Any:
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        pod = self._get("pod", namespace, name)
+        await self._hooks()
+        return pod
+
+    async def patch_pod(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("pod", namespace, name, patch)
+
+    async def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._create("event", namespace, body)
+
+    async def get_event(self, namespace: str, name: str) -> dict[str, Any]:
+        return self._get("event", namespace, name)
+
+    async def patch_event(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("event", namespace, name, patch)
+
+    async def get_lease(self, namespace: str, name: str) -> dict[str, Any]:
+        lease = self._get("lease", namespace, name)
+        await self._hooks()
+        return lease
+
+    async def create_lease(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._create("lease", namespace, body)
+
+    async def patch_lease(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("lease", namespace, name, patch)
+
+    async def close(self) -> None:
+        return None
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = merge_patch(out.get(k), v)
+    return out

@@ -1,0 +1,105 @@
+"""Bridge paths the emulator cannot produce (it has no optimistic locking), with the fake
+Kubernetes wrapper and a real nats-server: a pod changed between read and bind is re-read and
+bound without losing the other writer's change; an Event left by an earlier bridge keeps counting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from schemas import subjects
+from schemas.config import DeviceClass
+from schemas.messages import AllocationFailed, AssignedGpu, Assignment, PodRef
+from services.admission import names, policy
+from services.admission.bridge import Bridge
+from tests.conftest import BusFactory
+from tests.unit.test_admission_helpers import FakeKube, deployment_pod
+
+pytestmark = pytest.mark.integration
+
+UID = "3f2d8a51-0c3e-4f6b-9b8e-5d7c1a2b3c4d"
+RID = f"{UID}.1"
+REF = PodRef("ml", "p", UID)
+
+
+@pytest.fixture
+async def running(bus_factory: BusFactory) -> AsyncIterator[tuple[FakeKube, Any]]:
+    kube = FakeKube()
+    pod = deployment_pod(gpu="1", rdma=None)
+    pod["metadata"].update(name="p", uid=UID, labels={names.MANAGED: "true"})
+    pod["spec"]["schedulingGates"] = [{"name": names.GATE}]
+    kube.objects[("pod", "ml", "p")] = pod
+    kube._bump(pod)
+    allocator = await bus_factory("allocator")
+    bridge = Bridge(
+        kube=kube,
+        bus=await bus_factory("admission"),
+        device_classes={"default": DeviceClass()},
+        event_interval=0,
+    )
+    stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(bridge.run(stop))
+    await asyncio.wait_for(bridge.synced.wait(), 10)
+    yield kube, allocator
+    stop.set()
+    await asyncio.wait_for(task, 10)
+
+
+async def until(cond: Any, timeout: float = 10.0) -> None:
+    async def loop() -> None:
+        while not cond():  # noqa: ASYNC110 - polling the fake's state
+            await asyncio.sleep(0.05)
+
+    await asyncio.wait_for(loop(), timeout)
+
+
+async def test_pod_changed_between_read_and_bind_is_reread_and_bound(running: tuple[FakeKube, Any]) -> None:
+    kube, allocator = running
+
+    async def someone_else_writes() -> None:
+        kube._patch("pod", "ml", "p", {"metadata": {"annotations": {"example.com/owner": "team-b"}}})
+
+    kube.after_get.append(someone_else_writes)
+    a = Assignment(request_id=RID, pod=REF, node="n1", gpus=[AssignedGpu(index=0, uuid="GPU-0")])
+    await allocator.publish(subjects.alloc_assigned("n1"), a, msg_id="assigned-1")
+
+    def bound() -> bool:
+        pod = kube.objects[("pod", "ml", "p")]
+        return not pod["spec"].get("schedulingGates") and names.ASSIGNMENT in pod["metadata"].get(
+            "annotations", {}
+        )
+
+    await until(bound)
+    pod = kube.objects[("pod", "ml", "p")]
+    assert pod["metadata"]["annotations"]["example.com/owner"] == "team-b"  # not overwritten
+    assert json.loads(pod["metadata"]["annotations"][names.ASSIGNMENT])["node"] == "n1"
+    assert [c for c in kube.calls if c[:2] == ("patch", "pod")] == [
+        ("patch", "pod", "p")
+    ] * 3  # theirs, ours (409), ours
+
+
+async def test_event_left_by_an_earlier_bridge_keeps_counting(running: tuple[FakeKube, Any]) -> None:
+    kube, allocator = running
+    name = policy.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
+    earlier = policy.event_body(
+        policy.read_pod(kube.objects[("pod", "ml", "p")]),
+        name=name,
+        reason=names.EVENT_REASON_FAILED,
+        message="no room",
+        count=5,
+        now=0,
+        instance="old",
+    )
+    kube._create("event", "ml", earlier)
+    await allocator.publish(
+        subjects.ALLOC_FAILED, AllocationFailed(request_id=RID, pod=REF, reason="still no room"), msg_id="f1"
+    )
+    await until(lambda: kube.objects[("event", "ml", name)].get("count") == 6)
+    event = kube.objects[("event", "ml", name)]
+    assert event["message"] == "still no room"
+    assert [k for k in kube.objects if k[0] == "event"] == [("event", "ml", name)]
