@@ -1,0 +1,99 @@
+"""The admission service process: webhook (every replica) + bridge (the elected leader only).
+
+The webhook is stateless, so every replica serves it (the chart runs two for availability); the
+bridge must act once per event, so with ``--leader-elect`` only the Lease holder runs it. Both
+share one process so one Deployment, one ServiceAccount and one set of probes cover the edge.
+
+Options are process wiring (ports, certificate files, lease name); everything shared with the
+other services (NATS, OTLP, device classes) comes from :class:`Settings` (``TANDEM_CONFIG`` file
+and ``TANDEM_*`` environment).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from typing import Any
+
+from services.admission.bridge import Bridge
+from services.admission.kube import KubeClient
+from services.admission.leader import LeaderElector
+from services.admission.webhook import CertReloader, RunningServer, Webhook, start_server
+from services.runtime import lifecycle
+from services.runtime.bus import Bus
+from services.runtime.logging import get_logger
+from services.runtime.settings import Settings, load_settings
+from services.runtime.tasks import Supervisor
+
+log = get_logger(__name__)
+
+SERVICE = "admission"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="settings file (YAML/JSON); default $TANDEM_CONFIG")
+    p.add_argument("--no-webhook", dest="webhook", action="store_false", help="do not serve the webhook")
+    p.add_argument("--no-bridge", dest="bridge", action="store_false", help="do not run the pod bridge")
+    p.add_argument("--listen", default="0.0.0.0", help="webhook listen address (default 0.0.0.0)")
+    p.add_argument("--port", type=int, default=8443, help="webhook HTTPS port (default 8443)")
+    p.add_argument("--tls-cert", default="/etc/tandem/tls/tls.crt", help="webhook certificate (PEM)")
+    p.add_argument("--tls-key", default="/etc/tandem/tls/tls.key", help="webhook private key (PEM)")
+    p.add_argument("--leader-elect", action="store_true", help="run the bridge only while holding the Lease")
+    p.add_argument("--lease-namespace", default="default", help="namespace of the bridge's Lease")
+    p.add_argument("--lease-name", default="tandem-bridge", help="name of the bridge's Lease")
+    p.add_argument("--kubeconfig", help="kubeconfig when not running in a pod")
+    p.add_argument("--event-interval", type=float, default=30.0, help="min seconds between Event updates")
+
+
+async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Event) -> None:
+    sup = Supervisor(SERVICE)
+    server: RunningServer | None = None
+    kube: KubeClient | None = None
+    bus: Bus | None = None
+    try:
+        if args.webhook:
+            reloader = await asyncio.to_thread(CertReloader, cert_file=args.tls_cert, key_file=args.tls_key)
+            server = await start_server(
+                Webhook(device_classes=settings.device_classes),
+                host=args.listen,
+                port=args.port,
+                ssl_context=reloader.context,
+            )
+            sup.spawn("cert-reload", lambda: reloader.watch(stop))
+            log.info("webhook_listening", port=server.port)
+        if args.bridge:
+            kube = await KubeClient.connect(kubeconfig=args.kubeconfig)
+            bus = await Bus.open(settings)
+            kube_, bus_ = kube, bus
+
+            async def lead(until: asyncio.Event) -> None:
+                bridge = Bridge(
+                    kube=kube_,
+                    bus=bus_,
+                    device_classes=settings.device_classes,
+                    event_interval=args.event_interval,
+                )
+                await bridge.run(until)
+
+            if args.leader_elect:
+                elector = LeaderElector(
+                    kube, namespace=args.lease_namespace, name=args.lease_name, identity=settings.instance
+                )
+                sup.spawn("leader", lambda: elector.run(lead, stop))
+            else:
+                sup.spawn("bridge", lambda: lead(stop))
+        await stop.wait()
+    finally:
+        await sup.aclose()
+        if server is not None:
+            await server.close()
+        if bus is not None:
+            await bus.close()
+        if kube is not None:
+            await kube.close()
+
+
+def run(args: argparse.Namespace, **overrides: Any) -> int:
+    settings = load_settings(SERVICE, config=args.config, **overrides)
+    lifecycle.run(lambda stop: serve(settings, args, stop), settings)
+    return 0
