@@ -156,7 +156,8 @@ def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> N
     assert got.quality == refs[got.node]
     # Placement quality (scope met, pair counts, NVLink) is the best any node offers.
     assert got.quality[:10] == min(k[:10] for k in refs.values())
-    assert got.candidates == len(refs)
+    # candidates: nodes with enough free devices of the class (some may miss the scope).
+    assert len(refs) <= got.candidates <= n
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])

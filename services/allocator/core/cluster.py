@@ -28,10 +28,9 @@ in-use devices handed out twice). Not thread-safe: one owner calls it.
 from __future__ import annotations
 
 import heapq
-from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedNic, Pair
@@ -40,7 +39,7 @@ from schemas.topology import Gpu, Nic, NodeTopology, ScopeName, VirtualFunction,
 from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, shape_signature
 from .request import Spec, normalise
-from .search import Choice, Refusal, evaluate
+from .search import Choice, Refusal, evaluate, precheck
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -107,16 +106,25 @@ class _Node:
     mask: int = 0
 
 
+_PENDING = None  # group status: passed the cheap check, not searched yet
+_LAST = (2,)  # bound for groups whose shape cannot meet the request even when empty
+
+HeapEntry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey]
+
+
 @dataclass(slots=True)
 class _SigState:
+    """One request signature's view of the groups (see the module docstring)."""
+
     spec: Spec
     cursor: int
-    heap: list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey]] = field(
-        default_factory=list
-    )
+    heap: list[HeapEntry] = field(default_factory=list)
     in_heap: set[GroupKey] = field(default_factory=set)
-    refused: Counter[Refusal] = field(default_factory=Counter)
-    feasible: int = 0
+    # group -> [nodes in it as replayed, status: Choice | Refusal | _PENDING]
+    groups: dict[GroupKey, list[Any]] = field(default_factory=dict)
+    refused: dict[str, int] = field(default_factory=dict)  # refusal text -> nodes
+    feasible: int = 0  # nodes searched and able to take the request
+    pending: int = 0  # nodes that passed the cheap check and are not searched yet
 
 
 class Cluster:
@@ -136,6 +144,7 @@ class Cluster:
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, frozenset[str]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
+        self._shape_list: list[Shape] = []
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []
         self._groups: dict[GroupKey, dict[str, None]] = {}
@@ -145,6 +154,7 @@ class Cluster:
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
         self._selector_ok: dict[tuple[int, tuple[tuple[str, str], ...]], bool] = {}
         self._seq = 0
+        self._codes: dict[str, str] = {}  # refusal text -> code
 
     # ------------------------------------------------------------------------------------
     # state changes
@@ -162,6 +172,7 @@ class Cluster:
         shape = self._shapes.get(sig)
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
+            self._shape_list.append(shape)
         merged = {**topology.labels, **(labels or {})}
         hw_key = (shape.id, tuple(sorted(merged.items())))
         hw = self._hw_ids.get(hw_key)
@@ -277,19 +288,36 @@ class Cluster:
         """The best node and devices for ``request`` now; changes no hold."""
         spec = normalise(request, self.device_classes)
         st = self._state(spec)
-        heap, groups = st.heap, self._groups
+        heap = st.heap
         while heap:
-            top = heap[0]
-            gkey = top[4]
-            members = groups.get(gkey)
-            if members:
-                name = next(iter(members))
+            entry = heap[0]
+            gkey = entry[4]
+            rec = st.groups.get(gkey)
+            if rec is None or isinstance(rec[1], Refusal):
+                heapq.heappop(heap)
+                st.in_heap.discard(gkey)
+                continue
+            status = rec[1]
+            if status is _PENDING:
+                n = rec[0]
                 hw, mask = gkey
-                res = self._eval(spec, hw, mask)
-                assert isinstance(res, Choice)
-                return self._placement(self._nodes[name], res, candidates=st.feasible)
-            heapq.heappop(heap)
-            st.in_heap.discard(gkey)
+                status = rec[1] = self._eval(spec, hw, mask)
+                st.pending -= n
+                if isinstance(status, Refusal):
+                    if status.text not in st.refused:
+                        self._codes[status.text] = status.code
+                    st.refused[status.text] = st.refused.get(status.text, 0) + n
+                    heapq.heappop(heap)
+                    st.in_heap.discard(gkey)
+                    continue
+                st.feasible += n
+            assert isinstance(status, Choice)
+            if entry[2] != status.frag or entry[0] != status.key:
+                # A bound entry: put the exact key in and look at the top again.
+                heapq.heapreplace(heap, (status.key, entry[1], status.frag, entry[3], gkey))
+                continue
+            name = next(iter(self._groups[gkey]))
+            return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
         return self._unschedulable(spec, st)
 
     # ------------------------------------------------------------------------------------
@@ -347,13 +375,12 @@ class Cluster:
         self._log_base = new_base
 
     def _eval(self, spec: Spec, hw: int, mask: int) -> Choice | Refusal:
-        shape, labels = self._hw[hw]
-        if spec.selector:
-            sk = (hw, spec.selector)
-            ok = self._selector_ok.get(sk)
-            if ok is None:
-                ok = self._selector_ok[sk] = all(labels.get(k) == v for k, v in spec.selector)
-            if not ok:
+        """The cached in-node search; ``hw < 0`` names shape ``-1 - hw`` without labels."""
+        if hw < 0:
+            shape = self._shape_list[-1 - hw]
+        else:
+            shape = self._hw[hw][0]
+            if spec.selector and not self._selector_matches(hw, spec.selector):
                 return _SELECTOR_REFUSAL
         key = (spec.key, shape.id, mask)
         res = self._evals.get(key)
@@ -363,45 +390,114 @@ class Cluster:
             res = self._evals[key] = evaluate(shape, mask, spec)
         return res
 
+    def _selector_matches(self, hw: int, selector: tuple[tuple[str, str], ...]) -> bool:
+        sk = (hw, selector)
+        ok = self._selector_ok.get(sk)
+        if ok is None:
+            labels = self._hw[hw][1]
+            ok = self._selector_ok[sk] = all(labels.get(k) == v for k, v in selector)
+        return ok
+
     def _state(self, spec: Spec) -> _SigState:
         sk = (spec.key, spec.selector)
         st = self._sigs.get(sk)
         end = self._log_base + len(self._log)
-        if st is None:
-            st = _SigState(spec=spec, cursor=end)
-            for gkey, members in self._groups.items():
-                self._apply(st, gkey, len(members))
-            if len(self._sigs) >= _SIG_MAX:
-                del self._sigs[next(iter(self._sigs))]
-            self._sigs[sk] = st
-            return st
-        # Most recently used last, so the LRU drop above takes the stalest.
-        self._sigs[sk] = self._sigs.pop(sk)
-        if st.cursor < end:
-            for gkey, delta in self._log[st.cursor - self._log_base :]:
-                self._apply(st, gkey, delta)
-            st.cursor = end
+        if st is not None:
+            # Most recently used last, so the LRU drop below takes the stalest.
+            self._sigs[sk] = self._sigs.pop(sk)
+            backlog = end - st.cursor
+            if backlog == 0:
+                return st
+            if backlog <= 2 * len(self._groups) + 256:
+                changes = self._log[st.cursor - self._log_base :]
+                if backlog > 32:
+                    # Under churn most groups come and go; replay only the net change.
+                    net: dict[GroupKey, int] = {}
+                    for gkey, delta in changes:
+                        net[gkey] = net.get(gkey, 0) + delta
+                    self._replay(st, [(k, d) for k, d in net.items() if d])
+                else:
+                    self._replay(st, changes)
+                st.cursor = end
+                return st
+            # A long-unused signature: rebuilding from the groups is cheaper than replaying.
+            del self._sigs[sk]
+        st = _SigState(spec=spec, cursor=end)
+        self._replay(st, [(gkey, len(members)) for gkey, members in self._groups.items()])
+        if len(self._sigs) >= _SIG_MAX:
+            del self._sigs[next(iter(self._sigs))]
+        self._sigs[sk] = st
         return st
 
-    def _apply(self, st: _SigState, gkey: GroupKey, delta: int) -> None:
-        hw, mask = gkey
-        res = self._eval(st.spec, hw, mask)
-        if isinstance(res, Refusal):
-            n = st.refused[res] + delta
-            if n:
-                st.refused[res] = n
+    def _replay(self, st: _SigState, changes: Iterable[tuple[GroupKey, int]]) -> None:
+        """Replay group membership changes into a signature's state (hot path; kept flat)."""
+        groups = st.groups
+        refused = st.refused
+        spec = st.spec
+        first = self._first_status
+        for gkey, delta in changes:
+            rec = groups.get(gkey)
+            if rec is None:
+                status = first(spec, gkey)
+                rec = groups[gkey] = [delta, status]
+                if status.__class__ is not Refusal and gkey not in st.in_heap:
+                    self._push(st, gkey, status)
             else:
-                del st.refused[res]
-            return
-        st.feasible += delta
-        if delta > 0 and gkey not in st.in_heap:
-            shape = self._hw[hw][0]
-            free_g = (mask & shape.gpu_all).bit_count()
-            free_n = (mask & shape.pf_all).bit_count()
-            pol = (free_g, free_n) if self.policy == "binpack" else (-free_g, -free_n)
-            self._seq += 1
-            heapq.heappush(st.heap, (res.key, pol, res.frag, self._seq, gkey))
-            st.in_heap.add(gkey)
+                status = rec[1]
+                n = rec[0] + delta
+                if n:
+                    rec[0] = n
+                else:
+                    del groups[gkey]
+            if status is _PENDING:
+                st.pending += delta
+            elif status.__class__ is Refusal:
+                text = status.text
+                left = refused.get(text, 0) + delta
+                if left:
+                    if text not in refused:
+                        self._codes[text] = status.code
+                    refused[text] = left
+                else:
+                    del refused[text]
+            else:
+                st.feasible += delta
+
+    def _push(self, st: _SigState, gkey: GroupKey, status: Choice | Refusal | None) -> None:
+        hw, mask = gkey
+        shape = self._hw[hw][0]
+        free_g = (mask & shape.gpu_all).bit_count()
+        free_n = (mask & shape.pf_all).bit_count()
+        pol = (free_g, free_n) if self.policy == "binpack" else (-free_g, -free_n)
+        self._seq += 1
+        entry: HeapEntry
+        if isinstance(status, Choice):
+            entry = (status.key, pol, status.frag, self._seq, gkey)
+        else:
+            entry = (self._bound(st.spec, shape), pol, (), self._seq, gkey)
+        heapq.heappush(st.heap, entry)
+        st.in_heap.add(gkey)
+
+    def _first_status(self, spec: Spec, gkey: GroupKey) -> Choice | Refusal | None:
+        """A group's status without searching: a cheap refusal, a cached result, or pending."""
+        hw, mask = gkey
+        shape, _labels = self._hw[hw]
+        if spec.selector and not self._selector_matches(hw, spec.selector):
+            return _SELECTOR_REFUSAL
+        cached = self._evals.get((spec.key, shape.id, mask))
+        if cached is not None:
+            return cached
+        return precheck(shape, mask, spec)
+
+    def _bound(self, spec: Spec, shape: Shape) -> tuple[int, ...]:
+        """An optimistic quality key for any free state of ``shape``: the key of the empty node.
+
+        Every placement on a partly used node is also a placement on the empty node with the
+        same pair counts and NVLink fit, so no free state can do better; fragmentation is
+        bounded by the empty tuple, which sorts before every real one.
+        """
+        full = self._eval(spec, -1 - shape.id, (1 << shape.n_slots) - 1)
+        return full.key if isinstance(full, Choice) else _LAST
 
     def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
         shape = node.shape
@@ -440,13 +536,13 @@ class Cluster:
     def _unschedulable(self, spec: Spec, st: _SigState) -> Unschedulable:
         if not self._nodes:
             return Unschedulable(reason="no nodes", counts={}, reasons=[])
-        items = sorted(st.refused.items(), key=lambda kv: (-kv[1], kv[0].text))
-        reasons = [NodeReason(r.code, r.text, n) for r, n in items]
-        text = "; ".join(f"{n} node{'' if n == 1 else 's'}: {r.text}" for r, n in items)
+        items = sorted(st.refused.items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = [NodeReason(self._codes.get(t, ""), t, n) for t, n in items]
+        text = "; ".join(f"{n} node{'' if n == 1 else 's'}: {t}" for t, n in items)
         what = f"{spec.gpus} GPUs + {spec.rdma} NICs"
         return Unschedulable(
             reason=f"no node can take {what}: {text}" if text else f"no node can take {what}",
-            counts={r.text: n for r, n in items},
+            counts=dict(items),
             reasons=reasons,
         )
 

@@ -38,7 +38,7 @@ from schemas.topology import SCOPE_NAMES, Scope
 from .model import LEVELS, ClassView, Shape, bits
 from .request import Spec
 
-__all__ = ["Choice", "Refusal", "evaluate"]
+__all__ = ["Choice", "Refusal", "evaluate", "precheck"]
 
 NO_NVLINK = 1 << 10  # NVLink key when no partition holds the GPU set
 
@@ -148,22 +148,32 @@ def _nic_classes(shape: Shape, free: int, view: ClassView) -> dict[tuple[int, in
     return groups
 
 
-def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
-    """The best placement of ``spec`` on a node of ``shape`` with free slots ``free``."""
+def precheck(shape: Shape, free: int, spec: Spec) -> Refusal | None:
+    """The cheap part of :func:`evaluate`: enough free GPUs and NICs of the class? (popcounts)"""
     view = shape.view(spec.device_class, spec.dc)
     g, r = spec.gpus, spec.rdma
     cls = f" of class {spec.device_class!r}"
-    gslots = bits(free & view.gpu_ok)
-    if len(gslots) < g:
+    if (free & view.gpu_ok).bit_count() < g:
         any_free = (free & shape.gpu_all).bit_count()
         suffix = cls if view.filters_gpus and any_free >= g else ""
         return Refusal("gpus", f"fewer than {g} free GPUs{suffix}")
+    if (free & view.nic_ok).bit_count() < r:
+        kind = {"pf": "NICs", "vf": "NIC VFs", "any": "NICs or VFs"}[view.nic_mode]
+        return Refusal("nics", f"fewer than {r} free {kind}{cls if view.filters_nics else ''}")
+    return None
+
+
+def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
+    """The best placement of ``spec`` on a node of ``shape`` with free slots ``free``."""
+    refusal = precheck(shape, free, spec)
+    if refusal is not None:
+        return refusal
+    view = shape.view(spec.device_class, spec.dc)
+    g, r = spec.gpus, spec.rdma
+    gslots = bits(free & view.gpu_ok)
     groups = _nic_classes(shape, free, view)
     locs = sorted(groups)
     caps = tuple(len(groups[loc]) for loc in locs)
-    if sum(caps) < r:
-        kind = {"pf": "NICs", "vf": "NIC VFs", "any": "NICs or VFs"}[view.nic_mode]
-        return Refusal("nics", f"fewer than {r} free {kind}{cls if view.filters_nics else ''}")
 
     # Units and their NIC capacity; classes per unit (to get n_u from a count vector).
     unit_classes: dict[int, list[int]] = {}
