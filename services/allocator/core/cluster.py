@@ -132,12 +132,12 @@ class Cluster:
 
     def __init__(
         self,
-        policy: NodePolicy = "binpack",
+        policy: NodePolicy | str = "binpack",
         device_classes: Mapping[str, DeviceClass] | None = None,
     ) -> None:
         if policy not in ("binpack", "spread"):
             raise InvalidRequest(f"unknown node policy {policy!r}; expected binpack or spread")
-        self.policy: NodePolicy = policy
+        self.policy: NodePolicy = "binpack" if policy == "binpack" else "spread"
         self.device_classes: dict[str, DeviceClass] = dict(
             device_classes if device_classes is not None else default_device_classes()
         )
