@@ -127,7 +127,7 @@ def run_plan(
             node = live.pop(rid, None)
             if node is not None:
                 cluster.release(node, rid)
-            counts["freed"] += 1
+            counts["freed"] += 1 if node is not None else 0
             line = _line(rid, "freed", node=node, reason="" if node else "was not allocated")
         elif kind == "alloc":
             _no_extra(obj, _ALLOC_KEYS, where)
