@@ -234,8 +234,10 @@ class VfApplier:
         resolver: NetnsResolver,
         sysfs_root: str | Path = "/sys",
         checkpoint: Callable[[str], None] | None = None,
+        move_pfs: bool = False,
     ) -> None:
         self.state_file = state
+        self.move_pfs = move_pfs
         self.resolver = resolver
         self.sysfs_root = Path(sysfs_root)
         self.checkpoint = checkpoint or (lambda step: None)
@@ -247,6 +249,11 @@ class VfApplier:
     async def load(self) -> AgentState:
         self.state = await asyncio.to_thread(self.state_file.load)
         return self.state
+
+    def _moves(self, nic: AssignedNic) -> bool:
+        """VFs with a netdev move into the pod; a PF only when ``move_pfs`` (a PF's netdev is
+        usually the host's own link, and RDMA on a shared PF needs no netdev in the pod)."""
+        return bool(nic.netdev) and (nic.vf is not None or self.move_pfs)
 
     def _lock(self, device: str) -> asyncio.Lock:
         return self._locks.setdefault(device, asyncio.Lock())
@@ -274,7 +281,7 @@ class VfApplier:
     # -- apply -------------------------------------------------------------------------------
 
     async def apply(self, assignment: Assignment) -> None:
-        nics = [(i, n) for i, n in enumerate(assignment.nics) if n.netdev]
+        nics = [(i, n) for i, n in enumerate(assignment.nics) if self._moves(n)]
         if not nics:
             return  # nothing to move: PFs / shared RDMA devices go through the device plugin only
         # One request at a time (its apply and its release can race: separate consumers, very
@@ -398,7 +405,7 @@ class VfApplier:
             rec.phase = "cleaning"
             await self._save("cleaning")
         for nic in assignment.nics:
-            if not nic.netdev:
+            if not self._moves(nic):
                 continue
             async with self._lock(nic.name):
                 owner = self.state.owners.get(nic.name)

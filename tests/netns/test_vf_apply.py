@@ -168,3 +168,23 @@ async def test_unknown_netdev_is_an_apply_error(lab: Lab) -> None:
     applier = await make_applier(lab)
     with pytest.raises(ApplyError, match=f"mlx5_3: netdev nx{lab.tag} is not in the host namespace"):
         await applier.apply(a)
+
+
+async def test_pf_netdev_stays_in_the_host_unless_configured(lab: Lab) -> None:
+    """A whole PF assigned for shared RDMA keeps its netdev (often the host's link) at home."""
+    pod = lab.netns()
+    pf = lab.vf("p")
+    a = assignment("req-pf", pod, [("mlx5_0", pf, "net0")])
+    a.nics[0].vf = None  # a physical function, not a VF
+    applier = await make_applier(lab)
+    await applier.apply(a)
+    assert link_in(None, pf.name) is not None and link_in(pod, "net0") is None
+    assert await applier.cleanup(a) == []
+    mover = VfApplier(
+        StateFile(lab.tmp / "pf.json"), resolver=NamedNetnsResolver(template="{uid}"), move_pfs=True
+    )
+    await mover.load()
+    await mover.apply(a)
+    assert link_in(pod, "net0") is not None
+    assert await mover.cleanup(a) == []
+    assert link_in(None, pf.name) is not None
