@@ -37,6 +37,7 @@ from schemas.messages import (
 )
 from schemas.topology import NodeTopology, locate
 from services.nodeagent.backends.base import Applier, BackendError, DiscoveryBackend
+from services.nodeagent.cleanup import gpu_problems
 from services.nodeagent.health import HealthTracker
 from services.runtime.bus import Bus, Delivery
 from services.runtime.logging import get_logger
@@ -260,10 +261,7 @@ class NodeAgent:
                 cleaned = Cleaned(request_id=release.request_id, node=self.node, ts=self.clock())
             else:
                 problems = await self.applier.cleanup(assignment)
-                procs = await self.backend.gpu_processes([g.index for g in assignment.gpus])
-                problems += [
-                    f"gpu{i}: compute processes {pids} still running" for i, pids in procs.items() if pids
-                ]
+                problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus])
                 if problems:
                     span.set_status(trace.StatusCode.ERROR, "; ".join(problems))
                     for device in {p.split(":", 1)[0] for p in problems}:
