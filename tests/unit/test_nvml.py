@@ -226,3 +226,19 @@ async def test_missing_library_real_pynvml() -> None:
         pytest.skip("an NVIDIA driver is present here; the missing-library path cannot be shown")
     with pytest.raises(BackendUnavailable, match=r"NVML Shared Library Not Found.*libnvidia-ml\.so\.1"):
         await NvmlBackend.open(node_name="n")
+
+
+async def test_cleanup_verification_per_gpu() -> None:
+    """A lost GPU is a cleanup problem for that GPU only; the others get their own verdict."""
+    from services.nodeagent.cleanup import gpu_problems
+
+    gpus = hgx_gpus()
+    gpus[1].processes = [31337]
+    gpus[2].lost = True
+    backend, _ = await open_backend(gpus)
+    assert await gpu_problems(backend, [0, 1, 2, 3]) == [
+        "gpu1: compute processes [31337] still running",
+        "gpu2: cannot list compute processes: GPU is lost",
+    ]
+    assert await gpu_problems(backend, [0, 3]) == []
+    await backend.close()
