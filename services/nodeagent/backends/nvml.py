@@ -136,6 +136,7 @@ class NvmlBackend:
         self.ignored_xids = frozenset(ignored_xids)
         self.event_timeout_ms = event_timeout_ms
         self._lock = threading.Lock()
+        self._wait_lock = threading.Lock()  # held during an event wait; close() frees the set after it
         self._closed = threading.Event()
         self._event_set: Any = None
 
@@ -263,7 +264,10 @@ class NvmlBackend:
         """Wait up to ``event_timeout_ms`` for one event (no lock: the wait is the long call)."""
         n = self.nvml
         try:
-            data = n.nvmlEventSetWait_v2(self._event_set, self.event_timeout_ms)
+            with self._wait_lock:
+                if self._closed.is_set():
+                    return None
+                data = n.nvmlEventSetWait_v2(self._event_set, self.event_timeout_ms)
         except n.NVMLError_Timeout:
             return None
         except n.NVMLError_GpuIsLost:
@@ -339,8 +343,10 @@ class NvmlBackend:
 
         def shutdown() -> None:
             try:
-                if self._event_set is not None:
-                    self._call("nvmlEventSetFree", self._event_set)
+                with self._wait_lock:  # never free the event set under a running wait
+                    if self._event_set is not None:
+                        self._call("nvmlEventSetFree", self._event_set)
+                        self._event_set = None
                 self._call("nvmlShutdown")
             except n.NVMLError as exc:
                 log.warning("nvml_shutdown_failed", error=str(exc))
