@@ -56,6 +56,7 @@ class HostAgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     netns_wait: float = 5.0
     ignored_xids: list[int] = msgspec.field(default_factory=lambda: sorted(DEFAULT_IGNORED_XIDS))
     sync_interval: float = 0.5
+    netlink: bool = True  # RTNL link events for the NICs' netdevs (the agent runs with hostNetwork)
 
 
 async def allocated_requests(bus: Bus, node: str) -> set[str] | None:
@@ -112,7 +113,7 @@ async def build_host_agent(
     cfg = config or HostAgentConfig()
     node = settings.node_name
     nvml = await NvmlBackend.open(node_name=node, ignored_xids=cfg.ignored_xids)
-    sysfs = SysfsBackend(cfg.sysfs_root, node_name=node)
+    sysfs = SysfsBackend(cfg.sysfs_root, node_name=node, netlink=cfg.netlink)
     resolver: NetnsResolver = (
         PodCgroupResolver(cfg.proc_root, wait=cfg.netns_wait)
         if cfg.netns_resolver == "cgroup"

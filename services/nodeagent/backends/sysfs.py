@@ -15,8 +15,10 @@ directory, see ``tests/sysfs_tree.py``):
   physical_package_id`` → which socket a NUMA node belongs to.
 
 Port state changes are found by polling the ``state`` files: this works for InfiniBand ports,
-which have no netdev carrier for netlink to report, as well as for RoCE ports. Everything is
-blocking file I/O and runs in a thread; the parsing and diffing are pure functions.
+which have no netdev carrier for netlink to report, as well as for RoCE ports. With
+``netlink=True`` the backend also listens to RTNL link events (pyroute2, ``RTMGRP_LINK``) for
+the NICs' netdevs and reports an operstate change at once instead of at the next poll.
+File reads run in a thread; the parsing and diffing are pure functions.
 """
 
 from __future__ import annotations
@@ -32,10 +34,12 @@ from typing import Literal
 from schemas.topology import LinkType, Nic, NodeTopology, VirtualFunction
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id, parse_device_path
+from services.runtime.tasks import Supervisor
 
 __all__ = [
     "SysfsBackend",
     "SysfsReader",
+    "link_change",
     "parse_cpulist",
     "parse_port_state",
     "parse_rate_gbps",
@@ -79,6 +83,16 @@ def parse_cpulist(text: str) -> list[int]:
         lo, _, hi = part.partition("-")
         out.extend(range(int(lo), int(hi or lo) + 1))
     return out
+
+
+def link_change(device: str, netdev: str, operstate: str | None, *, last: str | None) -> HealthChange | None:
+    """Health change for one RTNL link message (operstate ``UP``/``DOWN``/``LOWERLAYERDOWN``...);
+    None when the state did not change or says nothing (``UNKNOWN``, e.g. no carrier support)."""
+    if operstate is None or operstate == last or operstate == "UNKNOWN":
+        return None
+    if operstate == "UP":
+        return None if last is None else HealthChange(device, True, f"link up ({netdev})")
+    return HealthChange(device, False, f"link down ({netdev} operstate {operstate})")
 
 
 def port_changes(old: dict[str, str], new: dict[str, str]) -> list[HealthChange]:
@@ -275,11 +289,18 @@ class SysfsBackend:
     name = "sysfs"
 
     def __init__(
-        self, root: str | Path = "/sys", *, node_name: str, poll_interval: float = 2.0, port: int = 1
+        self,
+        root: str | Path = "/sys",
+        *,
+        node_name: str,
+        poll_interval: float = 2.0,
+        port: int = 1,
+        netlink: bool = False,
     ) -> None:
         self.reader = SysfsReader(root, port=port)
         self.node_name = node_name
         self.poll_interval = poll_interval
+        self.netlink = netlink
         self._closed = asyncio.Event()
         if not (self.reader.root / "bus" / "pci" / "devices").is_dir():
             raise BackendUnavailable(
@@ -292,7 +313,57 @@ class SysfsBackend:
         return build_topology(self.node_name, gpus=[], nics=nics, description="sysfs")
 
     async def health_changes(self) -> AsyncIterator[HealthChange]:
-        """Port state changes, polled; yields until :meth:`close`."""
+        """Port state changes (polled) and, with ``netlink``, link events; until :meth:`close`."""
+        if not self.netlink:
+            async for change in self._polled():
+                yield change
+            return
+        queue: asyncio.Queue[HealthChange] = asyncio.Queue()
+        tasks = Supervisor(f"sysfs-health:{self.node_name}")
+
+        async def pump(source: AsyncIterator[HealthChange]) -> None:
+            async for change in source:
+                await queue.put(change)
+
+        tasks.spawn("poll", lambda: pump(self._polled()))
+        tasks.spawn("netlink", lambda: pump(self.link_events()))
+        try:
+            while not self._closed.is_set():
+                getter = asyncio.ensure_future(queue.get())
+                closed = asyncio.ensure_future(self._closed.wait())
+                done, _ = await asyncio.wait({getter, closed}, return_when=asyncio.FIRST_COMPLETED)
+                for f in (getter, closed):
+                    if f not in done:
+                        f.cancel()
+                if getter in done:
+                    yield getter.result()
+        finally:
+            await tasks.aclose()
+
+    async def link_events(self) -> AsyncIterator[HealthChange]:
+        """RTNL link events for the NICs' netdevs (in the agent's network namespace)."""
+        from pyroute2 import AsyncIPRoute
+        from pyroute2.netlink.rtnl import RTMGRP_LINK
+
+        nics = await asyncio.to_thread(self.reader.nics)
+        by_netdev = {n.netdev: n.name for n, _ in nics if n.netdev}
+        last: dict[str, str | None] = {}
+        async with AsyncIPRoute() as ipr:
+            await ipr.bind(groups=RTMGRP_LINK)
+            while not self._closed.is_set():
+                # get() yields one receive's worth of messages; call it again for the next.
+                async for msg in ipr.get():
+                    netdev = msg.get("IFLA_IFNAME")
+                    device = by_netdev.get(netdev)
+                    if device is None:
+                        continue
+                    state = msg.get("IFLA_OPERSTATE")
+                    change = link_change(device, netdev, state, last=last.get(device))
+                    last[device] = state
+                    if change is not None:
+                        yield change
+
+    async def _polled(self) -> AsyncIterator[HealthChange]:
         states = await asyncio.to_thread(self.reader.port_states)
         for dev, state in sorted(states.items()):
             if state != "active":
