@@ -75,3 +75,16 @@ async def test_merged_health_stream(tmp_path: Path) -> None:
         HealthChange("mlx5_6", False, "port down"),
     ]
     await backend.close()
+
+
+async def test_rescan_sees_hot_unplugged_nic(tmp_path: Path) -> None:
+    """The agent's periodic rescan calls discover(); a NIC gone from sysfs is gone from the tree."""
+    backend, _, root = await make(tmp_path, fake_pynvml.hgx_gpus())
+    before = await backend.discover()
+    (root / "class/infiniband/mlx5_7").unlink()
+    after = await backend.discover()
+    assert before != after
+    assert sorted(n.name for n in before.nics()) == [f"mlx5_{i}" for i in range(9)]
+    assert sorted(n.name for n in after.nics()) == [f"mlx5_{i}" for i in range(9) if i != 7]
+    assert [g.index for g in after.gpus()] == list(range(8))
+    await backend.close()
