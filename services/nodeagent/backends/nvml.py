@@ -66,9 +66,9 @@ XID_NAMES: dict[int, str] = {
 
 NVML_MISSING_HELP = (
     "NVML backend unavailable: {error}. The NVIDIA driver's libnvidia-ml.so.1 could not be used on "
-    "this machine (no NVIDIA driver, or the library is not mounted into the agent). Backend options: "
+    "this machine (no NVIDIA driver, or the library is not mounted into the agent). Discovery backends: "
     "'host' (NVML GPUs + sysfs NICs; needs the NVIDIA driver), 'sysfs' (RDMA NICs only, no GPUs), "
-    "'simulated' (a topology file: TANDEM_TOPOLOGY_FILE)."
+    "'simulated' (a topology file: TANDEM_BACKEND=simulated TANDEM_TOPOLOGY_FILE=<file or built-in>)."
 )
 
 # NVML's NVLink remote device types (nvmlIntNvLinkDeviceType_t).
