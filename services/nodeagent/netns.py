@@ -293,13 +293,18 @@ class VfApplier:
         rid = assignment.request_id
         if rid in self.state.released:
             raise ApplyError(f"{rid}: already released and cleaned up on this node; not applying again")
+        known = self.state.records.get(rid)
+        if known is not None and known.phase == "cleaning":
+            # Released and not verified clean: the record holds the VFs' original state, and a
+            # redelivered assignment must not overwrite it or move the VFs again.
+            raise ApplyError(f"{rid}: released; its cleanup has not completed, not applying again")
         for _, nic in nics:
             owner = self.state.owners.get(nic.name)
             if owner is not None and owner != rid:
                 raise ApplyError(f"{nic.name}: still held by {owner} (its cleanup has not finished)")
         netns = await self.resolver.resolve(assignment)
         rec = self.state.records.get(rid)
-        if rec is None or rec.phase == "cleaning":
+        if rec is None:
             rec = Record(assignment=assignment, phase="applying", netns=netns)
             self.state.records[rid] = rec
         rec.netns = netns

@@ -109,7 +109,15 @@ async def test_cleanup_after_namespace_deleted_and_device_destroyed_is_a_problem
     )
     assert "is gone" in problems[0]
     # not forgotten: the record stays so the device stays held and the next try reports again
-    assert "req-4" in json.loads((lab.tmp / "state.json").read_text())["records"]
+    saved = json.loads((lab.tmp / "state.json").read_text())
+    assert saved["records"]["req-4"]["phase"] == "cleaning" and saved["owners"] == {"mlx5_3": "req-4"}
+    with pytest.raises(ApplyError, match="req-4: released; its cleanup has not completed"):
+        await applier.apply(a)  # a redelivered assignment must not overwrite the original state
+    assert (
+        json.loads((lab.tmp / "state.json").read_text())["records"]["req-4"]["nics"]["mlx5_3"]["orig_mac"]
+        == vf.mac
+    )
+    assert (await applier.cleanup(a))[0].startswith("mlx5_3: netdev")  # and the retry reports again
 
 
 async def test_stale_delete_never_touches_a_reassigned_device(lab: Lab) -> None:
