@@ -107,10 +107,31 @@ class Bridge:
                 stop=stop,
             ),
         )
+        sup.spawn("events", lambda: self.flush_events(stop))
         try:
             await stop.wait()
         finally:
             await sup.aclose()
+
+    async def flush_events(self, stop: asyncio.Event) -> None:
+        """Write the counts held back by the throttle, so an Event's count catches up even when
+        the failures stop arriving."""
+        interval = max(self.event_interval, 1.0)
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), interval)
+            now = self.clock()
+            for (ns, name), state in list(self._events.items()):
+                if not policy.flush_due(state, now=now, min_interval=self.event_interval):
+                    continue
+                try:
+                    await self.kube.patch_event(
+                        ns, name, policy.event_update(message=state.message, count=state.count, now=now)
+                    )
+                except NotFound:
+                    self._events.pop((ns, name), None)
+                    continue
+                state.written_count, state.written_at = state.count, now
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """List + resync, then watch from the list's version; on any watch end, do it again."""
@@ -272,6 +293,11 @@ class Bridge:
             reason=reason,
             traceparent=pod.annotations.get(names.TRACEPARENT),
         )
+        for event_reason in (names.EVENT_REASON_FAILED, names.EVENT_REASON_INVALID):
+            key = f"{pod.metadata.uid}/{event_reason}"
+            self._events.pop(
+                (pod.metadata.namespace or "", policy.event_name(pod.metadata.name or "", key)), None
+            )
 
     async def _publish_release(
         self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None

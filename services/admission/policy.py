@@ -595,6 +595,15 @@ def event_due(state: EventState, *, message: str, now: float, min_interval: floa
     return state.written_count == 0 or changed or now - state.written_at >= min_interval
 
 
+def flush_due(state: EventState, *, now: float, min_interval: float) -> bool:
+    """Whether occurrences held back by :func:`event_due` should be written now."""
+    return (
+        state.written_count > 0
+        and state.count > state.written_count
+        and now - state.written_at >= min_interval
+    )
+
+
 def rfc3339(ts: float) -> str:
     return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

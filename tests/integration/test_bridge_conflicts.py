@@ -28,7 +28,12 @@ REF = PodRef("ml", "p", UID)
 
 
 @pytest.fixture
-async def running(bus_factory: BusFactory) -> AsyncIterator[tuple[FakeKube, Any]]:
+def event_interval() -> float:
+    return 0.0
+
+
+@pytest.fixture
+async def running(bus_factory: BusFactory, event_interval: float) -> AsyncIterator[tuple[FakeKube, Any]]:
     kube = FakeKube()
     pod = deployment_pod(gpu="1", rdma=None)
     pod["metadata"].update(name="p", uid=UID, labels={names.MANAGED: "true"})
@@ -40,7 +45,7 @@ async def running(bus_factory: BusFactory) -> AsyncIterator[tuple[FakeKube, Any]
         kube=kube,
         bus=await bus_factory("admission"),
         device_classes={"default": DeviceClass()},
-        event_interval=0,
+        event_interval=event_interval,
     )
     stop = asyncio.Event()
     task = asyncio.get_running_loop().create_task(bridge.run(stop))
@@ -103,3 +108,18 @@ async def test_event_left_by_an_earlier_bridge_keeps_counting(running: tuple[Fak
     event = kube.objects[("event", "ml", name)]
     assert event["message"] == "still no room"
     assert [k for k in kube.objects if k[0] == "event"] == [("event", "ml", name)]
+
+
+@pytest.mark.parametrize("event_interval", [1.0])
+async def test_throttled_repeats_are_written_later_not_dropped(running: tuple[FakeKube, Any]) -> None:
+    kube, allocator = running
+    name = policy.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
+    for i in range(3):
+        failed = AllocationFailed(request_id=RID, pod=REF, reason="no room")
+        await allocator.publish(subjects.ALLOC_FAILED, failed, msg_id=f"f{i}")
+    await until(lambda: ("event", "ml", name) in kube.objects)
+    await asyncio.sleep(0.4)  # the two repeats are handled well within the 1 s interval
+    writes = [c for c in kube.calls if c[1] == "event" and c[0] in ("create", "patch")]
+    assert writes == [("create", "event", name)]  # repeats within the interval are held back
+    assert kube.objects[("event", "ml", name)]["count"] == 1
+    await until(lambda: kube.objects[("event", "ml", name)].get("count") == 3, timeout=5)

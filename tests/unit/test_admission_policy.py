@@ -160,3 +160,11 @@ def test_event_body_is_a_valid_core_event() -> None:
     )
     assert len(body["message"]) == 1024 and body["count"] == 2
     kubernetes_validate.validate(body, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_flush_catches_up_held_back_counts_after_the_interval() -> None:
+    state = policy.EventState(count=1, written_count=1, message="a", written_at=0)
+    assert policy.flush_due(state, now=100, min_interval=30) is False  # nothing held back
+    policy.event_due(state, message="a", now=1, min_interval=30)  # held back
+    assert policy.flush_due(state, now=10, min_interval=30) is False
+    assert policy.flush_due(state, now=31, min_interval=30) is True
