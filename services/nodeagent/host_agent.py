@@ -53,7 +53,7 @@ class HostAgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     proc_root: str = "/proc"
     netns_dir: str = "/var/run/netns"
     netns_template: str = "{uid}"
-    netns_wait: float = 5.0
+    netns_wait: float = 1.0  # per attempt; a missing sandbox is retried by redelivery
     ignored_xids: list[int] = msgspec.field(default_factory=lambda: sorted(DEFAULT_IGNORED_XIDS))
     sync_interval: float = 0.5
     netlink: bool = True  # RTNL link events for the NICs' netdevs (the agent runs with hostNetwork)

@@ -39,7 +39,8 @@ from schemas.topology import NodeTopology, locate
 from services.nodeagent.backends.base import Applier, BackendError, DiscoveryBackend
 from services.nodeagent.cleanup import gpu_problems
 from services.nodeagent.health import HealthTracker
-from services.runtime.bus import Bus, Delivery
+from services.nodeagent.netns import NetnsNotReady
+from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Supervisor
 from services.runtime.tracing import tracer
@@ -232,6 +233,10 @@ class NodeAgent:
             try:
                 await self.applier.apply(assignment)
                 result = Applied(request_id=assignment.request_id, node=self.node, ts=self.clock())
+            except NetnsNotReady as exc:
+                # The pod's sandbox does not exist yet (the allocator decides before kubelet
+                # starts the pod): redeliver later rather than report a failed apply.
+                raise Retry(str(exc), delay=2.0) from exc
             except BackendError as exc:
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))

@@ -164,3 +164,27 @@ async def test_unverifiable_cleanup_is_reported_and_never_freed(
     lab.links.remove(a.nics[0].netdev or "")  # destroyed with the namespace
     for sub in (applied, cleaned, health):
         await sub.unsubscribe()
+
+
+async def test_assignment_before_the_pod_sandbox_exists_is_retried(
+    system: tuple[LocalStack, TandemClient, VfApplier, list[Vf]], lab: Lab, bus_factory: BusFactory
+) -> None:
+    """The allocator decides before kubelet creates the pod's network namespace: the agent
+    redelivers the assignment until the namespace exists, then applies once, ok."""
+    _, client, _, _ = system
+    observer = await bus_factory("observer")
+    applied = await observer.nc.subscribe(subjects.node_applied(NODE))
+    pod = f"tp{lab.tag}late"
+    req = request(pod, 1)
+    await client.submit(req)
+    a = await client.wait_for(req.request_id)
+    assert isinstance(a, Assignment)
+    with pytest.raises(TimeoutError):
+        await applied.next_msg(timeout=1.0)  # no failed Applied while the sandbox is missing
+    assert lab.netns("late") == pod
+    ap = codec.NODE_EVENT.decode((await applied.next_msg(timeout=10)).data)
+    assert isinstance(ap, Applied) and ap.ok, ap
+    assert link_in(pod, "net1") is not None
+    await client.release(req.request_id, node=NODE)
+    assert isinstance(await client.wait_for(req.request_id, (Freed,)), Freed)
+    await applied.unsubscribe()
