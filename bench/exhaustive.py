@@ -15,7 +15,6 @@ from schemas.topology import DeviceLocation, Gpu, Nic, NodeTopology, Scope, loca
 from services.allocator.core import Spec, nvlink_partitions
 
 Key = tuple[int, ...]
-NO_NVLINK = 1 << 10
 
 
 def effective_free(topo: NodeTopology, blocked: set[str]) -> set[str]:
@@ -101,11 +100,7 @@ def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str]
     result: tuple[Key, list[str], list[str]] | None = None
     for G in combinations(gpus, g):
         gi = {index_of[x] for x in G}
-        if g <= 1:
-            nv = 0
-        else:
-            sizes = [len(p) for p in parts if gi <= p]
-            nv = min(sizes) if sizes else NO_NVLINK
+        nv = 1 if g > 1 and not any(gi <= p for p in parts) else 0
         for N in combinations(nics, r):
             c = [0, 0, 0, 0]
             d = [0, 0, 0, 0]

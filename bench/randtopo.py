@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import random
 
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import (
     Gpu,
     Nic,
@@ -19,6 +21,7 @@ from schemas.topology import (
     Socket,
     VirtualFunction,
 )
+from services.allocator.core import Cluster
 
 MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L40S")
 
@@ -114,3 +117,53 @@ def all_device_ids(topo: NodeTopology) -> list[str]:
         out.append(nic.name)
         out.extend(vf.name for vf in nic.vfs)
     return out
+
+
+CLASSES = {
+    "default": DeviceClass(),
+    "ib": DeviceClass(nic_link_type="infiniband", scope="pcie-root"),
+    "vf": DeviceClass(nic_function="vf"),
+    "any": DeviceClass(nic_function="any", nic_min_speed_gbps=200),
+    "big": DeviceClass(gpu_min_memory_mib=81920, gpu_models=["h100", "a100"]),
+}
+
+
+def random_cluster(seed: int, n_nodes: int) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]]]:
+    """A cluster of random nodes with random holds and unavailable devices."""
+    rng = random.Random(seed)
+    cluster = Cluster(policy=rng.choice(("binpack", "spread")), device_classes=CLASSES)
+    topos: dict[str, NodeTopology] = {}
+    blocked: dict[str, set[str]] = {}
+    shared = random_topology(rng)
+    for i in range(n_nodes):
+        # Half the nodes share hardware, so the (shape, mask) cache is exercised.
+        topo = shared if rng.random() < 0.5 else random_topology(rng)
+        name = f"n{i}"
+        ids = all_device_ids(topo)
+        bad = {d for d in ids if rng.random() < 0.05}
+        cluster.set_node(name, topo, labels={"pool": rng.choice("ab")}, unavailable=bad)
+        held: set[str] = set()
+        for h in range(rng.randint(0, 2)):
+            devs = {d for d in ids if rng.random() < 0.15}
+            cluster.hold(name, f"h{h}", devs)
+            held |= devs
+        topos[name] = topo
+        blocked[name] = bad | held
+    return cluster, topos, blocked
+
+
+def random_request(rng: random.Random, rid: str = "req") -> AllocationRequest:
+    g = rng.choice((0, 1, 1, 2, 2, 3, 4))
+    r = g if g and rng.random() < 0.5 else rng.randint(0 if g else 1, 4)
+    pairing = None if g != r or rng.random() < 0.8 else "shared"
+    return AllocationRequest(
+        request_id=rid,
+        pod=PodRef("ns", rid),
+        gpus=g,
+        rdma=r,
+        scope=rng.choice((None, "pcie-switch", "pcie-root", "numa", "socket", "node")),
+        policy=rng.choice((None, "required", "preferred")),
+        pairing=pairing,
+        device_class=rng.choice(("default", "default", *CLASSES)),
+        node_selector=rng.choice(({}, {}, {}, {"pool": "a"})),
+    )

@@ -147,7 +147,7 @@ def test_device_classes_filter_gpus_and_nics_and_hand_out_vfs() -> None:
     classes = {
         "default": DeviceClass(),
         "h100": DeviceClass(gpu_models=["H100"], gpu_min_memory_mib=80000),
-        "roce-vf": DeviceClass(nic_link_type="ethernet", nic_function="vf", scope="numa"),
+        "roce-vf": DeviceClass(nic_link_type="ethernet", nic_function="vf", scope="pcie-switch"),
         "ib-400": DeviceClass(nic_link_type="infiniband", nic_min_speed_gbps=400),
     }
     c = Cluster(device_classes=classes)

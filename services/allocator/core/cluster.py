@@ -8,17 +8,29 @@ and is cached, so a fleet of identical servers costs one search per distinct fre
 
 Every change of a node's group is appended to a change log as ``(group, -1)`` / ``(group,
 +1)``. For each distinct request *signature* (request key + node selector) the index keeps a
-:class:`_SigState`: a heap of the groups that can take the request, ordered by (placement
-quality, node policy, fragmentation), the number of nodes that can take it, and per-reason
-counts of the nodes that cannot. A decision first replays the log entries that signature has
-not seen yet (a handful per decision under churn; each is a cache lookup), then reads the top
-of the heap, dropping groups that have emptied meanwhile. So a decision costs O(changes since
-the signature's last decision), not O(nodes); a refusal's aggregated reason comes from the
-counters without a scan.
+:class:`_SigState`: a heap of the groups that may take the request, the number of nodes in
+each, and per-reason counts of the nodes that cannot. A decision first replays the log
+entries that signature has not seen (net changes only when there are many; a signature
+unused for long is rebuilt from the groups instead), then reads the top of the heap. Groups
+enter the heap after a cheap popcount check with an optimistic key and are searched only
+when they reach the top, so most groups of a large fleet are never searched for most
+requests. A decision costs O(changes since the signature's last decision), not O(nodes); a
+refusal's aggregated reason comes from the counters without a scan.
 
-Node policy, after quality: ``binpack`` prefers the node with the fewest free GPUs (then
-NICs), ``spread`` the most. Quality always comes first: a half-empty node with switch-aligned
-pairs beats a nearly full node that could only align at NUMA level.
+Node order (the heap key):
+
+1. the *cross-node* part of the placement quality (:func:`.search.cross_key`): requested
+   scope met, pairs within the requested scope and each coarser one, NVLink fit. Alignment
+   finer than requested only orders placements within a node, so a ``numa`` request does
+   not take a fresh node just because it has a free switch pair;
+2. ``binpack``: fragmentation (the whole switches / NUMA nodes / NVLink partitions the
+   placement breaks), then the fullest node (fewest free GPUs, then NICs);
+   ``spread``: the emptiest node, then fragmentation;
+3. the full in-node quality (finer pairs win ties), then first registered.
+
+Quality comes before node policy: a half-empty node with switch-aligned pairs beats a nearly
+full node that could only align at NUMA level (and under heavy load this keeps alignment at
+the cost of some capacity; see ``docs/benchmarks.md``).
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
@@ -39,7 +51,7 @@ from schemas.topology import Gpu, Nic, NodeTopology, ScopeName, VirtualFunction,
 from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, shape_signature
 from .request import Spec, normalise
-from .search import Choice, Refusal, evaluate, precheck
+from .search import Choice, Refusal, cross_bound, evaluate, precheck
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -107,9 +119,10 @@ class _Node:
 
 
 _PENDING = None  # group status: passed the cheap check, not searched yet
-_LAST = (2,)  # bound for groups whose shape cannot meet the request even when empty
 
-HeapEntry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey]
+# (cross-node quality, frag/policy in the policy's order, full in-node quality, seq, group,
+# exact?); seq is unique, so comparisons never reach the group or the flag.
+HeapEntry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey, bool]
 
 
 @dataclass(slots=True)
@@ -144,7 +157,6 @@ class Cluster:
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, frozenset[str]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
-        self._shape_list: list[Shape] = []
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []
         self._groups: dict[GroupKey, dict[str, None]] = {}
@@ -172,7 +184,6 @@ class Cluster:
         shape = self._shapes.get(sig)
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
-            self._shape_list.append(shape)
         merged = {**topology.labels, **(labels or {})}
         hw_key = (shape.id, tuple(sorted(merged.items())))
         hw = self._hw_ids.get(hw_key)
@@ -291,7 +302,7 @@ class Cluster:
         heap = st.heap
         while heap:
             entry = heap[0]
-            gkey = entry[4]
+            gkey = entry[5]
             rec = st.groups.get(gkey)
             if rec is None or isinstance(rec[1], Refusal):
                 heapq.heappop(heap)
@@ -312,9 +323,9 @@ class Cluster:
                     continue
                 st.feasible += n
             assert isinstance(status, Choice)
-            if entry[2] != status.frag or entry[0] != status.key:
+            if not entry[6]:
                 # A bound entry: put the exact key in and look at the top again.
-                heapq.heapreplace(heap, (status.key, entry[1], status.frag, entry[3], gkey))
+                heapq.heapreplace(heap, self._entry(st.spec, gkey, status, entry[4]))
                 continue
             name = next(iter(self._groups[gkey]))
             return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
@@ -375,13 +386,10 @@ class Cluster:
         self._log_base = new_base
 
     def _eval(self, spec: Spec, hw: int, mask: int) -> Choice | Refusal:
-        """The cached in-node search; ``hw < 0`` names shape ``-1 - hw`` without labels."""
-        if hw < 0:
-            shape = self._shape_list[-1 - hw]
-        else:
-            shape = self._hw[hw][0]
-            if spec.selector and not self._selector_matches(hw, spec.selector):
-                return _SELECTOR_REFUSAL
+        """The cached in-node search for group ``(hw, mask)``."""
+        shape = self._hw[hw][0]
+        if spec.selector and not self._selector_matches(hw, spec.selector):
+            return _SELECTOR_REFUSAL
         key = (spec.key, shape.id, mask)
         res = self._evals.get(key)
         if res is None:
@@ -464,19 +472,24 @@ class Cluster:
                 st.feasible += delta
 
     def _push(self, st: _SigState, gkey: GroupKey, status: Choice | Refusal | None) -> None:
+        self._seq += 1
+        heapq.heappush(st.heap, self._entry(st.spec, gkey, status, self._seq))
+        st.in_heap.add(gkey)
+
+    def _entry(self, spec: Spec, gkey: GroupKey, status: Choice | Refusal | None, seq: int) -> HeapEntry:
+        """Heap order: quality, then for binpack fragmentation before fullness (packing that
+        breaks no whole switch / partition first), for spread emptiness before fragmentation."""
         hw, mask = gkey
         shape = self._hw[hw][0]
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
-        pol = (free_g, free_n) if self.policy == "binpack" else (-free_g, -free_n)
-        self._seq += 1
-        entry: HeapEntry
         if isinstance(status, Choice):
-            entry = (status.key, pol, status.frag, self._seq, gkey)
+            key, frag, full, exact = status.cross, status.frag, status.key, True
         else:
-            entry = (self._bound(st.spec, shape), pol, (), self._seq, gkey)
-        heapq.heappush(st.heap, entry)
-        st.in_heap.add(gkey)
+            key, frag, full, exact = cross_bound(spec), (), (), False
+        if self.policy == "binpack":
+            return (key, frag, (free_g, free_n), full, seq, gkey, exact)
+        return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
 
     def _first_status(self, spec: Spec, gkey: GroupKey) -> Choice | Refusal | None:
         """A group's status without searching: a cheap refusal, a cached result, or pending."""
@@ -488,16 +501,6 @@ class Cluster:
         if cached is not None:
             return cached
         return precheck(shape, mask, spec)
-
-    def _bound(self, spec: Spec, shape: Shape) -> tuple[int, ...]:
-        """An optimistic quality key for any free state of ``shape``: the key of the empty node.
-
-        Every placement on a partly used node is also a placement on the empty node with the
-        same pair counts and NVLink fit, so no free state can do better; fragmentation is
-        bounded by the empty tuple, which sorts before every real one.
-        """
-        full = self._eval(spec, -1 - shape.id, (1 << shape.n_slots) - 1)
-        return full.key if isinstance(full, Choice) else _LAST
 
     def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
         shape = node.shape

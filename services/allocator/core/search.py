@@ -7,8 +7,9 @@ Quality order (a tuple, smaller is better; :class:`Choice` ``key`` then ``frag``
 2. pairs at each scope level, finer first: compared as cumulative counts
    ``(pairs within pcie-switch, within pcie-root, within numa, within socket)``, each larger
    is better (for ``shared`` pairing the NIC-to-nearest-GPU counts follow);
-3. the GPU set's NVLink fit: the size of the smallest NVLink partition/domain that holds all
-   chosen GPUs (smaller is better; none holds them ranks last);
+3. the GPU set lies inside one NVLink partition or domain (0) or not (1); which partition —
+   the tightest, or one already broken — is a fragmentation question (4.), so a request is
+   not sent to an empty node just to get a tighter NVLink pair;
 4. fragmentation: the whole-free units the placement breaks, as
    ``(sum of sizes of NVLink partitions broken, sockets, NUMA nodes, PCIe roots, PCIe
    switches broken)``, each fewer is better.
@@ -38,9 +39,7 @@ from schemas.topology import SCOPE_NAMES, Scope
 from .model import LEVELS, ClassView, Shape, bits
 from .request import Spec
 
-__all__ = ["Choice", "Refusal", "evaluate", "precheck"]
-
-NO_NVLINK = 1 << 10  # NVLink key when no partition holds the GPU set
+__all__ = ["Choice", "Refusal", "cross_bound", "cross_key", "evaluate", "precheck"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,6 +53,24 @@ class Choice:
     pairs: tuple[tuple[int, int, int], ...]  # (gpu slot, nic slot, scope)
     scope: int
     met: bool
+    cross: tuple[int, ...]  # what nodes are compared on (see cross_key)
+
+
+def cross_key(key: tuple[int, ...], scope: int) -> tuple[int, ...]:
+    """The part of the quality key nodes are compared on: scope met, pairs within the
+    requested scope and each coarser one, NVLink fit. Alignment *finer* than asked is a
+    within-node preference only, so a request is not sent to an empty node (breaking it up)
+    just to get pairs finer than it asked for."""
+    return (key[0], *key[1 + scope : 5], *key[5 + scope : 9], key[9])
+
+
+def cross_bound(spec: Spec) -> tuple[int, ...]:
+    """A lower bound of :func:`cross_key` for any node, without searching."""
+    s = int(spec.scope)
+    both = spec.gpus > 0 and spec.rdma > 0
+    c = -spec.gpus if both else 0
+    d = -spec.rdma if both and not spec.per_gpu else 0
+    return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,11 +213,10 @@ def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
     def nv_key(gm: int) -> int:
         if g <= 1:
             return 0
-        best = NO_NVLINK
-        for m, size in shape.partitions:
-            if gm & m == gm and size < best:
-                best = size
-        return best
+        for m, _size in shape.partitions:
+            if gm & m == gm:
+                return 0
+        return 1
 
     def frag(chosen: int) -> tuple[int, int, int, int, int]:
         nv = 0
@@ -343,6 +359,7 @@ def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
         pairs=pairs,
         scope=scope,
         met=best_key[0] == 0,
+        cross=cross_key(best_key, S),
     )
 
 

@@ -1,0 +1,83 @@
+"""A mixed fleet built from the built-in topologies, and a seeded stream of requests.
+
+Every node gets its own decoded :class:`~schemas.topology.NodeTopology` with its own GPU UUIDs
+(as the allocator gets them from inventory), so memory figures include per-node topology data.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import msgspec
+
+from schemas.messages import AllocationRequest, PodRef
+from schemas.topology import NodeTopology
+from services.topology import load_topology
+
+# (built-in topology, share of the fleet)
+MIX: tuple[tuple[str, float], ...] = (
+    ("dgx-h100", 0.40),
+    ("dgx-a100", 0.30),
+    ("pcie-4gpu-2nic", 0.15),
+    ("gpu-only-8", 0.15),
+)
+
+
+def fleet(n: int) -> list[tuple[str, NodeTopology]]:
+    """``n`` nodes named ``<topology>-<i>`` in the :data:`MIX` proportions."""
+    out: list[tuple[str, NodeTopology]] = []
+    left = n
+    for pos, (name, share) in enumerate(MIX):
+        count = left if pos == len(MIX) - 1 else round(n * share)
+        left -= count
+        raw = msgspec.json.encode(load_topology(name)).decode()
+        for i in range(count):
+            node = f"{name}-{i:05d}"
+            data = raw.replace('"GPU-', f'"GPU-{i:05d}-')
+            out.append((node, msgspec.json.decode(data, type=NodeTopology)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    """Request mix: GPU counts and how NICs are asked for."""
+
+    sizes: tuple[tuple[int, float], ...] = ((1, 0.30), (2, 0.20), (4, 0.25), (8, 0.25))
+    per_gpu: float = 0.70  # rdma == gpus
+    gpu_only: float = 0.20  # rdma == 0; the rest asks half as many NICs (shared)
+    required: float = 0.20  # share with policy=required (scope from the class: pcie-switch)
+
+
+def requests(seed: int, workload: Workload = Workload()) -> RequestStream:
+    return RequestStream(random.Random(seed), workload)
+
+
+class RequestStream:
+    def __init__(self, rng: random.Random, workload: Workload) -> None:
+        self.rng = rng
+        self.w = workload
+        self.n = 0
+        self._sizes = [s for s, _ in workload.sizes]
+        self._weights = [p for _, p in workload.sizes]
+
+    def next(self) -> AllocationRequest:
+        rng = self.rng
+        self.n += 1
+        g = rng.choices(self._sizes, self._weights)[0]
+        x = rng.random()
+        if x < self.w.per_gpu:
+            r = g
+        elif x < self.w.per_gpu + self.w.gpu_only:
+            r = 0
+        else:
+            r = max(1, g // 2)
+        rid = f"req-{self.n}"
+        return AllocationRequest(
+            request_id=rid,
+            pod=PodRef("bench", rid, rid),
+            gpus=g,
+            rdma=r,
+            policy="required" if rng.random() < self.w.required else None,
+            created_at=0.0,
+        )

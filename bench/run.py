@@ -1,0 +1,495 @@
+"""``python -m bench.run`` (``make bench``): speed, quality and optimality of the allocator core.
+
+Three parts, each printed as a Markdown table and written to ``bench/results.json``:
+
+1. **speed** — for each fleet size a *fresh Python process* (so its peak RSS is the
+   allocator's own: interpreter + per-node topologies + core index and caches + this driver)
+   builds a mixed fleet (``bench.fleet.MIX``), fills it with requests to about 50 % GPU
+   utilisation, then runs churn (release a random live allocation while above the target,
+   else decide + hold a new request) for a fixed number of decisions; then fills on to about
+   85 % and measures again. Latency is ``Cluster.decide`` alone; decisions/s is decisions over
+   the time spent in the allocator (decide + hold + release), not in the driver.
+2. **quality** — the same churn on one fleet for Tandem and the three baselines of
+   :mod:`bench.baselines`, with the same seeded request stream: share of GPU/NIC pairs at each
+   scope, share of placements with every pair on a PCIe switch, refusals, and refusals
+   although the cluster had enough free GPUs and NICs in total (fragmentation).
+3. **optimality** — random small clusters (:mod:`bench.randtopo`): Tandem's decision against
+   the exhaustive search of :mod:`bench.exhaustive` on every node.
+
+Options: ``--quick`` for a smoke run (small sizes), ``--sizes``, ``--decisions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import resource
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench import exhaustive
+from bench.baselines import BASELINES, Baseline, Pick
+from bench.fleet import MIX, fleet, requests
+from bench.randtopo import random_cluster, random_request
+from schemas.config import default_device_classes
+from schemas.messages import AllocationRequest
+from schemas.topology import SCOPES, NodeTopology
+from services.allocator.core import Cluster, Placement, Unschedulable, normalise
+
+ROOT = Path(__file__).resolve().parent
+UTILS = (0.50, 0.85)
+CLASSES = default_device_classes()
+
+
+# ---------------------------------------------------------------------------------------------
+# adapters: one interface over Tandem and the baselines
+
+
+@dataclass(slots=True)
+class Outcome:
+    node: str
+    devices: list[str]
+    gpus: int
+    nics: int
+    scopes: list[int]
+    met: bool
+
+
+class TandemAdapter:
+    name = "tandem"
+    label = "Tandem: joint exact search, (shape, free-mask) index"
+
+    def __init__(self, nodes: list[tuple[str, NodeTopology]], *, policy: str = "binpack") -> None:
+        self.cluster = Cluster(policy=policy)
+        for name, topo in nodes:
+            self.cluster.set_node(name, topo)
+
+    def decide(self, req: AllocationRequest) -> Outcome | None:
+        res = self.cluster.decide(req)
+        if isinstance(res, Unschedulable):
+            return None
+        return _outcome(res)
+
+    def hold(self, node: str, rid: str, devices: list[str]) -> None:
+        self.cluster.hold(node, rid, devices)
+
+    def release(self, node: str, rid: str) -> None:
+        self.cluster.release(node, rid)
+
+
+_SCOPE_INDEX = {s: i for i, s in enumerate(SCOPES)}
+
+
+def _outcome(p: Placement) -> Outcome:
+    return Outcome(
+        p.node, p.devices(), len(p.gpus), len(p.nics), [_SCOPE_INDEX[x.scope] for x in p.pairs], p.met
+    )
+
+
+class BaselineAdapter:
+    def __init__(self, impl: Baseline) -> None:
+        self.impl = impl
+        self.name = impl.name
+        self.label = impl.label
+
+    def decide(self, req: AllocationRequest) -> Outcome | None:
+        spec = normalise(req, CLASSES)
+        pick: Pick | None = self.impl.decide(
+            req, scope=int(spec.scope), required=spec.required, per_gpu=spec.per_gpu
+        )
+        if pick is None:
+            return None
+        return Outcome(
+            pick.node, pick.gpus + pick.nics, len(pick.gpus), len(pick.nics), pick.scopes, pick.met
+        )
+
+    def hold(self, node: str, rid: str, devices: list[str]) -> None:
+        self.impl.hold(node, rid, devices)
+
+    def release(self, node: str, rid: str) -> None:
+        self.impl.release(node, rid)
+
+
+# ---------------------------------------------------------------------------------------------
+# churn
+
+
+@dataclass
+class ChurnStats:
+    decisions: int = 0
+    placed: int = 0
+    refused: int = 0
+    frag_refused: int = 0
+    pairs: list[int] = field(default_factory=lambda: [0] * 5)
+    all_switch: int = 0  # placements with pairs, every pair on a PCIe switch
+    with_pairs: int = 0
+    required: int = 0
+    required_met: int = 0
+    latencies_ns: list[int] = field(default_factory=list)
+    allocator_s: float = 0.0
+    util: float = 0.0
+
+
+class Churn:
+    """Drives one allocator: a seeded request stream, random releases, utilisation target."""
+
+    def __init__(self, alloc: Any, nodes: list[tuple[str, NodeTopology]], *, seed: int) -> None:
+        self.alloc = alloc
+        self.total_gpus = sum(len(t.gpus()) for _, t in nodes)
+        self.total_nics = sum(len(t.nics()) for _, t in nodes)
+        self.used_gpus = 0
+        self.used_nics = 0
+        self.stream = requests(seed)
+        self.rng = random.Random(seed + 1)
+        self.live: list[tuple[str, str, int, int]] = []
+
+    def util(self) -> float:
+        return self.used_gpus / self.total_gpus
+
+    def _release_one(self) -> float:
+        i = self.rng.randrange(len(self.live))
+        self.live[i], self.live[-1] = self.live[-1], self.live[i]
+        node, rid, g, n = self.live.pop()
+        t0 = time.perf_counter()
+        self.alloc.release(node, rid)
+        dt = time.perf_counter() - t0
+        self.used_gpus -= g
+        self.used_nics -= n
+        return dt
+
+    def _decide(self, stats: ChurnStats | None) -> None:
+        req = self.stream.next()
+        free_g = self.total_gpus - self.used_gpus
+        free_n = self.total_nics - self.used_nics
+        t0 = time.perf_counter_ns()
+        out = self.alloc.decide(req)
+        t1 = time.perf_counter_ns()
+        if out is not None:
+            self.alloc.hold(out.node, req.request_id, out.devices)
+        t2 = time.perf_counter_ns()
+        if out is not None:
+            self.live.append((out.node, req.request_id, out.gpus, out.nics))
+            self.used_gpus += out.gpus
+            self.used_nics += out.nics
+        if stats is None:
+            return
+        stats.decisions += 1
+        stats.latencies_ns.append(t1 - t0)
+        stats.allocator_s += (t2 - t0) / 1e9
+        required = req.policy == "required"
+        stats.required += required
+        if out is None:
+            stats.refused += 1
+            if free_g >= req.gpus and free_n >= req.rdma:
+                stats.frag_refused += 1
+            return
+        stats.placed += 1
+        stats.required_met += required and out.met
+        for s in out.scopes:
+            stats.pairs[s] += 1
+        if out.scopes:
+            stats.with_pairs += 1
+            stats.all_switch += all(s == 0 for s in out.scopes)
+
+    def fill(self, target: float, *, limit: int = 10**6) -> int:
+        n = 0
+        misses = 0
+        while self.util() < target and n < limit:
+            before = self.used_gpus
+            self._decide(None)
+            n += 1
+            misses = misses + 1 if self.used_gpus == before else 0
+            if misses > 500:  # the fleet cannot take more of this mix
+                break
+        return n
+
+    def measure(self, target: float, decisions: int) -> ChurnStats:
+        stats = ChurnStats()
+        while stats.decisions < decisions:
+            while self.live and self.util() > target:
+                stats.allocator_s += self._release_one()
+            self._decide(stats)
+        stats.util = self.util()
+        return stats
+
+
+def _pct(values: list[int], q: float) -> float:
+    if not values:
+        return 0.0
+    s = sorted(values)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1e3
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. speed (one subprocess per size)
+
+
+def speed_child(n_nodes: int, decisions: int, seed: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    nodes = fleet(n_nodes)
+    t_fleet = time.perf_counter() - t0
+    rss_fleet = _rss_now_mb()
+    t0 = time.perf_counter()
+    adapter = TandemAdapter(nodes)
+    t_build = time.perf_counter() - t0
+    churn = Churn(adapter, nodes, seed=seed)
+    del nodes
+    rows = []
+    for target in UTILS:
+        t0 = time.perf_counter()
+        filled = churn.fill(target)
+        t_fill = time.perf_counter() - t0
+        st = churn.measure(target, decisions)
+        rows.append(
+            {
+                "target_util": target,
+                "util": round(st.util, 3),
+                "fill_decisions": filled,
+                "fill_s": round(t_fill, 2),
+                "decisions": st.decisions,
+                "placed": st.placed,
+                "refused": st.refused,
+                "decisions_per_s": round(st.decisions / st.allocator_s),
+                "p50_us": round(_pct(st.latencies_ns, 0.50), 1),
+                "p99_us": round(_pct(st.latencies_ns, 0.99), 1),
+                "max_us": round(_pct(st.latencies_ns, 1.0), 1),
+                "groups": adapter.cluster.group_count(),
+            }
+        )
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {
+        "nodes": n_nodes,
+        "fleet_decode_s": round(t_fleet, 2),
+        "build_s": round(t_build, 2),
+        "rss_after_fleet_mb": round(rss_fleet, 1),
+        "peak_rss_mb": round(peak, 1),
+        "runs": rows,
+    }
+
+
+def _rss_now_mb() -> float:
+    with open("/proc/self/statm") as fh:
+        pages = int(fh.read().split()[1])
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
+    out = []
+    for n in sizes:
+        cmd = [sys.executable, "-m", "bench.run", "--speed-child", str(n), "--decisions", str(decisions)]
+        cmd += ["--seed", str(seed)]
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT.parent)
+        if res.returncode != 0:
+            raise SystemExit(f"speed child for {n} nodes failed:\n{res.stderr}")
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+        print(f"  speed {n} nodes done", file=sys.stderr)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. quality
+
+
+def quality(n_nodes: int, decisions: int, seed: int) -> list[dict[str, Any]]:
+    nodes = fleet(n_nodes)
+    rows = []
+    makers: list[tuple[str, Any]] = [("tandem", lambda: TandemAdapter(nodes))]
+    makers += [(b.name, lambda b=b: BaselineAdapter(b(nodes))) for b in BASELINES]
+    for target in UTILS:
+        for name, make in makers:
+            alloc = make()
+            churn = Churn(alloc, nodes, seed=seed)
+            churn.fill(target)
+            st = churn.measure(target, decisions)
+            total_pairs = sum(st.pairs) or 1
+            rows.append(
+                {
+                    "allocator": name,
+                    "label": alloc.label,
+                    "target_util": target,
+                    "util": round(st.util, 3),
+                    "decisions": st.decisions,
+                    "placed": st.placed,
+                    "refused": st.refused,
+                    "frag_refused": st.frag_refused,
+                    "frag_refused_pct": round(100 * st.frag_refused / st.decisions, 2),
+                    "pairs": dict(zip(SCOPES, st.pairs, strict=True)),
+                    "pair_share_pct": {
+                        s: round(100 * p / total_pairs, 1) for s, p in zip(SCOPES, st.pairs, strict=True)
+                    },
+                    "all_switch_pct": round(100 * st.all_switch / max(st.with_pairs, 1), 1),
+                    "required": st.required,
+                    "required_met": st.required_met,
+                }
+            )
+            print(f"  quality {name} @ {target:.0%} done", file=sys.stderr)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. optimality
+
+
+def optimality(cases: int, seed: int) -> dict[str, Any]:
+    rng = random.Random(seed)
+    equal = placed = refused = 0
+    mismatches: list[str] = []
+    for i in range(cases):
+        cseed = rng.randrange(2**32)
+        cluster, topos, blocked = random_cluster(cseed, rng.randint(1, 4))
+        req = random_request(random.Random(cseed + 1), f"o{i}")
+        spec = cluster.normalise(req)
+        refs: dict[str, tuple[int, ...]] = {}
+        for name, topo in topos.items():
+            labels = cluster.labels(name)
+            if not all(labels.get(k) == v for k, v in req.node_selector.items()):
+                continue
+            ref = exhaustive.best(topo, exhaustive.effective_free(topo, blocked[name]), spec)
+            if ref is not None:
+                refs[name] = ref[0]
+        got = cluster.decide(req)
+        if isinstance(got, Placement):
+            placed += 1
+            ok = (
+                bool(refs)
+                and got.quality == refs.get(got.node)
+                and got.quality[:10] == min(k[:10] for k in refs.values())
+            )
+        else:
+            refused += 1
+            ok = not refs
+        equal += ok
+        if not ok:
+            mismatches.append(f"case {i} seed {cseed}")
+    return {
+        "cases": cases,
+        "placed": placed,
+        "refused": refused,
+        "equal": equal,
+        "equal_pct": round(100 * equal / cases, 2),
+        "mismatches": mismatches[:10],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def machine() -> str:
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    return f"{cpu}, {os.cpu_count()} CPUs{mem}, Python {platform.python_version()}, {platform.system()}"
+
+
+def markdown(results: dict[str, Any]) -> str:
+    lines = [f"Machine: {results['machine']}", ""]
+    lines += ["### Speed (Tandem core)", ""]
+    lines += [
+        "| nodes | target util | util | decisions | decisions/s | p50 µs | p99 µs | max µs | refused "
+        "| groups | peak RSS MB |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for s in results["speed"]:
+        for r in s["runs"]:
+            lines.append(
+                f"| {s['nodes']:,} | {r['target_util']:.0%} | {r['util']:.1%} | {r['decisions']:,} "
+                f"| {r['decisions_per_s']:,} | {r['p50_us']} | {r['p99_us']} | {r['max_us']} "
+                f"| {r['refused']} | {r['groups']} | {s['peak_rss_mb']} |"
+            )
+    lines += [
+        "",
+        "Build: "
+        + "; ".join(
+            f"{s['nodes']:,} nodes: fleet decode {s['fleet_decode_s']} s (RSS {s['rss_after_fleet_mb']} MB), "
+            f"cluster build {s['build_s']} s"
+            for s in results["speed"]
+        ),
+        "",
+    ]
+    q = results["quality"]
+    lines += [f"### Quality ({results['quality_nodes']:,} nodes, same churn and request stream)", ""]
+    lines += [
+        "| allocator | target util | placed | refused | fragmentation refusals | pairs pcie-switch "
+        "| pcie-root | numa | socket | node | all pairs on switch | required met |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in q:
+        sh = r["pair_share_pct"]
+        lines.append(
+            f"| {r['allocator']} | {r['target_util']:.0%} | {r['placed']} | {r['refused']} "
+            f"| {r['frag_refused']} ({r['frag_refused_pct']}%) | {sh['pcie-switch']}% | {sh['pcie-root']}% "
+            f"| {sh['numa']}% | {sh['socket']}% | {sh['node']}% | {r['all_switch_pct']}% "
+            f"| {r['required_met']}/{r['required']} |"
+        )
+    o = results["optimality"]
+    lines += [
+        "",
+        "### Optimality (random small clusters vs exhaustive search)",
+        "",
+        f"{o['equal']}/{o['cases']} decisions equal to the exhaustive search ({o['equal_pct']}%): "
+        f"{o['placed']} placements, {o['refused']} refusals.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.run", description=__doc__.split("\n")[0])
+    ap.add_argument("--sizes", default="1000,5000,10000", help="fleet sizes for the speed runs")
+    ap.add_argument("--decisions", type=int, default=20000, help="measured decisions per speed run")
+    ap.add_argument("--quality-nodes", type=int, default=1000)
+    ap.add_argument("--quality-decisions", type=int, default=3000)
+    ap.add_argument("--optimality-cases", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="small smoke run")
+    ap.add_argument("--out", type=Path, default=ROOT / "results.json")
+    ap.add_argument("--speed-child", type=int, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.speed_child is not None:
+        print(json.dumps(speed_child(args.speed_child, args.decisions, args.seed)))
+        return 0
+    if args.quick:
+        args.sizes, args.decisions = "300", 2000
+        args.quality_nodes, args.quality_decisions, args.optimality_cases = 200, 500, 60
+    started = time.time()
+    sizes = [int(x) for x in args.sizes.split(",")]
+    results: dict[str, Any] = {
+        "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        "machine": machine(),
+        "mix": dict(MIX),
+        "seed": args.seed,
+    }
+    print("speed ...", file=sys.stderr)
+    results["speed"] = speed(sizes, args.decisions, args.seed)
+    print("quality ...", file=sys.stderr)
+    results["quality_nodes"] = args.quality_nodes
+    results["quality"] = quality(args.quality_nodes, args.quality_decisions, args.seed)
+    print("optimality ...", file=sys.stderr)
+    results["optimality"] = optimality(args.optimality_cases, args.seed)
+    results["wall_s"] = round(time.time() - started, 1)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(markdown(results))
+    print(f"\n(total {results['wall_s']} s; results in {args.out})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
