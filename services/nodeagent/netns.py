@@ -20,8 +20,8 @@ a namespace file. Two are provided:
 
 Assignments reach the node before the pod's sandbox exists (the allocator decides before
 kubelet starts the pod), so resolving waits up to ``wait`` seconds and then raises
-:class:`NetnsNotReady` (an :class:`ApplyError`); the service reports ``Applied(ok=False)`` and
-the message redelivery retries.
+:class:`NetnsNotReady` (an :class:`ApplyError`); the service answers it with a redelivery of
+the assignment (``Retry``), not a failed ``Applied``.
 
 **Apply** (per VF, under the VF's lock): record the original name/MAC/MTU/up-state in the
 state file *before* touching the device; set it down; move it into the pod namespace; rename
