@@ -106,11 +106,21 @@ def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> N
     assert isinstance(got, Placement), f"refused ({got.reason}) though nodes {sorted(refs)} fit"
     check_placement(got, cluster, topos, blocked, req)
     assert got.quality == refs[got.node]
-    # Across nodes: scope met, pairs within the asked scope and coarser ones, NVLink fit are
-    # the best any node offers (finer alignment than asked is an in-node preference only).
-    assert cross_key(got.quality, int(spec.scope)) == min(
-        cross_key(k, int(spec.scope)) for k in refs.values()
-    )
+
+    # Across nodes: (fresh-node cost, scope met, pairs within the asked scope and coarser,
+    # NVLink fit, one-sided waste) is the best any node offers.
+    policy = cluster.policy
+
+    def node_key(name: str) -> tuple[int, ...]:
+        free = exhaustive.effective_free(topos[name], blocked[name])
+        gpus = {g.id for g in topos[name].gpus()}
+        pfs = {n.name for n in topos[name].nics()}
+        fresh = len(gpus) if policy == "binpack" and not spec.required and (gpus | pfs) <= free else 0
+        waste = len(pfs & free) if spec.rdma == 0 else len(gpus & free) if spec.gpus == 0 else 0
+        return (fresh, *cross_key(refs[name], int(spec.scope)), waste)
+
+    got_key = (*node_key(got.node)[:1], *cross_key(got.quality, int(spec.scope)), node_key(got.node)[-1])
+    assert got_key == min(node_key(name) for name in refs)
     # candidates: nodes with enough free devices of the class (some may miss the scope).
     assert len(refs) <= got.candidates <= n
 

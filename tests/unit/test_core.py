@@ -208,11 +208,33 @@ def test_quality_before_binpack() -> None:
     c = Cluster()
     c.set_node("idle", load_topology("dgx-h100"))
     c.set_node("busy", load_topology("dgx-h100"))
+    c.hold("idle", "one", ["gpu7"])  # not fresh any more
     # busy has 2 GPUs left whose NICs are taken: binpack alone would put the pair there.
     c.hold("busy", "x", ["gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "mlx5_6", "mlx5_7"])
     p = placed(c.decide(req("r", 2, 2)))
     assert p.node == "idle" and p.scope == "pcie-switch"
     assert p.candidates == 2
+
+
+def test_preferred_request_does_not_open_a_fresh_node_but_required_does() -> None:
+    c = Cluster()
+    c.set_node("fresh", load_topology("dgx-h100"))
+    c.set_node("busy", load_topology("dgx-h100"))
+    c.hold("busy", "x", ["gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "mlx5_6", "mlx5_7"])
+    p = placed(c.decide(req("r", 2, 2)))  # preferred: a used node, alignment missed
+    assert p.node == "busy" and not p.met
+    q = placed(c.decide(req("q", 2, 2, policy="required")))
+    assert q.node == "fresh" and q.met and q.scope == "pcie-switch"
+
+
+def test_gpu_only_request_goes_where_no_nic_is_wasted() -> None:
+    c = Cluster()
+    c.set_node("dgx", load_topology("dgx-h100"))
+    c.set_node("gpus", load_topology("gpu-only-8"))
+    for name in ("dgx", "gpus"):
+        c.hold(name, "w", ["gpu0"])
+    assert placed(c.decide(req("g", 2, 0))).node == "gpus"
+    assert placed(c.decide(req("n", 0, 1))).node == "dgx"
 
 
 def test_holds_survive_set_node_and_are_idempotent() -> None:

@@ -51,7 +51,7 @@ from schemas.topology import Gpu, Nic, NodeTopology, ScopeName, VirtualFunction,
 from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, shape_signature
 from .request import Spec, normalise
-from .search import Choice, Refusal, cross_bound, evaluate, precheck
+from .search import Choice, Refusal, cross_bound, evaluate, fresh_cost, precheck
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -488,6 +488,7 @@ class Cluster:
         else:
             key, frag, full, exact = cross_bound(spec), (), (), False
         if self.policy == "binpack":
+            key = (fresh_cost(shape, mask, spec), *key)
             return (key, frag, (free_g, free_n), full, seq, gkey, exact)
         return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
 

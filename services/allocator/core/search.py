@@ -39,7 +39,16 @@ from schemas.topology import SCOPE_NAMES, Scope
 from .model import LEVELS, ClassView, Shape, bits
 from .request import Spec
 
-__all__ = ["Choice", "Refusal", "cross_bound", "cross_key", "evaluate", "precheck"]
+__all__ = [
+    "Choice",
+    "Refusal",
+    "cross_bound",
+    "cross_key",
+    "evaluate",
+    "fresh_cost",
+    "one_sided_waste",
+    "precheck",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,24 +62,44 @@ class Choice:
     pairs: tuple[tuple[int, int, int], ...]  # (gpu slot, nic slot, scope)
     scope: int
     met: bool
-    cross: tuple[int, ...]  # what nodes are compared on (see cross_key)
+    cross: tuple[int, ...]  # what nodes are compared on: (*cross_key, one_sided_waste)
 
 
 def cross_key(key: tuple[int, ...], scope: int) -> tuple[int, ...]:
-    """The part of the quality key nodes are compared on: scope met, pairs within the
-    requested scope and each coarser one, NVLink fit. Alignment *finer* than asked is a
-    within-node preference only, so a request is not sent to an empty node (breaking it up)
-    just to get pairs finer than it asked for."""
+    """The alignment part nodes are compared on: scope met, pairs within the requested scope
+    and each coarser one, NVLink fit. Alignment *finer* than asked only orders placements
+    within a node, so a request is not sent to an empty node just for finer pairs."""
     return (key[0], *key[1 + scope : 5], *key[5 + scope : 9], key[9])
 
 
 def cross_bound(spec: Spec) -> tuple[int, ...]:
-    """A lower bound of :func:`cross_key` for any node, without searching."""
+    """A lower bound of :attr:`Choice.cross` for any node, without searching."""
     s = int(spec.scope)
     both = spec.gpus > 0 and spec.rdma > 0
     c = -spec.gpus if both else 0
     d = -spec.rdma if both and not spec.per_gpu else 0
-    return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0)
+    return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, 0)
+
+
+def fresh_cost(shape: Shape, free: int, spec: Spec) -> int:
+    """With ``binpack``, opening a fresh node (every GPU and NIC free) for a ``preferred``
+    request costs its GPU count: such a request goes to a used node if one can take it, even
+    with worse alignment, so whole servers stay available for the large jobs that need them.
+    A ``required`` request is never placed below its scope, so for it the cost is 0."""
+    whole = shape.gpu_all | shape.pf_all
+    if spec.required or free & whole != whole:
+        return 0
+    return shape.n_gpus
+
+
+def one_sided_waste(shape: Shape, free: int, g: int, r: int) -> int:
+    """A GPU-only request prefers nodes with fewer free NICs, a NIC-only one nodes with fewer
+    free GPUs: the other kind stays where requests needing both can pair it."""
+    if r == 0:
+        return (free & shape.pf_all).bit_count()
+    if g == 0:
+        return (free & shape.gpu_all).bit_count()
+    return 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -359,7 +388,7 @@ def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
         pairs=pairs,
         scope=scope,
         met=best_key[0] == 0,
-        cross=cross_key(best_key, S),
+        cross=(*cross_key(best_key, S), one_sided_waste(shape, free, g, r)),
     )
 
 
