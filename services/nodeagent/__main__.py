@@ -1,5 +1,7 @@
 """``python -m services.nodeagent``: run the node agent of this node.
 
+``backend: host`` (the chart's default) is a real GPU node: NVML GPUs, sysfs RDMA NICs and
+PCIe placement, the kubelet device plugins and VF hand-off (``host_agent`` options).
 ``backend: simulated`` reads ``topology_file`` (a path or a built-in topology name) and
 applies nothing real; it is what ``tandem up`` and the demo run.
 """
@@ -8,18 +10,28 @@ from __future__ import annotations
 
 import sys
 
+import msgspec
+
 from services.nodeagent.backends.base import BackendUnavailable
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.host_agent import HostAgent, HostAgentConfig, build_host_agent
 from services.nodeagent.service import NodeAgent
 from services.runtime.bus import Bus
+from services.runtime.errors import SettingsError
 from services.runtime.lifecycle import service_main
 from services.runtime.settings import Settings
 from services.topology import load_topology
 
 
-async def build(bus: Bus, settings: Settings) -> NodeAgent:
+async def build(bus: Bus, settings: Settings) -> NodeAgent | HostAgent:
+    if settings.backend == "host":
+        try:
+            config = msgspec.convert(settings.host_agent, HostAgentConfig)
+        except msgspec.ValidationError as exc:
+            raise SettingsError(f"host_agent: {exc}") from exc
+        return await build_host_agent(bus, settings, config=config)
     if settings.backend != "simulated":
-        raise BackendUnavailable(f"unknown node agent backend {settings.backend!r}; known: simulated")
+        raise BackendUnavailable(f"unknown node agent backend {settings.backend!r}; known: host, simulated")
     if not settings.topology_file:
         raise BackendUnavailable("backend 'simulated' needs topology_file (a path or built-in name)")
     backend = SimulatedBackend(load_topology(settings.topology_file), node=settings.node_name)

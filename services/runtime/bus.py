@@ -40,6 +40,11 @@ KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
 DUPLICATE_WINDOW_S = 120.0
 
 
+def _cancelling() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
 class Retry(Exception):
     """Raised by a handler to have the message redelivered after ``delay`` seconds."""
 
@@ -81,6 +86,8 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         name=name or f"{settings.service}/{settings.instance}",
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
+        # A subscriber that never reads its queue must not hold shutdown for the 30 s default.
+        drain_timeout=5,
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
@@ -198,7 +205,10 @@ class Bus:
             while stop is None or not stop.is_set():
                 try:
                     msgs = await psub.fetch(batch, timeout=1.0)
-                except nats.errors.TimeoutError:
+                except (nats.errors.TimeoutError, TimeoutError):
+                    # nats-py turns a cancelled fetch into its TimeoutError: honour the cancel.
+                    if _cancelling():
+                        raise asyncio.CancelledError from None
                     continue
                 for msg in msgs:
                     await self._deliver(msg, decoder, handler)

@@ -39,6 +39,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: str = "simulated"
     topology_file: str | None = None
     health_clean_period: float = 60.0
+    # Options of the real-node ("host") agent: sysfs root, plugin dir, netns resolver, XID
+    # ignore list... validated by services.nodeagent.host_agent.HostAgentConfig at start.
+    host_agent: dict[str, Any] = {}
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)

@@ -39,6 +39,10 @@ class Supervisor:
                 except asyncio.CancelledError:
                     raise
                 except Exception as exc:
+                    current = asyncio.current_task()
+                    if current is not None and current.cancelling():
+                        # A library turned our cancellation into its own error: stop anyway.
+                        raise asyncio.CancelledError from exc
                     log.error("task_failed", task=name, owner=self.name, error=repr(exc), exc_info=True)
                     if not restart:
                         if self._failed is not None and not self._failed.done():
@@ -58,8 +62,14 @@ class Supervisor:
             self._failed = asyncio.get_running_loop().create_future()
         return await self._failed
 
-    async def aclose(self) -> None:
+    async def aclose(self, *, timeout: float = 5.0) -> None:
+        """Cancel every task and wait (bounded) for them to finish their cleanup."""
         tasks = list(self._tasks)
         for t in tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        if not tasks:
+            return
+        _, stuck = await asyncio.wait(tasks, timeout=timeout)
+        for t in stuck:
+            frames = [f"{f.f_code.co_filename}:{f.f_lineno}" for f in t.get_stack()]
+            log.error("task_did_not_stop", task=t.get_name(), stack=frames)

@@ -23,7 +23,6 @@ from schemas.messages import (
     PodRef,
 )
 from services.allocator.core import Placement
-from services.allocator.service import Allocator
 from services.client import TandemClient
 from services.localstack import FleetEntry, LocalStack
 from tests.conftest import BusFactory, make_settings
@@ -53,9 +52,7 @@ async def stack_factory(nats_url: str, clean_jetstream: None) -> AsyncIterator[o
     stacks: list[LocalStack] = []
     clients: list[TandemClient] = []
 
-    async def make(
-        fleet: list[FleetEntry], *, allocators: int = 1
-    ) -> tuple[LocalStack, TandemClient]:
+    async def make(fleet: list[FleetEntry], *, allocators: int = 1) -> tuple[LocalStack, TandemClient]:
         settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
         stack = LocalStack(settings, fleet=fleet, allocators=allocators, retry_interval=0.3)
         stacks.append(stack)
@@ -72,7 +69,9 @@ async def stack_factory(nats_url: str, clean_jetstream: None) -> AsyncIterator[o
         await s.stop()
 
 
-async def test_request_assigned_applied_released_cleaned_freed(stack_factory, bus_factory: BusFactory) -> None:  # type: ignore[no-untyped-def]
+async def test_request_assigned_applied_released_cleaned_freed(
+    stack_factory, bus_factory: BusFactory
+) -> None:  # type: ignore[no-untyped-def]
     stack, client = await stack_factory([FleetEntry("dgx-h100", 1, "h100")])
     observer = await bus_factory("observer")
     applied = await observer.nc.subscribe(subjects.node_applied("h100-0"))
@@ -108,6 +107,8 @@ async def test_request_assigned_applied_released_cleaned_freed(stack_factory, bu
     big = request("big", 8, 8, scope="pcie-switch", policy="required")
     await client.submit(big)
     assert isinstance(await client.wait_for(big.request_id), Assignment)
+    await applied.unsubscribe()
+    await cleaned.unsubscribe()
 
 
 async def test_two_allocators_racing_on_one_node_never_share_a_device(stack_factory) -> None:  # type: ignore[no-untyped-def]
@@ -157,17 +158,22 @@ async def test_redelivered_request_is_not_allocated_twice(stack_factory) -> None
     assert info.num_pending == 0 and info.num_ack_pending == 0
 
 
-async def test_garbage_goes_to_dead_letter_and_service_keeps_serving(stack_factory, bus_factory: BusFactory) -> None:  # type: ignore[no-untyped-def]
+async def test_garbage_goes_to_dead_letter_and_service_keeps_serving(
+    stack_factory, bus_factory: BusFactory
+) -> None:  # type: ignore[no-untyped-def]
     _, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
     observer = await bus_factory("observer")
     dlq = await observer.nc.subscribe(subjects.dlq("allocator"))
     await observer.js.publish(subjects.ALLOC_REQUEST, b"\x00\xffnot msgpack at all")
-    bad_field = codec.encode({"kind": "alloc.request", "request_id": "x.1", "pod": {"namespace": "a", "name": "b"}, "gpus": "two"})
+    bad_field = codec.encode(
+        {"kind": "alloc.request", "request_id": "x.1", "pod": {"namespace": "a", "name": "b"}, "gpus": "two"}
+    )
     await observer.js.publish(subjects.ALLOC_REQUEST, bad_field)
 
     letters = [codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=5)).data) for _ in range(2)]
     assert letters[0].data == b"\x00\xffnot msgpack at all" and letters[0].subject == subjects.ALLOC_REQUEST
     assert "$.gpus" in letters[1].error and "int" in letters[1].error
+    await dlq.unsubscribe()
 
     req = request("after-garbage", 1, 1)
     await client.submit(req)
@@ -193,7 +199,7 @@ async def test_silent_node_gets_nothing_until_heartbeats_resume(stack_factory) -
 
 
 async def test_failed_gpu_is_skipped_and_returns_after_recovery(stack_factory) -> None:  # type: ignore[no-untyped-def]
-    stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
+    _stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
     ev = await client.command("pcie-0", "gpu2", "fail", reason="XID 79")
     assert not ev.healthy and ev.reason == "XID 79"
     req = request("all4", 4, 0)
