@@ -194,13 +194,19 @@ async def _script(demo: Demo, t_start: float) -> int:
     placed[late.request_id] = late
     print(f"{big.pod.name}: placed after recovery, not resubmitted → {late.node} gpus {_gpus(late)}")
 
-    _print_section("3. pods finish: verified cleanup frees their devices")
-    for name in ("llm-pretrain-0", "finetune-a", "ddp-small-0", "inference-0"):
+    _print_section("3. pods finish: verified cleanup frees their devices, pending pods move in")
+    waiting = [rid for rid in demo.trace_ids if rid not in placed]
+    for name in ("llm-pretrain-0", "finetune-a", "ddp-small-0", "inference-0", "llm-pretrain-1"):
         rid = f"demo-{name}.1"
         if rid in placed:
             freed = await demo.release(rid)
             placed.pop(rid)
             print(f"{name}: cleaned and freed on {freed.node}: {', '.join(freed.devices)}")
+    for rid in waiting:
+        moved = await client.wait_for(rid, (Assignment,), timeout=10.0)
+        assert isinstance(moved, Assignment)
+        placed[rid] = moved
+        print(f"{moved.pod.name}: was pending, placed on freed devices → {moved.node} gpus {_gpus(moved)}")
     outcome = await demo.place(_request("llm-pretrain-2", 8, 8, "pcie-switch", "required"))
     if not isinstance(outcome, Assignment):
         raise DemoFailure(f"llm-pretrain-2 not placed on the freed board: {outcome.reason}")
@@ -224,11 +230,14 @@ async def _script(demo: Demo, t_start: float) -> int:
     rid = "demo-llm-pretrain-0.1"
     trace_id = demo.trace_ids[rid]
     await asyncio.sleep(0.2)
-    names = [
-        s.name for s in demo.spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id
-    ]
+    spans = sorted(
+        (s for s in demo.spans.get_finished_spans() if format(s.context.trace_id, "032x") == trace_id),
+        key=lambda s: s.start_time or 0,
+    )
+    names = [s.name for s in spans]
     print(f"  trace_id {trace_id}")
-    print(f"  spans: {' → '.join(dict.fromkeys(names))}")
+    print(f"  spans: {' → '.join(names)}")
+    print("  (export to Jaeger: set OTEL_EXPORTER_OTLP_ENDPOINT=http://<jaeger>:4318)")
     expected = {
         "allocator.decide",
         "allocator.commit",

@@ -186,22 +186,22 @@ async def _device(client: TandemClient, args: argparse.Namespace) -> int:
     return 0
 
 
-ASSIGNMENT_HEADERS = ["pod", "node", "gpus", "nics", "pairs (gpu→nic: scope)"]
+ASSIGNMENT_HEADERS = ["pod", "node", "gpu", "nic", "alignment"]
 
 
 def assignment_rows(assignments: list[Assignment]) -> list[list[str]]:
-    rows = []
+    """One row per GPU/NIC pair (pod and node on the first row of each pod); GPUs without a
+    NIC of their own (GPU-only pods) are listed together on one row."""
+    rows: list[list[str]] = []
     for a in assignments:
-        pairs = ", ".join(f"{p.gpu}→{p.nic}: {p.scope}" for p in a.pairs) or "-"
-        rows.append(
-            [
-                f"{a.pod.namespace}/{a.pod.name}",
-                a.node,
-                ",".join(str(g.index) for g in a.gpus) or "-",
-                ",".join(n.name for n in a.nics) or "-",
-                pairs,
-            ]
-        )
+        first = [f"{a.pod.namespace}/{a.pod.name}", a.node]
+        paired = {p.gpu for p in a.pairs}
+        lines = [[str(p.gpu), p.nic, p.scope] for p in a.pairs]
+        lonely = [str(g.index) for g in a.gpus if g.index not in paired]
+        if lonely:
+            lines.append([",".join(lonely), "-", "-"])
+        for i, line in enumerate(lines or [["-", "-", "-"]]):
+            rows.append((first if i == 0 else ["", ""]) + line)
     return rows
 
 

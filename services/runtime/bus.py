@@ -73,7 +73,8 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         log.warning("nats_error", error=repr(exc))
 
     async def on_disconnect() -> None:
-        log.warning("nats_disconnected")
+        # Also called on a deliberate close; a real outage shows as nats_error / reconnects.
+        log.info("nats_disconnected")
 
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
