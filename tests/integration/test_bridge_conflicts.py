@@ -57,7 +57,7 @@ async def running(bus_factory: BusFactory, event_interval: float) -> AsyncIterat
 
 async def until(cond: Any, timeout: float = 10.0) -> None:
     async def loop() -> None:
-        while not cond():  # noqa: ASYNC110 - polling the fake's state
+        while not cond():
             await asyncio.sleep(0.05)
 
     await asyncio.wait_for(loop(), timeout)

@@ -120,5 +120,5 @@ async def test_leader_runs_work_steps_down_when_renewal_fails_and_hands_over_on_
 
 
 async def _until(cond) -> None:  # type: ignore[no-untyped-def]
-    while not cond():  # noqa: ASYNC110 - polling a plain attribute of the object under test
+    while not cond():
         await asyncio.sleep(0.01)
