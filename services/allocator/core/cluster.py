@@ -70,9 +70,10 @@ class Placement:
     ``scope`` is the worst (coarsest) scope over ``pairs``; a placement without pairs (GPU-only
     or NIC-only) reports the finest scope that holds all its devices. ``met`` says whether the
     requested scope was met (always true for ``required``). ``candidates`` is the number of
-    nodes that could take the request at this moment. ``quality`` is the in-node ranking
-    tuple (see :mod:`.search`: scope met, pair counts, NVLink fit, then fragmentation),
-    smaller is better; equal tuples are equally good placements.
+    nodes considered: those with enough free GPUs and NICs of the class that match the
+    selector, less those the search already found unable to meet a required scope.
+    ``quality`` is the in-node ranking tuple (see :mod:`.search`: scope met, pair counts,
+    NVLink fit, then fragmentation), smaller is better; equal tuples are equally good.
     """
 
     node: str
