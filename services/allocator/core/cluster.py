@@ -46,10 +46,10 @@ from typing import Any, Literal
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedNic, Pair
-from schemas.topology import Gpu, Nic, NodeTopology, ScopeName, VirtualFunction, locate
+from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
 
 from .errors import InvalidRequest
-from .model import Shape, bits, compile_shape, shape_signature
+from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, cross_bound, evaluate, fresh_cost, precheck
 
@@ -113,9 +113,10 @@ class _Node:
     shape: Shape
     hw: int
     labels: dict[str, str]
-    unavailable: set[str]
-    devices: list[tuple[Gpu | Nic, VirtualFunction | None]]
-    port_down: set[str]
+    # Tuples, not sets: strings-only tuples are untracked by the cycle collector, which keeps
+    # full collections cheap on fleets of 10,000+ nodes.
+    unavailable: tuple[str, ...]
+    port_down: tuple[str, ...]
     mask: int = 0
 
 
@@ -156,7 +157,7 @@ class Cluster:
             device_classes if device_classes is not None else default_device_classes()
         )
         self._nodes: dict[str, _Node] = {}
-        self._holds: dict[str, dict[str, frozenset[str]]] = {}
+        self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []
@@ -191,17 +192,7 @@ class Cluster:
         if hw is None:
             hw = self._hw_ids[hw_key] = len(self._hw)
             self._hw.append((shape, merged))
-        devices: list[tuple[Gpu | Nic, VirtualFunction | None]] = []
-        nics: list[tuple[Gpu | Nic, VirtualFunction | None]] = []
-        for loc in locate(topology):
-            d = loc.device
-            if isinstance(d, Gpu):
-                devices.append((d, None))
-            else:
-                nics.append((d, None))
-                nics.extend((d, vf) for vf in d.vfs)
-        devices.extend(nics)
-        node = _Node(name, topology, shape, hw, merged, set(unavailable), devices, _port_down(topology))
+        node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
         old = self._nodes.get(name)
         self._nodes[name] = node
         self._refresh(node, old_key=None if old is None else (old.hw, old.mask))
@@ -209,7 +200,7 @@ class Cluster:
     def set_unavailable(self, name: str, devices: Iterable[str]) -> None:
         """Replace the set of unhealthy or cordoned device ids of ``name``."""
         node = self._need(name)
-        node.unavailable = set(devices)
+        node.unavailable = tuple(devices)
         self._refresh(node, old_key=(node.hw, node.mask))
 
     def remove_node(self, name: str) -> None:
@@ -221,7 +212,7 @@ class Cluster:
     def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
         holds = self._holds.setdefault(name, {})
-        devs = frozenset(devices)
+        devs = tuple(sorted(set(devices)))
         if holds.get(request_id) == devs:
             return
         holds[request_id] = devs
@@ -254,14 +245,14 @@ class Cluster:
         return dict(self._need(name).labels)
 
     def holds(self, name: str) -> dict[str, frozenset[str]]:
-        return dict(self._holds.get(name, {}))
+        return {rid: frozenset(devs) for rid, devs in self._holds.get(name, {}).items()}
 
     def used_devices(self, name: str) -> set[str]:
         return {d for devs in self._holds.get(name, {}).values() for d in devs}
 
     def unavailable_devices(self, name: str) -> set[str]:
         node = self._need(name)
-        return node.unavailable | node.port_down
+        return {*node.unavailable, *node.port_down}
 
     def free_devices(self, name: str) -> list[str]:
         """Device ids (``gpu<N>``, NIC and VF RDMA names) that a request could get now."""
@@ -345,7 +336,7 @@ class Cluster:
         shape = node.shape
         blocked = 0
         slot_of = shape.slot_of
-        for dev in node.unavailable | node.port_down:
+        for dev in (*node.unavailable, *node.port_down):
             s = slot_of.get(dev)
             if s is not None:
                 blocked |= 1 << s
@@ -506,19 +497,21 @@ class Cluster:
 
     def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
         shape = node.shape
-        devs = node.devices
+        topo = node.topology
         gpus: list[AssignedGpu] = []
         for s in res.gpus:
-            g = devs[s][0]
+            g = device_at(topo, shape.paths[s], nic=False)
             assert isinstance(g, Gpu)
             gpus.append(AssignedGpu(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id))
         nics: list[AssignedNic] = []
         for s in res.nics:
-            pf, vf = devs[s]
+            path = shape.paths[s]
+            pf = device_at(topo, path, nic=True)
             assert isinstance(pf, Nic)
-            if vf is None:
+            if path[5] < 0:
                 nics.append(AssignedNic(name=pf.name, pf=pf.name, pci_bus_id=pf.pci_bus_id, netdev=pf.netdev))
             else:
+                vf = pf.vfs[path[5]]
                 nics.append(
                     AssignedNic(
                         name=vf.name, pf=pf.name, vf=vf.index, pci_bus_id=vf.pci_bus_id, netdev=vf.netdev
@@ -556,11 +549,11 @@ _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
 
 
-def _port_down(topo: NodeTopology) -> set[str]:
+def _port_down(topo: NodeTopology) -> tuple[str, ...]:
     """NICs whose port is down or still initialising (and their VFs) cannot be handed out."""
-    out: set[str] = set()
+    out: list[str] = []
     for nic in topo.nics():
         if nic.port_state in ("down", "init"):
-            out.add(nic.name)
-            out.update(vf.name for vf in nic.vfs)
-    return out
+            out.append(nic.name)
+            out.extend(vf.name for vf in nic.vfs)
+    return tuple(out)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from schemas.config import DeviceClass
-from schemas.topology import Gpu, Nic, NodeTopology, locate
+from schemas.topology import Gpu, Nic, NodeTopology, PcieRoot, PcieSwitch, locate
 
 __all__ = [
     "HOPPER_PARTITIONS",
@@ -28,6 +28,7 @@ __all__ = [
     "NicSlot",
     "Shape",
     "compile_shape",
+    "device_at",
     "nvlink_partitions",
     "shape_signature",
 ]
@@ -163,6 +164,9 @@ class Shape:
     vf_parent: dict[int, int]  # vf slot -> pf slot
     pf_vfs: dict[int, int]  # pf slot -> mask of its vf slots
     partitions: list[tuple[int, int]]  # (gpu slot mask, size)
+    # slot -> where the device sits in any topology of this shape: indices of socket, NUMA
+    # node, root, switch (-1: on the root), device in its holder's gpus/nics, VF (-1: the PF)
+    paths: list[tuple[int, int, int, int, int, int]]
     views: dict[str, ClassView] = field(default_factory=dict)
 
     def loc_of(self, slot: int) -> tuple[int, int, int, int]:
@@ -282,6 +286,18 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
             pf_vfs[pf] = vmask
         vf_all |= vmask
     n_slots = len(slot_id)
+    gpu_paths: list[tuple[int, int, int, int, int, int]] = []
+    nic_paths: list[tuple[int, int, int, int, int, int]] = []
+    for si, sock in enumerate(topo.sockets):
+        for ni, numa in enumerate(sock.numa_nodes):
+            for ri, root in enumerate(numa.roots):
+                holders: list[tuple[int, PcieRoot | PcieSwitch]] = [(-1, root)]
+                holders.extend(enumerate(root.switches))
+                for wi, holder in holders:  # the order of locate(): root devices, then switches
+                    gpu_paths.extend((si, ni, ri, wi, di, -1) for di in range(len(holder.gpus)))
+                    for di, nic in enumerate(holder.nics):
+                        nic_paths.append((si, ni, ri, wi, di, -1))
+                        nic_paths.extend((si, ni, ri, wi, di, vi) for vi in range(len(nic.vfs)))
     for s in range(n_slots):
         where = gpu_loc[s] if s < n_gpus else nics[s - n_gpus].loc
         for u in where:
@@ -317,7 +333,16 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
         vf_parent=vf_parent,
         pf_vfs=pf_vfs,
         partitions=partitions,
+        paths=gpu_paths + nic_paths,
     )
+
+
+def device_at(topo: NodeTopology, path: tuple[int, int, int, int, int, int], *, nic: bool) -> Gpu | Nic:
+    """The GPU or NIC (the PF, for a VF path) at ``path`` in a topology of the path's shape."""
+    si, ni, ri, wi, di, _vi = path
+    root = topo.sockets[si].numa_nodes[ni].roots[ri]
+    holder: PcieRoot | PcieSwitch = root if wi < 0 else root.switches[wi]
+    return holder.nics[di] if nic else holder.gpus[di]
 
 
 def bits(mask: int) -> list[int]:
