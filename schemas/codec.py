@@ -68,3 +68,10 @@ def from_json(data: bytes | str, type: type[T]) -> T:
 
 def to_builtins(obj: Any) -> Any:
     return msgspec.to_builtins(obj)
+
+
+def validated(obj: T) -> T:
+    """``obj`` checked against its type's constraints (``Struct(...)`` does not check
+    ``Meta`` bounds such as ``gpus >= 0``; decoding does). Raises ``msgspec.ValidationError``
+    naming the field."""
+    return msgspec.convert(msgspec.to_builtins(obj), type(obj))

@@ -33,7 +33,13 @@ from services.localstack import DEFAULT_FLEET, LocalStack
 from services.runtime.bus import Bus
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.logging import setup_logging
-from services.runtime.tracing import context_from_traceparent, current_traceparent, setup_tracing, tracer
+from services.runtime.tracing import (
+    context_from_traceparent,
+    current_traceparent,
+    setup_tracing,
+    shutdown_tracing,
+    tracer,
+)
 
 _tracer = tracer("tandem.demo")
 HOSTNAME = "kubernetes.io/hostname"
@@ -149,6 +155,7 @@ async def run_demo(args: argparse.Namespace) -> int:
             await client.close()
             await bus.close()
             await stack.stop()
+            shutdown_tracing()  # flush the OTLP exporter before the process exits
 
 
 async def _script(demo: Demo, t_start: float) -> int:

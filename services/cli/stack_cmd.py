@@ -16,6 +16,7 @@ from typing import Any
 
 import msgspec
 
+from schemas import codec
 from schemas.messages import AllocationFailed, AllocationRequest, Assignment, NetworkSpec, PodRef
 from schemas.topology import SCOPES
 from services.cli.errors import CliError
@@ -156,7 +157,7 @@ def _new_request(args: argparse.Namespace) -> AllocationRequest:
 
 async def _submit(client: TandemClient, args: argparse.Namespace) -> int:
     try:
-        req = _new_request(args)
+        req = codec.validated(_new_request(args))
     except msgspec.ValidationError as exc:
         raise CliError(f"invalid request: {exc}") from exc
     await client.submit(req)

@@ -1,0 +1,74 @@
+"""`tandem up` in one process and the other commands driving it from others, as a user would."""
+
+from __future__ import annotations
+
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TANDEM = str(Path(sys.executable).parent / "tandem")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def tandem(*args: str, url: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([TANDEM, *args, "--nats", url], capture_output=True, text=True, timeout=30)
+
+
+def test_up_submit_status_device_release_and_ctrl_c() -> None:
+    port = free_port()
+    up = subprocess.Popen(
+        [TANDEM, "up", "--port", str(port), "--node", "pcie-4gpu-2nic:2:box"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert up.stdout is not None
+        deadline = time.monotonic() + 30
+        line = ""
+        while "Tandem is up" not in line:
+            assert time.monotonic() < deadline and up.poll() is None, "tandem up did not come up"
+            line = up.stdout.readline()
+        url = f"nats://127.0.0.1:{port}"
+        assert url in line
+
+        sub = tandem("submit", "--pod", "team/trainer", "--gpus", "2", "--rdma", "2", url=url)
+        assert sub.returncode == 0, sub.stderr
+        rid = re.search(r"request (\S+) → node (box-\d)", sub.stdout)
+        assert rid, sub.stdout
+        assert "team/trainer" in sub.stdout and "pcie-switch" in sub.stdout
+
+        status = tandem("status", "--devices", url=url)
+        assert status.returncode == 0, status.stderr
+        assert re.search(rf"{rid.group(2)}\s+ready\s+2/4\s+2/2", status.stdout), status.stdout
+
+        dev = tandem("device", "cordon", "box-0", "gpu3", "--reason", "fan noise", url=url)
+        assert dev.returncode == 0 and "cordoned" in dev.stdout and "fan noise" in dev.stdout
+
+        too_big = tandem("submit", "--gpus", "9", url=url)
+        assert too_big.returncode == 1 and "pending" in too_big.stdout
+
+        bad = tandem("submit", "--gpus", "-1", url=url)
+        assert bad.returncode == 2 and "invalid request" in bad.stderr and "gpus" in bad.stderr
+
+        rel = tandem("release", rid.group(1), url=url)
+        assert rel.returncode == 0, rel.stderr
+    finally:
+        up.send_signal(signal.SIGINT)
+        rc = up.wait(20)
+    assert rc == 0
+
+
+def test_commands_without_a_running_system_fail_with_one_line() -> None:
+    out = tandem("status", url=f"nats://127.0.0.1:{free_port()}")
+    assert out.returncode == 2
+    assert out.stderr.startswith("tandem: cannot reach NATS") and "Traceback" not in out.stderr
