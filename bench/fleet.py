@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import NodeTopology
-from services.topology import load_topology
+from services.topology import import_nvidia_smi, load_topology
 
 # (built-in topology, share of the fleet)
 MIX: tuple[tuple[str, float], ...] = (
@@ -23,15 +24,40 @@ MIX: tuple[tuple[str, float], ...] = (
     ("gpu-only-8", 0.15),
 )
 
+# Real servers too: two `nvidia-smi topo -m` matrices from the repository's test data,
+# imported with the project's importer (the matrix has no GPU model; it is given here).
+MATRICES = Path(__file__).resolve().parent.parent / "tests" / "unit" / "test_topology_matrices"
+REAL: dict[str, tuple[str, str]] = {
+    "h200-10nic": ("10_glm52_8xH200_10nic_3pix-per-gpu3.txt", "NVIDIA H200"),
+    "a800-4nic-asym": ("22_llm-action_8xA800_4nic-asym.txt", "NVIDIA A800-SXM4-80GB"),
+}
+REAL_MIX: tuple[tuple[str, float], ...] = (
+    ("dgx-h100", 0.30),
+    ("dgx-a100", 0.20),
+    ("h200-10nic", 0.10),
+    ("a800-4nic-asym", 0.10),
+    ("pcie-4gpu-2nic", 0.15),
+    ("gpu-only-8", 0.15),
+)
+MIXES = {"builtin": MIX, "real": REAL_MIX}
 
-def fleet(n: int) -> list[tuple[str, NodeTopology]]:
-    """``n`` nodes named ``<topology>-<i>`` in the :data:`MIX` proportions."""
+
+def _topology(name: str) -> NodeTopology:
+    if name in REAL:
+        file, model = REAL[name]
+        text = (MATRICES / file).read_text()
+        return import_nvidia_smi(text, name=name, gpu_model=model).topology
+    return load_topology(name)
+
+
+def fleet(n: int, mix: tuple[tuple[str, float], ...] = MIX) -> list[tuple[str, NodeTopology]]:
+    """``n`` nodes named ``<topology>-<i>`` in the ``mix`` proportions."""
     out: list[tuple[str, NodeTopology]] = []
     left = n
-    for pos, (name, share) in enumerate(MIX):
-        count = left if pos == len(MIX) - 1 else round(n * share)
+    for pos, (name, share) in enumerate(mix):
+        count = left if pos == len(mix) - 1 else round(n * share)
         left -= count
-        raw = msgspec.json.encode(load_topology(name)).decode()
+        raw = msgspec.json.encode(_topology(name)).decode()
         for i in range(count):
             node = f"{name}-{i:05d}"
             data = raw.replace('"GPU-', f'"GPU-{i:05d}-')

@@ -37,7 +37,7 @@ from typing import Any
 
 from bench import exhaustive
 from bench.baselines import BASELINES, Baseline, Pick
-from bench.fleet import MIX, fleet, requests
+from bench.fleet import MIX, MIXES, REAL_MIX, fleet, requests
 from bench.randtopo import random_cluster, random_request
 from schemas.config import default_device_classes
 from schemas.messages import AllocationRequest
@@ -307,8 +307,8 @@ def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
 # 2. quality
 
 
-def quality(n_nodes: int, decisions: int, seed: int) -> list[dict[str, Any]]:
-    nodes = fleet(n_nodes)
+def quality(n_nodes: int, decisions: int, seed: int, *, mix: str = "builtin") -> list[dict[str, Any]]:
+    nodes = fleet(n_nodes, MIXES[mix])
     rows = []
     makers: list[tuple[str, Any]] = [("tandem", lambda: TandemAdapter(nodes))]
     makers += [(b.name, lambda b=b: BaselineAdapter(b(nodes))) for b in BASELINES]
@@ -339,7 +339,7 @@ def quality(n_nodes: int, decisions: int, seed: int) -> list[dict[str, Any]]:
                     "required_met": st.required_met,
                 }
             )
-            print(f"  quality {name} @ {target:.0%} done", file=sys.stderr)
+            print(f"  quality ({mix}) {name} @ {target:.0%} done", file=sys.stderr)
     return rows
 
 
@@ -456,24 +456,27 @@ def markdown(results: dict[str, Any]) -> str:
         ),
         "",
     ]
-    q = results["quality"]
-    lines += [f"### Quality ({results['quality_nodes']:,} nodes, same churn and request stream)", ""]
-    lines += [
-        "| allocator | target util | placed | refused | fragmentation refusals | pairs pcie-switch "
-        "| pcie-root | numa | socket | node | all pairs on switch | required met |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in q:
-        sh = r["pair_share_pct"]
-        lines.append(
-            f"| {r['allocator']} | {r['target_util']:.0%} | {r['placed']} | {r['refused']} "
-            f"| {r['frag_refused']} ({r['frag_refused_pct']}%) | {sh['pcie-switch']}% | {sh['pcie-root']}% "
-            f"| {sh['numa']}% | {sh['socket']}% | {sh['node']}% | {r['all_switch_pct']}% "
-            f"| {r['required_met']}/{r['required']} |"
-        )
+    for key, title in (
+        ("quality", "built-in fleet"),
+        ("quality_real", "fleet with two imported real servers (H200 10-NIC, A800 4-NIC asymmetric)"),
+    ):
+        lines += [f"### Quality ({results['quality_nodes']:,} nodes, {title}; same churn and requests)", ""]
+        lines += [
+            "| allocator | target util | placed | refused | fragmentation refusals | pairs pcie-switch "
+            "| pcie-root | numa | socket | node | all pairs on switch | required met |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in results[key]:
+            sh = r["pair_share_pct"]
+            lines.append(
+                f"| {r['allocator']} | {r['target_util']:.0%} | {r['placed']} | {r['refused']} "
+                f"| {r['frag_refused']} ({r['frag_refused_pct']}%) | {sh['pcie-switch']}% "
+                f"| {sh['pcie-root']}% | {sh['numa']}% | {sh['socket']}% | {sh['node']}% "
+                f"| {r['all_switch_pct']}% | {r['required_met']}/{r['required']} |"
+            )
+        lines.append("")
     o = results["optimality"]
     lines += [
-        "",
         "### Optimality (random small clusters vs exhaustive search)",
         "",
         f"{o['equal']}/{o['cases']} decisions equal to the exhaustive search ({o['equal_pct']}%): "
@@ -509,6 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m bench.run " + " ".join(sys.argv[1:] if argv is None else argv),
         "machine": machine(),
         "mix": dict(MIX),
+        "real_mix": dict(REAL_MIX),
         "seed": args.seed,
     }
     print("speed ...", file=sys.stderr)
@@ -516,6 +520,7 @@ def main(argv: list[str] | None = None) -> int:
     print("quality ...", file=sys.stderr)
     results["quality_nodes"] = args.quality_nodes
     results["quality"] = quality(args.quality_nodes, args.quality_decisions, args.seed)
+    results["quality_real"] = quality(args.quality_nodes, args.quality_decisions, args.seed, mix="real")
     print("optimality ...", file=sys.stderr)
     results["optimality"] = optimality(args.optimality_cases, args.seed)
     results["wall_s"] = round(time.time() - started, 1)
