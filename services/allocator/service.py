@@ -56,7 +56,7 @@ from services.allocator.core import Cluster, Placement, Unschedulable
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket
 from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.tasks import Service, Supervisor
 from services.runtime.tracing import tracer
 
 log = get_logger(__name__)
@@ -105,7 +105,7 @@ def _pod_attributes(req: AllocationRequest) -> dict[str, str | int]:
     }
 
 
-class Allocator:
+class Allocator(Service):
     def __init__(
         self,
         bus: Bus,
@@ -172,13 +172,6 @@ class Allocator:
 
     async def stop(self) -> None:
         await self._tasks.aclose()
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()
 
     # -- read model -------------------------------------------------------------------------
 

@@ -34,7 +34,7 @@ from schemas.messages import (
 )
 from services.runtime.bus import Bus, Delivery
 from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.tasks import Service, Supervisor
 
 log = get_logger(__name__)
 
@@ -101,7 +101,7 @@ def set_status(
     return msgspec.structs.replace(current, status=status, last_heartbeat=now)
 
 
-class Inventory:
+class Inventory(Service):
     def __init__(
         self,
         bus: Bus,
@@ -154,13 +154,6 @@ class Inventory:
 
     async def stop(self) -> None:
         await self._tasks.aclose()
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()
 
     async def _keys(self) -> list[str]:
         try:

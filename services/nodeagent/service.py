@@ -42,7 +42,7 @@ from services.nodeagent.health import HealthTracker
 from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.tasks import Service, Supervisor
 from services.runtime.tracing import tracer
 
 log = get_logger(__name__)
@@ -58,7 +58,7 @@ def device_ids(topology: NodeTopology) -> list[str]:
     return ids
 
 
-class NodeAgent:
+class NodeAgent(Service):
     def __init__(
         self,
         bus: Bus,
@@ -121,13 +121,6 @@ class NodeAgent:
     async def stop(self) -> None:
         await self._tasks.aclose()
         await self.backend.close()
-
-    async def run(self, stop: asyncio.Event) -> None:
-        await self.start()
-        try:
-            await stop.wait()
-        finally:
-            await self.stop()
 
     # -- inventory and health ---------------------------------------------------------------
 

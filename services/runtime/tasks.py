@@ -7,6 +7,7 @@ raises, logs the error and restarts it after a back-off (``restart=True``) or re
 
 from __future__ import annotations
 
+import abc
 import asyncio
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -73,3 +74,21 @@ class Supervisor:
         for t in stuck:
             frames = [f"{f.f_code.co_filename}:{f.f_lineno}" for f in t.get_stack()]
             log.error("task_did_not_stop", task=t.get_name(), stack=frames)
+
+
+class Service(abc.ABC):
+    """Base of the long-running services: ``start`` spawns, ``stop`` tears down, ``run`` is
+    start → wait for the stop signal → stop (what ``python -m services.<x>`` calls)."""
+
+    @abc.abstractmethod
+    async def start(self) -> None: ...
+
+    @abc.abstractmethod
+    async def stop(self) -> None: ...
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await self.start()
+        try:
+            await stop.wait()
+        finally:
+            await self.stop()
