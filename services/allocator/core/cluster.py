@@ -20,17 +20,21 @@ refusal's aggregated reason comes from the counters without a scan.
 Node order (the heap key):
 
 1. the *cross-node* part of the placement quality (:func:`.search.cross_key`): requested
-   scope met, pairs within the requested scope and each coarser one, NVLink fit. Alignment
-   finer than requested only orders placements within a node, so a ``numa`` request does
-   not take a fresh node just because it has a free switch pair;
-2. ``binpack``: fragmentation (the whole switches / NUMA nodes / NVLink partitions the
-   placement breaks), then the fullest node (fewest free GPUs, then NICs);
+   scope met, pairs within the requested scope and each coarser one, NVLink fit; then, for a
+   GPU-only (NIC-only) request, fewer free NICs (GPUs) on the node
+   (:func:`.search.one_sided_waste`). Alignment finer than requested only orders placements
+   within a node, so a ``numa`` request does not take a fresh node for a free switch pair;
+2. ``binpack``: a ``preferred`` request does not open a completely free node while a used
+   one can take it (:func:`.search.fresh_cost`, ahead of 1.); then the smaller server (GPU
+   count), fragmentation (the whole switches / NUMA nodes / NVLink partitions the placement
+   breaks), the fullest node (fewest free GPUs, then NICs);
    ``spread``: the emptiest node, then fragmentation;
 3. the full in-node quality (finer pairs win ties), then first registered.
 
 Quality comes before node policy: a half-empty node with switch-aligned pairs beats a nearly
-full node that could only align at NUMA level (and under heavy load this keeps alignment at
-the cost of some capacity; see ``docs/benchmarks.md``).
+full node that could only align at NUMA level — except that ``binpack`` does not open a
+completely free node for a ``preferred`` request. Under heavy load this keeps alignment at
+the cost of some capacity for the largest requests; see ``docs/benchmarks.md``.
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
@@ -481,7 +485,9 @@ class Cluster:
             key, frag, full, exact = cross_bound(spec), (), (), False
         if self.policy == "binpack":
             key = (fresh_cost(shape, mask, spec), *key)
-            return (key, frag, (free_g, free_n), full, seq, gkey, exact)
+            # Smaller servers first among equal placements: big ones stay whole for big jobs.
+            size_frag = (shape.n_gpus, *frag) if exact else (shape.n_gpus,)
+            return (key, size_frag, (free_g, free_n), full, seq, gkey, exact)
         return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
 
     def _first_status(self, spec: Spec, gkey: GroupKey) -> Choice | Refusal | None:
