@@ -16,13 +16,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from bench import exhaustive
-from bench.randtopo import CLASSES, all_device_ids, random_cluster, random_request
-from schemas.messages import AllocationRequest
+from bench.randtopo import CLASSES, all_device_ids, random_cluster, random_request, random_topology
+from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import Gpu, NodeTopology, Scope, locate, scope_between
 from services.allocator.core import Cluster, Placement, Unschedulable
 from services.allocator.core.search import cross_key
 
-SETTINGS = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 def _loc_map(topo: NodeTopology) -> dict[str, object]:
@@ -125,7 +125,7 @@ def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> N
     assert len(refs) <= got.candidates <= n
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
 def test_churn_keeps_invariants_and_matches_fresh_index(seed: int) -> None:
     rng = random.Random(seed)
@@ -175,3 +175,42 @@ def test_churn_keeps_invariants_and_matches_fresh_index(seed: int) -> None:
         else:
             assert isinstance(again, Unschedulable)
             assert got.counts == again.counts
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    g=st.integers(1, 4),
+    r=st.integers(0, 4),
+    scope=st.sampled_from(["pcie-switch", "pcie-root", "numa", "socket"]),
+    required=st.booleans(),
+    device_class=st.sampled_from(sorted(CLASSES)),
+)
+def test_bigger_nodes_equal_exhaustive(
+    seed: int, g: int, r: int, scope: str, required: bool, device_class: str
+) -> None:
+    """Up to 8 GPUs and 6 NICs (plus VFs) per node, 1-4 GPUs asked: still exact."""
+    rng = random.Random(seed)
+    topo = random_topology(rng, max_gpus=8, max_nics=6)
+    blocked = {d for d in all_device_ids(topo) if rng.random() < 0.15}
+    cluster = Cluster(device_classes=CLASSES)
+    cluster.set_node("n", topo)
+    cluster.hold("n", "other", blocked)
+    req = AllocationRequest(
+        request_id="big",
+        pod=PodRef("ns", "big"),
+        gpus=g,
+        rdma=r,
+        scope=scope,  # type: ignore[arg-type]
+        policy="required" if required else "preferred",
+        device_class=device_class,
+    )
+    spec = cluster.normalise(req)
+    ref = exhaustive.best(topo, exhaustive.effective_free(topo, blocked), spec)
+    got = cluster.decide(req)
+    if ref is None:
+        assert isinstance(got, Unschedulable)
+    else:
+        assert isinstance(got, Placement), got.reason
+        assert got.quality == ref[0]
+        assert set(got.devices()).isdisjoint(blocked)
