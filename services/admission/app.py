@@ -22,6 +22,7 @@ from services.admission.webhook import CertReloader, RunningServer, Webhook, sta
 from services.runtime import lifecycle
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger
+from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tasks import Supervisor
 
@@ -50,7 +51,15 @@ async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Even
     server: RunningServer | None = None
     kube: KubeClient | None = None
     bus: Bus | None = None
+    ops: OpsServer | None = None
+    started = asyncio.Event()
+
+    def ready() -> bool:
+        return started.is_set() and (bus is None or bus.nc.is_connected)
+
     try:
+        if settings.ops_port:
+            ops = await OpsServer(port=settings.ops_port, ready=ready).start()
         if args.webhook:
             reloader = await asyncio.to_thread(CertReloader, cert_file=args.tls_cert, key_file=args.tls_key)
             server = await start_server(
@@ -82,9 +91,12 @@ async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Even
                 sup.spawn("leader", lambda: elector.run(lead, stop))
             else:
                 sup.spawn("bridge", lambda: lead(stop))
+        started.set()
         await stop.wait()
     finally:
         await sup.aclose()
+        if ops is not None:
+            await ops.stop()
         if server is not None:
             await server.close()
         if bus is not None:

@@ -52,6 +52,7 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
+from services.allocator import metrics
 from services.allocator.core import Cluster, Placement, Unschedulable
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket
@@ -364,8 +365,11 @@ class Allocator(Service):
         for _ in range(MAX_COMMIT_ATTEMPTS):
             with _tracer.start_as_current_span("allocator.decide", context=context) as span:
                 span.set_attributes(_pod_attributes(req))
+                t0 = time.perf_counter()
                 decision = self.cluster.decide(req)
+                metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
                 if isinstance(decision, Unschedulable):
+                    metrics.DECISIONS.labels("unschedulable").inc()
                     span.set_attributes({"tandem.outcome": "unschedulable", "tandem.reason": decision.reason})
                     await self._unschedulable(req, claim, decision)
                     return "pending"
@@ -383,7 +387,14 @@ class Allocator(Service):
                     committed = await self._commit(req, assignment)
                     cspan.set_attribute("tandem.committed", committed)
                 if not committed:
+                    metrics.COMMIT_CONFLICTS.inc()
                     continue
+                metrics.DECISIONS.labels("assigned").inc()
+                metrics.REQUEST_TO_ASSIGNMENT_SECONDS.observe(
+                    max(0.0, assignment.decided_at - req.created_at)
+                )
+                for pair in assignment.pairs:
+                    metrics.PAIRS.labels(pair.scope).inc()
                 await self._put_request(
                     RequestRecord(request=req, state="assigned", node=decision.node, owner=self.instance)
                 )
@@ -429,8 +440,19 @@ class Allocator(Service):
                 log.info("retry_deferred", request_id=req.request_id, reason=str(r))
         return placed
 
+    def update_gauges(self) -> None:
+        totals = self.cluster.totals()
+        metrics.DEVICES.labels("gpu", "total").set(totals["gpus"])
+        metrics.DEVICES.labels("gpu", "free").set(totals["free_gpus"])
+        metrics.DEVICES.labels("nic", "total").set(totals["nics"])
+        metrics.DEVICES.labels("nic", "free").set(totals["free_nics"])
+        metrics.PENDING.set(len(self.pending))
+        for status in ("ready", "lost"):
+            metrics.NODES.labels(status).set(sum(1 for r in self.nodes.values() if r.status == status))
+
     async def _retry_loop(self) -> None:
         while True:
+            self.update_gauges()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._capacity.wait(), self.retry_interval)
             self._capacity.clear()

@@ -21,6 +21,7 @@ from typing import Literal
 import msgspec
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError, NoKeysError
 from nats.js.kv import KeyValue
+from prometheus_client import Counter, Gauge
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -37,6 +38,9 @@ from services.runtime.logging import get_logger
 from services.runtime.tasks import Service, Supervisor
 
 log = get_logger(__name__)
+
+NODE_TRANSITIONS = Counter("tandem_inventory_node_transitions_total", "Nodes marked lost or back", ["to"])
+NODES = Gauge("tandem_inventory_nodes", "Nodes known to this inventory replica by status", ["status"])
 
 Mutation = Callable[[NodeRecord | None], NodeRecord | None]
 
@@ -167,6 +171,7 @@ class Inventory(Service):
             rec = await update_record(self.kv, event.node, lambda cur: apply_inventory(cur, event, now=now))
             self.last_seen[event.node] = now
             self.status[event.node] = rec.status if rec else "ready"
+            self._count_nodes()
             log.info("node_inventory", node=event.node, generation=event.generation)
         elif isinstance(event, HealthEvent):
             await update_record(self.kv, event.node, lambda cur: apply_health(cur, event))
@@ -179,6 +184,8 @@ class Inventory(Service):
         if self.status.get(beat.node) == "lost":
             await update_record(self.kv, beat.node, lambda cur: set_status(cur, "ready", now=now))
             self.status[beat.node] = "ready"
+            NODE_TRANSITIONS.labels("ready").inc()
+            self._count_nodes()
             log.info("node_back", node=beat.node)
 
     async def check_liveness(self) -> list[str]:
@@ -192,8 +199,15 @@ class Inventory(Service):
         for node in lost:
             await update_record(self.kv, node, lambda cur: set_status(cur, "lost", now=now))
             self.status[node] = "lost"
+            NODE_TRANSITIONS.labels("lost").inc()
             log.warning("node_lost", node=node, silent_for=round(now - self.last_seen[node], 1))
+        if lost:
+            self._count_nodes()
         return lost
+
+    def _count_nodes(self) -> None:
+        for status in ("ready", "lost"):
+            NODES.labels(status).set(sum(1 for s in self.status.values() if s == status))
 
     async def _liveness_loop(self) -> None:
         while True:

@@ -38,7 +38,7 @@ from services.nodeagent.state import StateFile
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger
 from services.runtime.settings import Settings
-from services.runtime.tasks import Supervisor
+from services.runtime.tasks import Service, Supervisor
 
 __all__ = ["HostAgent", "HostAgentConfig", "allocated_requests", "build_host_agent"]
 
@@ -72,7 +72,7 @@ async def allocated_requests(bus: Bus, node: str) -> set[str] | None:
     return set(codec.NODE_ALLOCS.decode(entry.value or b"").allocations)
 
 
-class HostAgent:
+class HostAgent(Service):
     def __init__(
         self, agent: NodeAgent, *, plugins: DevicePlugins, vfs: VfApplier, sync_interval: float
     ) -> None:
@@ -81,6 +81,7 @@ class HostAgent:
         self.vfs = vfs
         self.sync_interval = sync_interval
         self._tasks = Supervisor(f"host-agent:{agent.node}")
+        self._stopping = asyncio.Event()
 
     async def sync_plugins(self) -> None:
         seen: tuple[int, dict[str, DeviceHealth]] | None = None
@@ -91,20 +92,20 @@ class HostAgent:
                 seen = now
             await asyncio.sleep(self.sync_interval)
 
-    async def run(self, stop: asyncio.Event) -> None:
+    async def start(self) -> None:
         report = await self.vfs.recover(allocated=await allocated_requests(self.agent.bus, self.agent.node))
         for action, problems in report:
             log.info("recovered", request_id=action.request_id, action=action.action, problems=problems)
         await self.agent.start()
-        self.plugins.start(stop)
+        self.plugins.start(self._stopping)
         self._tasks.spawn("sync-plugins", self.sync_plugins)
-        try:
-            await stop.wait()
-        finally:
-            await self._tasks.aclose()
-            await self.plugins.aclose()
-            await self.agent.stop()
-            await self.vfs.close()
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await self._tasks.aclose()
+        await self.plugins.aclose()
+        await self.agent.stop()
+        await self.vfs.close()
 
 
 async def build_host_agent(

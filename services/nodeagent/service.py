@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
+from prometheus_client import Counter
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -46,6 +47,14 @@ from services.runtime.tasks import Service, Supervisor
 from services.runtime.tracing import tracer
 
 log = get_logger(__name__)
+
+HEALTH_CHANGES = Counter(
+    "tandem_nodeagent_health_changes_total", "Device health/cordon changes published", ["healthy"]
+)
+APPLIES = Counter("tandem_nodeagent_applies_total", "Assignments applied, by result", ["result"])
+CLEANUPS = Counter(
+    "tandem_nodeagent_cleanups_total", "Releases cleaned up, by verification result", ["result"]
+)
 _tracer = tracer("tandem.nodeagent")
 
 
@@ -157,6 +166,7 @@ class NodeAgent(Service):
             ts=self.clock(),
         )
         await self.bus.publish(subjects.node_health(self.node), event)
+        HEALTH_CHANGES.labels(str(h.healthy).lower()).inc()
         log.info("device_health", device=device, healthy=h.healthy, cordoned=h.cordoned, reason=h.reason)
         return event
 
@@ -233,6 +243,7 @@ class NodeAgent(Service):
             except BackendError as exc:
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))
+            APPLIES.labels("ok" if result.ok else "failed").inc()
             await self.bus.publish(
                 subjects.node_applied(self.node),
                 result,
@@ -276,6 +287,7 @@ class NodeAgent(Service):
                     problems=problems,
                     ts=self.clock(),
                 )
+            CLEANUPS.labels("verified" if cleaned.ok else "unverified").inc()
             await self.bus.publish(
                 subjects.node_cleaned(self.node),
                 cleaned,

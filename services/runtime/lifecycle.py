@@ -17,6 +17,7 @@ from typing import Protocol
 from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
 from services.runtime.logging import setup_logging
+from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tracing import setup_tracing, shutdown_tracing
 
@@ -43,7 +44,9 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]], settings: Settings) ->
 
 
 class Runnable(Protocol):
-    async def run(self, stop: asyncio.Event) -> None: ...
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
 
 
 def service_main(
@@ -63,11 +66,25 @@ def service_main(
         return 2
 
     async def main(stop: asyncio.Event) -> None:
-        bus = await Bus.open(settings)
+        started = asyncio.Event()
+        bus: Bus | None = None
+
+        def ready() -> bool:
+            return started.is_set() and bus is not None and bus.nc.is_connected
+
+        ops = await OpsServer(port=settings.ops_port, ready=ready).start() if settings.ops_port else None
         try:
-            await (await build(bus, settings)).run(stop)
+            bus = await Bus.open(settings)
+            service = await build(bus, settings)
+            await service.start()
+            started.set()
+            await stop.wait()
+            await service.stop()
         finally:
-            await bus.close()
+            if bus is not None:
+                await bus.close()
+            if ops is not None:
+                await ops.stop()
 
     run(main, settings)
     return 0

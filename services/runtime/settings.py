@@ -30,6 +30,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = msgspec.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     node_name: str = msgspec.field(default_factory=socket.gethostname)
     log_level: str = "info"
+    ops_port: int | None = None  # /healthz, /readyz, /metrics (services.runtime.ops)
     log_json: bool = True
     otlp_endpoint: str | None = None
     heartbeat_interval: float = 2.0

@@ -405,7 +405,28 @@ def test_bundled_nats_is_a_clustered_jetstream_statefulset(tmp_path: Path) -> No
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
     assert one(docs, "PodDisruptionBudget", sts["metadata"]["name"])["spec"]["maxUnavailable"] == 1
     monitor = one(docs, "ServiceMonitor")
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "interval": "30s"}]
+    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+
+
+def test_every_service_is_probed_on_its_ops_port(tmp_path: Path) -> None:
+    docs = render()
+    assert settings_from(docs, tmp_path).ops_port == 9090
+    for doc in workloads(docs):
+        if component(doc) == "nats":
+            continue
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        expected = 9465 if component(doc) == "nodeagent" else 9090
+        assert ports["ops"] == expected, component(doc)
+        if component(doc) == "admission":
+            continue  # probed over its webhook port (HTTPS), which proves TLS works too
+        assert container["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "ops"}
+        assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "ops"}
+    agent = one(docs, "DaemonSet")["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "TANDEM_OPS_PORT", "value": "9465"} in agent["env"]
+    custom = render({"allocator": {"livenessProbe": {"exec": {"command": ["true"]}}}})
+    allocator = next(d for d in workloads(custom) if component(d) == "allocator")
+    assert allocator["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["exec"]
 
 
 def test_notes_tell_how_to_request_devices() -> None:
