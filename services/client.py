@@ -27,6 +27,7 @@ from schemas.messages import (
     NodeRecord,
     PodRef,
     Release,
+    RequestRecord,
 )
 from services.runtime.bus import Bus
 
@@ -126,6 +127,14 @@ class TandemClient:
         if reply.error:
             raise ClientError(reply.error)
         return reply.nodes
+
+    async def request_record(self, request_id: str) -> RequestRecord | None:
+        kv = await self.bus.kv(subjects.KV_REQUESTS)
+        try:
+            entry = await kv.get(subjects.kv_key(request_id))
+        except KeyNotFoundError:
+            return None
+        return codec.REQUEST_RECORD.decode(entry.value or b"")
 
     async def allocations(self, nodes: Iterable[str] | None = None) -> list[NodeAllocations]:
         kv = await self.bus.kv(subjects.KV_ALLOCS)

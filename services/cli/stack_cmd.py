@@ -70,6 +70,11 @@ def register(sub: Any) -> None:
     st.add_argument("--devices", action="store_true", help="one row per device")
     st.set_defaults(func=lambda a: _run(_with_client(a, _status)))
 
+    e = sub.add_parser("explain", help="where a request stands and why (e.g. why a pod is pending)")
+    _nats_arg(e)
+    e.add_argument("request_id")
+    e.set_defaults(func=lambda a: _run(_with_client(a, _explain)))
+
     d = sub.add_parser("device", help="fail / recover / cordon / uncordon one device")
     _nats_arg(d)
     d.add_argument("action", choices=["fail", "recover", "cordon", "uncordon"])
@@ -177,6 +182,25 @@ async def _submit(client: TandemClient, args: argparse.Namespace) -> int:
 async def _release(client: TandemClient, args: argparse.Namespace) -> int:
     await client.release(args.request_id, node=args.node)
     print(f"release of {args.request_id} sent")
+    return 0
+
+
+async def _explain(client: TandemClient, args: argparse.Namespace) -> int:
+    rec = await client.request_record(args.request_id)
+    if rec is None:
+        raise CliError(f"no request {args.request_id!r} is known to the allocator")
+    req = rec.request
+    print(f"request  {req.request_id}  pod {req.pod.namespace}/{req.pod.name}")
+    wanted = f"{req.gpus} GPUs + {req.rdma} NICs, class {req.device_class}"
+    print(f"asks     {wanted}, scope {req.scope or 'class default'} ({req.policy or 'class default'})")
+    print(f"state    {rec.state}" + (f" on {rec.node}" if rec.node else ""))
+    if rec.reason:
+        print(f"reason   {rec.reason}")
+    if rec.node:
+        for allocs in await client.allocations([rec.node]):
+            held = allocs.allocations.get(req.request_id)
+            if held is not None:
+                print(render_table(assignment_rows([held.assignment]), ASSIGNMENT_HEADERS))
     return 0
 
 

@@ -56,6 +56,10 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
 
         too_big = tandem("submit", "--gpus", "9", url=url)
         assert too_big.returncode == 1 and "pending" in too_big.stdout
+        pending_id = too_big.stdout.split(":", 1)[0]
+        why = tandem("explain", pending_id, url=url)
+        assert why.returncode == 0 and "state    pending" in why.stdout and "9 GPUs" in why.stdout
+        assert "reason" in why.stdout
 
         bad = tandem("submit", "--gpus", "-1", url=url)
         assert bad.returncode == 2 and "invalid request" in bad.stderr and "gpus" in bad.stderr
