@@ -25,9 +25,12 @@ Node order (the heap key):
    (:func:`.search.one_sided_waste`). Alignment finer than requested only orders placements
    within a node, so a ``numa`` request does not take a fresh node for a free switch pair;
 2. ``binpack``: a ``preferred`` request does not open a completely free node while a used
-   one can take it (:func:`.search.fresh_cost`, ahead of 1.); then the smaller server (GPU
-   count), fragmentation (the whole switches / NUMA nodes / NVLink partitions the placement
-   breaks), the fullest node (fewest free GPUs, then NICs);
+   one can take it (:func:`.search.fresh_cost`, ahead of 1.); then the less capable server
+   (``Shape.aligned``: GPUs that can pair with a NIC on their own PCIe switch; then GPU
+   count), so that small jobs use the aligned slots of weaker servers and the servers that
+   can host large aligned jobs stay whole; then fragmentation (the whole switches / NUMA
+   nodes / NVLink partitions the placement breaks) and the fullest node (fewest free GPUs,
+   then NICs);
    ``spread``: the emptiest node, then fragmentation;
 3. the full in-node quality (finer pairs win ties), then first registered.
 
@@ -485,8 +488,10 @@ class Cluster:
             key, frag, full, exact = cross_bound(spec), (), (), False
         if self.policy == "binpack":
             key = (fresh_cost(shape, mask, spec), *key)
-            # Smaller servers first among equal placements: big ones stay whole for big jobs.
-            size_frag = (shape.n_gpus, *frag) if exact else (shape.n_gpus,)
+            # Among equal placements the less capable server first (fewer GPUs that can pair
+            # with a NIC on their own switch, then fewer GPUs): the servers that can host the
+            # big aligned jobs stay whole for them.
+            size_frag = (shape.aligned, shape.n_gpus, *frag) if exact else (shape.aligned, shape.n_gpus)
             return (key, size_frag, (free_g, free_n), full, seq, gkey, exact)
         return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
 

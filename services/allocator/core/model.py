@@ -167,6 +167,7 @@ class Shape:
     # slot -> where the device sits in any topology of this shape: indices of socket, NUMA
     # node, root, switch (-1: on the root), device in its holder's gpus/nics, VF (-1: the PF)
     paths: list[tuple[int, int, int, int, int, int]]
+    aligned: int  # GPUs that can have a NIC (PF) on their own PCIe switch: the shape's capability
     views: dict[str, ClassView] = field(default_factory=dict)
 
     def loc_of(self, slot: int) -> tuple[int, int, int, int]:
@@ -334,6 +335,11 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
         pf_vfs=pf_vfs,
         partitions=partitions,
         paths=gpu_paths + nic_paths,
+        aligned=sum(
+            min((m & ((1 << n_gpus) - 1)).bit_count(), (m & pf_all).bit_count())
+            for u, m in enumerate(unit_mask)
+            if unit_level[u] == 0
+        ),
     )
 
 
