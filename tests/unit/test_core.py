@@ -281,3 +281,34 @@ def test_pending_order() -> None:
     d = req("d")
     d.priority, d.created_at = 5, 2.0
     assert [r.request_id for r in pending_order([a, b, d])] == ["d", "b", "a"]
+
+
+def test_change_log_compaction_and_stale_signatures(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.allocator.core.cluster as cluster_mod
+
+    monkeypatch.setattr(cluster_mod, "_LOG_MAX", 40)
+    c = Cluster()
+    for i in range(6):
+        c.set_node(f"n{i}", load_topology("dgx-h100"))
+    rare = req("rare", 8, 8, policy="required")
+    assert placed(c.decide(rare)).candidates == 6
+    for step in range(200):  # churn: far more log entries than _LOG_MAX
+        p = placed(c.decide(req(f"s{step}", 1, 1)))
+        c.hold(p.node, f"s{step}", p.devices())
+        if step % 5:
+            c.release(p.node, f"s{step}")
+    assert len(c._log) <= 40
+    fresh = Cluster()
+    for name in c.nodes():
+        fresh.set_node(name, load_topology("dgx-h100"))
+        for rid, devs in c.holds(name).items():
+            fresh.hold(name, rid, devs)
+    for r in (rare, req("x", 2, 2), req("y", 4, 0)):
+        got, again = c.decide(r), fresh.decide(r)
+        assert type(got) is type(again)
+        if isinstance(got, Placement):
+            assert isinstance(again, Placement)
+            assert got.quality == again.quality and got.candidates == again.candidates
+        else:
+            assert isinstance(again, Unschedulable)
+            assert got.counts == again.counts
