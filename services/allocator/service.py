@@ -131,6 +131,7 @@ class Allocator(Service):
         self.placed: dict[str, str] = {}  # request id → node, derived from self.allocs
         self._held: dict[str, set[str]] = {}  # node → request ids held in the core
         self.pending: dict[str, AllocationRequest] = {}
+        self.deciding: dict[str, RequestRecord] = {}  # claimed records, to recover abandoned ones
         self._lock = asyncio.Lock()
         self._capacity = asyncio.Event()
         self._tasks = Supervisor("allocator")
@@ -229,10 +230,21 @@ class Allocator(Service):
             self._capacity.set()
 
     def _on_request_record(self, key: str, record: RequestRecord | None, _: int) -> None:
+        self.pending.pop(key, None)
+        self.deciding.pop(key, None)
         if record is not None and record.state == "pending":
             self.pending[key] = record.request
-        else:
-            self.pending.pop(key, None)
+        elif record is not None and record.state == "deciding":
+            self.deciding[key] = record
+
+    def _abandoned_claims(self) -> list[AllocationRequest]:
+        """Requests a replica claimed and then never finished (it crashed mid-decision).
+
+        A claim is only taken while a message is being handled or a pending request retried;
+        the pending path has no message left to redeliver, so without this such a request
+        would wait forever."""
+        cutoff = time.time() - self.claim_timeout
+        return [r.request for r in self.deciding.values() if r.updated_at < cutoff]
 
     # -- KV helpers -------------------------------------------------------------------------
 
@@ -429,9 +441,10 @@ class Allocator(Service):
     async def retry_pending(self) -> int:
         """Try every pending request again, highest priority (then oldest) first."""
         placed = 0
-        order = sorted(self.pending.values(), key=lambda r: (-r.priority, r.created_at))
+        candidates = {r.request_id: r for r in [*self._abandoned_claims(), *self.pending.values()]}
+        order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
         for req in order:
-            if req.request_id not in self.pending:
+            if req.request_id not in self.pending and req.request_id not in self.deciding:
                 continue
             try:
                 if await self.handle_request(req) == "assigned":
@@ -456,7 +469,7 @@ class Allocator(Service):
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._capacity.wait(), self.retry_interval)
             self._capacity.clear()
-            if self.pending:
+            if self.pending or self.deciding:
                 await self.retry_pending()
 
     # -- release, apply, cleanup ------------------------------------------------------------

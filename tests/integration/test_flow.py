@@ -7,6 +7,7 @@ backend) in-process, each on its own NATS connection, against the session's nats
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import msgspec
@@ -21,6 +22,7 @@ from schemas.messages import (
     Cleaned,
     Freed,
     PodRef,
+    RequestRecord,
 )
 from services.allocator.core import Placement
 from services.client import TandemClient
@@ -237,3 +239,19 @@ def test_assignment_round_trips_through_msgpack() -> None:
     a = Assignment(request_id="u.1", pod=PodRef("n", "p", "u"), node="n1", gpus=[])
     assert codec.ALLOC_EVENT.decode(codec.encode(a)) == a
     assert msgspec.json.decode(codec.to_json(a))["kind"] == "alloc.assigned"
+
+
+async def test_request_abandoned_mid_decision_by_a_crashed_replica_is_placed(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
+    allocator = stack.allocators[0]
+    allocator.claim_timeout = 1.0
+    req = request("orphan", 1, 1)
+    # What a replica that crashed between its claim and its commit leaves behind.
+    orphan = RequestRecord(request=req, state="deciding", owner="allocator-dead", updated_at=time.time() - 5)
+    kv = await stack.buses[0].kv(subjects.KV_REQUESTS)
+    await kv.put(req.request_id, codec.encode(orphan))
+
+    placed = await client.wait_for(req.request_id, (Assignment,))
+    assert isinstance(placed, Assignment) and placed.allocator == "allocator-0"
+    record = await client.request_record(req.request_id)
+    assert record is not None and record.state == "assigned" and record.node == "pcie-0"
