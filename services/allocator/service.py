@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import time
 import zlib
 from collections.abc import Awaitable, Callable
@@ -156,6 +157,10 @@ class Allocator(Service):
                 ),
             )
             await asyncio.wait_for(ready.wait(), 30)
+        # The decoded topologies of a large fleet are ~0.7 M long-lived objects; moving them out
+        # of the collector's generations keeps full collections out of decision latency
+        # (docs/benchmarks.md, "gc.freeze").
+        gc.freeze()
         consumers = [
             (subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST, subjects.ALLOC_STREAM),
             (subjects.CONSUMER_ALLOCATOR_RELEASES, subjects.ALLOC_RELEASE_ALL, subjects.ALLOC_STREAM),
