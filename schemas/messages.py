@@ -308,7 +308,7 @@ class RequestRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     """Where one request stands (bucket ``KV_REQUESTS``, key = request id)."""
 
     request: AllocationRequest
-    state: Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled"]
+    state: Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected"]
     node: str | None = None
     owner: str = ""
     reason: str = ""

@@ -54,7 +54,7 @@ from schemas.messages import (
     RequestRecord,
 )
 from services.allocator import metrics
-from services.allocator.core import Cluster, Placement, Unschedulable
+from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket
 from services.runtime.logging import get_logger
@@ -271,7 +271,7 @@ class Allocator(Service):
         for _ in range(MAX_COMMIT_ATTEMPTS):
             current, revision = await self._get_request(req.request_id)
             if current is not None:
-                if current.state in ("assigned", "releasing", "freed", "cancelled"):
+                if current.state in ("assigned", "releasing", "freed", "cancelled", "rejected"):
                     return None
                 busy = current.state == "deciding" and current.owner != self.instance
                 if busy and time.time() - current.updated_at < self.claim_timeout:
@@ -366,7 +366,8 @@ class Allocator(Service):
         )
 
     async def handle_request(self, req: AllocationRequest, *, context: Context | None = None) -> str:
-        """Place one request; returns the outcome (``assigned``, ``pending``, ``duplicate``)."""
+        """Place one request; returns the outcome (``assigned``, ``pending``, ``rejected``,
+        ``duplicate``)."""
         if req.request_id in self.placed:
             await self._republish(req.request_id)
             return "duplicate"
@@ -383,7 +384,15 @@ class Allocator(Service):
             with _tracer.start_as_current_span("allocator.decide", context=context) as span:
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
-                decision = self.cluster.decide(req)
+                try:
+                    decision = self.cluster.decide(req)
+                except InvalidRequest as exc:
+                    # Retrying cannot help (e.g. a device class removed from the config after
+                    # admission): say so once and stop, instead of redelivering forever.
+                    span.set_attributes({"tandem.outcome": "rejected", "tandem.reason": str(exc)})
+                    metrics.DECISIONS.labels("rejected").inc()
+                    await self._reject(req, str(exc))
+                    return "rejected"
                 metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
                 if isinstance(decision, Unschedulable):
                     metrics.DECISIONS.labels("unschedulable").inc()
@@ -431,6 +440,15 @@ class Allocator(Service):
                 )
                 return "assigned"
         raise Retry(f"request {req.request_id}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
+
+    async def _reject(self, req: AllocationRequest, reason: str) -> None:
+        await self._put_request(RequestRecord(request=req, state="rejected", reason=reason))
+        await self.bus.publish(
+            subjects.ALLOC_FAILED,
+            AllocationFailed(request_id=req.request_id, pod=req.pod, reason=reason, retrying=False),
+            msg_id=subjects.msg_id(req.request_id, "rejected"),
+        )
+        log.info("rejected", request_id=req.request_id, reason=reason)
 
     async def _unschedulable(self, req: AllocationRequest, claim: RequestRecord, why: Unschedulable) -> None:
         await self._put_request(RequestRecord(request=req, state="pending", owner="", reason=why.reason))

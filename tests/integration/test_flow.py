@@ -255,3 +255,17 @@ async def test_request_abandoned_mid_decision_by_a_crashed_replica_is_placed(sta
     assert isinstance(placed, Assignment) and placed.allocator == "allocator-0"
     record = await client.request_record(req.request_id)
     assert record is not None and record.state == "assigned" and record.node == "pcie-0"
+
+
+async def test_request_that_can_never_be_valid_is_rejected_once_not_redelivered(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
+    req = request("typo", 1, 0, device_class="h100-ib-typo")
+    await client.submit(req)
+    failed = await client.wait_for(req.request_id)
+    assert isinstance(failed, AllocationFailed) and not failed.retrying
+    assert "h100-ib-typo" in failed.reason
+    record = await client.request_record(req.request_id)
+    assert record is not None and record.state == "rejected"
+    await asyncio.sleep(0.3)
+    info = await stack.buses[0].js.consumer_info(subjects.ALLOC_STREAM, subjects.CONSUMER_ALLOCATOR_REQUESTS)
+    assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0
