@@ -7,7 +7,9 @@ durable pull consumer: each message is decoded with the stream's union decoder; 
 failure is published to ``tandem.dlq.<service>`` with the error and the original bytes and
 then acked (never retried, never fatal); a handler that returns normally is acked with
 ``ack_sync`` (the effect is committed first, DESIGN.md "ack only after the effect"); a handler
-that raises is nak'ed with a delay and redelivered.
+that raises is nak'ed with a growing delay and redelivered, and parked on the dead-letter
+subject after ``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an
+expected wait, e.g. a pod sandbox not created yet) is redelivered without limit.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ T = TypeVar("T")
 
 KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
 DUPLICATE_WINDOW_S = 120.0
+# Deliveries of one message whose handler raised (not Retry) before it goes to the DLQ.
+MAX_HANDLER_ATTEMPTS = 8
 
 
 def _cancelling() -> bool:
@@ -239,7 +243,14 @@ class Bus:
             return
         except Exception as exc:
             log.error("handler_failed", subject=msg.subject, error=repr(exc), exc_info=True)
-            await msg.nak(delay=1.0)
+            if delivery.num_delivered >= MAX_HANDLER_ATTEMPTS:
+                # A message that keeps breaking its handler is parked, not lost and not
+                # retried forever (a poison message would otherwise starve the consumer).
+                error = f"handler failed {delivery.num_delivered} times, last: {exc!r}"
+                await self.dead_letter(subject=msg.subject, data=msg.data, error=error, headers=headers)
+                await msg.ack_sync()
+                return
+            await msg.nak(delay=min(0.5 * delivery.num_delivered, 10.0))
             return
         await msg.ack_sync()
 

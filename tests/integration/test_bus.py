@@ -70,3 +70,39 @@ def test_undecodable_message_error_names_the_field() -> None:
     )
     with pytest.raises(msgspec.ValidationError, match=r"\$\.gpus"):
         codec.ALLOC_EVENT.decode(bad)
+
+
+async def test_message_that_keeps_breaking_its_handler_is_parked_on_the_dlq(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.runtime import bus as bus_module
+
+    monkeypatch.setattr(bus_module, "MAX_HANDLER_ATTEMPTS", 3)
+    bus = await bus_factory("allocator")
+    attempts: list[int] = []
+    stop = asyncio.Event()
+
+    async def broken(msg: AllocationRequest, d: Delivery) -> None:
+        attempts.append(d.num_delivered)
+        raise RuntimeError("bug in the handler")
+
+    dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
+    req = AllocationRequest(request_id="p.1", pod=PodRef("ns", "p", "p"), gpus=1)
+    await bus.publish(subjects.ALLOC_REQUEST, req, msg_id="p.1")
+    task = asyncio.create_task(
+        bus.consume(
+            stream=subjects.ALLOC_STREAM,
+            durable="poison",
+            filter_subject=subjects.ALLOC_REQUEST,
+            decoder=codec.ALLOC_EVENT,
+            handler=broken,
+            stop=stop,
+        )
+    )
+    letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=15)).data)
+    stop.set()
+    await asyncio.wait_for(task, 5)
+    assert attempts == [1, 2, 3]
+    assert "failed 3 times" in letter.error and "bug in the handler" in letter.error
+    assert codec.ALLOC_EVENT.decode(letter.data) == req
+    await dlq.unsubscribe()
