@@ -12,13 +12,14 @@ from collections.abc import Iterable
 
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     Assignment,
+    DeadLetter,
     DeviceCommand,
     Freed,
     HealthEvent,
@@ -135,6 +136,20 @@ class TandemClient:
         except KeyNotFoundError:
             return None
         return codec.REQUEST_RECORD.decode(entry.value or b"")
+
+    async def dead_letters(self, *, limit: int = 50) -> list[DeadLetter]:
+        """The newest ``limit`` messages parked on the dead-letter subjects (oldest first)."""
+        info = await self.bus.js.stream_info(subjects.DLQ_STREAM)
+        last = info.state.last_seq
+        first = max(info.state.first_seq, last - limit + 1)
+        out = []
+        for seq in range(first, last + 1) if info.state.messages else ():
+            try:
+                raw = await self.bus.js.get_msg(subjects.DLQ_STREAM, seq)
+            except NotFoundError:
+                continue  # removed by the stream's age limit meanwhile
+            out.append(codec.DEAD_LETTER.decode(raw.data or b""))
+        return out
 
     async def allocations(self, nodes: Iterable[str] | None = None) -> list[NodeAllocations]:
         kv = await self.bus.kv(subjects.KV_ALLOCS)

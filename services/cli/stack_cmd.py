@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import socket
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -74,6 +75,11 @@ def register(sub: Any) -> None:
     _nats_arg(e)
     e.add_argument("request_id")
     e.set_defaults(func=lambda a: _run(_with_client(a, _explain)))
+
+    q = sub.add_parser("dlq", help="messages parked on the dead-letter subjects, with the error")
+    _nats_arg(q)
+    q.add_argument("--limit", type=int, default=20)
+    q.set_defaults(func=lambda a: _run(_with_client(a, _dlq)))
 
     d = sub.add_parser("device", help="fail / recover / cordon / uncordon one device")
     _nats_arg(d)
@@ -201,6 +207,22 @@ async def _explain(client: TandemClient, args: argparse.Namespace) -> int:
             held = allocs.allocations.get(req.request_id)
             if held is not None:
                 print(render_table(assignment_rows([held.assignment]), ASSIGNMENT_HEADERS))
+    return 0
+
+
+async def _dlq(client: TandemClient, args: argparse.Namespace) -> int:
+    letters = await client.dead_letters(limit=args.limit)
+    rows = [
+        [
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(d.ts)),
+            d.service,
+            d.subject,
+            f"{len(d.data)} B",
+            d.error if len(d.error) <= 100 else d.error[:97] + "...",
+        ]
+        for d in letters
+    ]
+    print(render_table(rows, ["time (UTC)", "service", "subject", "size", "error"]))
     return 0
 
 

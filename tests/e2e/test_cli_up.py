@@ -64,6 +64,17 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
         bad = tandem("submit", "--gpus", "-1", url=url)
         assert bad.returncode == 2 and "invalid request" in bad.stderr and "gpus" in bad.stderr
 
+        dlq = tandem("dlq", url=url)  # nothing was undecodable: an empty table, not an error
+        assert dlq.returncode == 0 and dlq.stdout.splitlines()[0].split() == [
+            "time",
+            "(UTC)",
+            "service",
+            "subject",
+            "size",
+            "error",
+        ]
+        assert len(dlq.stdout.splitlines()) == 2
+
         rel = tandem("release", rid.group(1), url=url)
         assert rel.returncode == 0, rel.stderr
     finally:

@@ -176,6 +176,8 @@ async def test_garbage_goes_to_dead_letter_and_service_keeps_serving(
     assert letters[0].data == b"\x00\xffnot msgpack at all" and letters[0].subject == subjects.ALLOC_REQUEST
     assert "$.gpus" in letters[1].error and "int" in letters[1].error
     await dlq.unsubscribe()
+    parked = await client.dead_letters()
+    assert [d.data for d in parked] == [b"\x00\xffnot msgpack at all", bad_field]
 
     req = request("after-garbage", 1, 1)
     await client.submit(req)
