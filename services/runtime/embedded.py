@@ -4,17 +4,23 @@ Started on 127.0.0.1 with ``-p -1`` (any free port) and JetStream in a private s
 directory; the port is read from the "Listening for client connections on" line and the
 server counts as up on "Server is ready" (DESIGN.md "Pitfalls": a fixed monitor port can clash,
 and without ``-a`` the server binds 0.0.0.0).
+
+:class:`EmbeddedNatsCluster` runs three of them as one JetStream cluster for fail-over tests
+(kill the server that leads a stream, watch the system carry on).
 """
 
 from __future__ import annotations
 
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 from types import TracebackType
 
@@ -95,6 +101,222 @@ class EmbeddedNats:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedNats:
+        return self.start()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct free TCP ports on 127.0.0.1 (all bound at once, so none repeats)."""
+    socks: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.bind(("127.0.0.1", 0))
+            socks.append(sock)
+        return [sock.getsockname()[1] for sock in socks]
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+# Health probes go straight to 127.0.0.1, never through an http_proxy from the environment.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class _Member:
+    """One server of the cluster: fixed ports (routes and clients name them), its own store."""
+
+    def __init__(self, *, name: str, ports: list[int], store_dir: str) -> None:
+        self.name = name
+        self.port, self.cluster_port, self.monitor_port = ports
+        self.store_dir = store_dir
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self.ready = threading.Event()
+
+    def _reader(self, proc: subprocess.Popen[str], ready: threading.Event) -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if len(self.lines) < 400:
+                self.lines.append(line.rstrip())
+            if "Server is ready" in line:
+                ready.set()
+
+    def launch(self, *, cluster_name: str, routes: list[str]) -> None:
+        cmd = [
+            server_binary(),
+            *("-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port)),
+            *("-n", self.name, "-js", "-sd", self.store_dir),
+            *("--cluster_name", cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}"),
+            *("--routes", ",".join(routes)),
+        ]
+        self.lines = []
+        self.ready = threading.Event()
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        threading.Thread(
+            target=self._reader, args=(self.proc, self.ready), name=f"nats-{self.name}-log", daemon=True
+        ).start()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def health(self) -> str:
+        """``ok`` or the server's reason (no meta leader yet, a stream not current, ...)."""
+        url = f"http://127.0.0.1:{self.monitor_port}/healthz"
+        try:
+            with _DIRECT.open(url, timeout=2) as resp:
+                body: bytes = resp.read()
+        except urllib.error.HTTPError as exc:  # 503 carries the reason in its body
+            body = exc.read()
+        except OSError as exc:
+            return f"unreachable: {exc}"
+        return body.decode(errors="replace")
+
+    def tail(self) -> str:
+        return f"[{self.name}]\n" + "\n".join(self.lines[-10:])
+
+
+class EmbeddedNatsCluster:
+    """``with EmbeddedNatsCluster() as c: c.url`` — three JetStream servers routed into one cluster.
+
+    Every server listens on 127.0.0.1 with its own client, route and monitoring port (picked
+    free once and kept: routes and clients name them, so :meth:`restart` must reuse them) and
+    its own store directory. :meth:`start` returns only when every server printed "Server is
+    ready" *and* its ``/healthz`` answers ok, which nats-server gives only once a JetStream meta
+    leader is elected and the server is current with it — before that, stream creation fails.
+
+    ``url`` is the comma-joined client list that ``Settings.nats_url`` accepts;
+    :meth:`kill` SIGKILLs one server (no goodbye to peers or clients, as a crashed machine);
+    :meth:`restart` starts it again on the same ports and store.
+    """
+
+    def __init__(
+        self,
+        *,
+        size: int = 3,
+        cluster_name: str = "tandem",
+        base_dir: str | None = None,
+        startup_timeout: float = 30.0,
+    ) -> None:
+        if size < 1:
+            raise EmbeddedServerError(f"cluster size must be at least 1, got {size}")
+        self.size = size
+        self.cluster_name = cluster_name
+        self._own_dir = base_dir is None
+        self.base_dir = base_dir or tempfile.mkdtemp(prefix="tandem-nats-cluster-")
+        self.startup_timeout = startup_timeout
+        self.members: list[_Member] = []
+
+    @property
+    def urls(self) -> list[str]:
+        if not self.members:
+            raise EmbeddedServerError("embedded nats cluster is not running")
+        return [f"nats://127.0.0.1:{m.port}" for m in self.members]
+
+    @property
+    def url(self) -> str:
+        """All client URLs, comma-joined (a client fails over between them)."""
+        return ",".join(self.urls)
+
+    @property
+    def server_names(self) -> list[str]:
+        return [m.name for m in self.members]
+
+    def index_of(self, server_name: str) -> int:
+        """The index of the server a stream info names as leader or replica."""
+        for i, m in enumerate(self.members):
+            if m.name == server_name:
+                return i
+        raise EmbeddedServerError(f"no server named {server_name!r} in {self.server_names}")
+
+    def alive(self, index: int) -> bool:
+        return self.members[index].alive
+
+    def _routes(self) -> list[str]:
+        return [f"nats://127.0.0.1:{m.cluster_port}" for m in self.members]
+
+    def _launch(self, member: _Member) -> None:
+        others = [r for r, m in zip(self._routes(), self.members, strict=True) if m is not member]
+        member.launch(cluster_name=self.cluster_name, routes=others)
+
+    def start(self) -> EmbeddedNatsCluster:
+        ports = free_ports(3 * self.size)
+        self.members = [
+            _Member(
+                name=f"{self.cluster_name}-{i}",
+                ports=ports[3 * i : 3 * i + 3],
+                store_dir=str(Path(self.base_dir) / f"server-{i}"),
+            )
+            for i in range(self.size)
+        ]
+        for member in self.members:
+            self._launch(member)
+        try:
+            self.wait_healthy(timeout=self.startup_timeout)
+        except EmbeddedServerError:
+            self.stop()
+            raise
+        return self
+
+    def wait_healthy(self, indices: list[int] | None = None, *, timeout: float = 30.0) -> None:
+        """Until the given (default: every running) server is ready and its /healthz is ok."""
+        chosen = [self.members[i] for i in indices] if indices is not None else self.members
+        pending = [m for m in chosen if m.proc is not None]
+        deadline = time.monotonic() + timeout
+        status: dict[str, str] = {}
+        while pending:
+            for m in list(pending):
+                if m.proc is not None and m.proc.poll() is not None:
+                    raise EmbeddedServerError(f"nats-server {m.name} exited:\n{m.tail()}")
+                if m.ready.is_set():
+                    status[m.name] = m.health()
+                    if '"ok"' in status[m.name]:
+                        pending.remove(m)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                detail = "\n".join(
+                    f"{m.name}: {status.get(m.name, 'not ready')}\n{m.tail()}" for m in pending
+                )
+                raise EmbeddedServerError(f"nats cluster not healthy after {timeout}s:\n{detail}")
+            time.sleep(0.05)
+
+    def kill(self, index: int) -> None:
+        """SIGKILL server ``index`` and reap it; its store stays for :meth:`restart`."""
+        member = self.members[index]
+        if member.proc is not None and member.proc.poll() is None:
+            member.proc.kill()
+            member.proc.wait()
+
+    def restart(self, index: int, *, timeout: float = 30.0) -> None:
+        """Start server ``index`` again (same name, ports, store) and wait until it is healthy,
+        i.e. has rejoined and caught up with the streams it replicates."""
+        member = self.members[index]
+        if member.alive:
+            raise EmbeddedServerError(f"nats-server {member.name} is still running")
+        self._launch(member)
+        self.wait_healthy([index], timeout=timeout)
+
+    def stop(self) -> None:
+        for member in self.members:
+            if member.proc is not None and member.proc.poll() is None:
+                member.proc.terminate()
+        for member in self.members:
+            if member.proc is not None:
+                try:
+                    member.proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    member.proc.kill()
+                    member.proc.wait()
+        if self._own_dir:
+            shutil.rmtree(self.base_dir, ignore_errors=True)
+
+    def __enter__(self) -> EmbeddedNatsCluster:
         return self.start()
 
     def __exit__(
