@@ -31,6 +31,7 @@ from opentelemetry import context as otel_context
 
 from schemas import codec, subjects
 from schemas.messages import DeadLetter
+from services.runtime.errors import SettingsError
 from services.runtime.logging import get_logger
 from services.runtime.settings import Settings
 from services.runtime.tracing import extract, inject
@@ -70,8 +71,21 @@ class Delivery:
 Handler = Callable[[T, Delivery], Awaitable[None]]
 
 
+def server_list(nats_url: str) -> list[str]:
+    """``Settings.nats_url`` as the client's server list: one URL, or several comma-separated
+    (``nats://a:4222,nats://b:4222``) for a NATS cluster, so losing one server fails over."""
+    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
+    if not servers:
+        raise SettingsError(f"nats_url: no server URL in {nats_url!r}")
+    return servers
+
+
 async def connect(settings: Settings, *, name: str | None = None) -> NATS:
-    """Connect with unlimited reconnects; the client buffers publishes while reconnecting."""
+    """Connect with unlimited reconnects; the client buffers publishes while reconnecting.
+
+    With several servers in ``nats_url`` the client picks one and, when it goes away,
+    reconnects to another (it also learns the cluster's other servers from the one it is on).
+    """
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=repr(exc))
@@ -87,7 +101,7 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     if settings.nats_creds:
         opts["user_credentials"] = settings.nats_creds
     return await nats.connect(
-        servers=[settings.nats_url],
+        servers=server_list(settings.nats_url),
         name=name or f"{settings.service}/{settings.instance}",
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,
