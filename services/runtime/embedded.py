@@ -46,9 +46,17 @@ class EmbeddedNats:
     """``with EmbeddedNats() as srv: srv.url`` — a private JetStream server for one run."""
 
     def __init__(
-        self, *, port: int | None = None, store_dir: str | None = None, startup_timeout: float = 15.0
+        self,
+        *,
+        port: int | None = None,
+        store_dir: str | None = None,
+        startup_timeout: float = 15.0,
+        config_file: str | None = None,
     ) -> None:
         self.requested_port = port
+        # A nats-server config file (users and permissions, for example); the command-line
+        # flags below still win for address, port and store dir.
+        self.config_file = config_file
         self._own_dir = store_dir is None
         self.store_dir = store_dir or tempfile.mkdtemp(prefix="tandem-nats-")
         self.startup_timeout = startup_timeout
@@ -62,6 +70,11 @@ class EmbeddedNats:
         if self.port is None:
             raise EmbeddedServerError("embedded nats-server is not running")
         return f"nats://127.0.0.1:{self.port}"
+
+    @property
+    def log_lines(self) -> list[str]:
+        """The first 200 lines the server logged (startup, errors such as permission violations)."""
+        return list(self._lines)
 
     def _reader(self) -> None:
         assert self._proc is not None and self._proc.stderr is not None
@@ -77,6 +90,8 @@ class EmbeddedNats:
     def start(self) -> EmbeddedNats:
         port = str(self.requested_port) if self.requested_port else "-1"
         cmd = [server_binary(), "-a", "127.0.0.1", "-p", port, "-js", "-sd", self.store_dir]
+        if self.config_file:
+            cmd += ["-c", self.config_file]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         threading.Thread(target=self._reader, name="nats-server-log", daemon=True).start()
         deadline = time.monotonic() + self.startup_timeout
