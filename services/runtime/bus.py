@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -129,11 +130,19 @@ async def provision(js: JetStreamContext, *, replicas: int = 1) -> None:
             await js.update_stream(cfg)
         except NotFoundError:
             await js.add_stream(cfg)
+    # Buckets allow direct gets: a direct get names the key in its subject
+    # ($JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>), so NATS permissions can let a node
+    # agent read its own allocation record and no other (schemas.permissions).
     for bucket in KV_BUCKETS:
         try:
-            await js.key_value(bucket)
+            kv = await js.key_value(bucket)
         except BucketNotFoundError:
-            await js.create_key_value(api.KeyValueConfig(bucket=bucket, history=5, replicas=replicas))
+            cfg_kv = api.KeyValueConfig(bucket=bucket, history=5, replicas=replicas, direct=True)
+            await js.create_key_value(cfg_kv)
+            continue
+        if not kv._direct:  # a bucket made before direct gets were on
+            info = await js.stream_info(f"KV_{bucket}")
+            await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
 
 
 class Bus:
