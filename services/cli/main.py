@@ -11,6 +11,7 @@ from types import ModuleType
 
 from services.cli import admission_cmd, demo, gpu_cmd, plan_cmd, schema_cmd, stack_cmd, topology_cmd
 from services.cli.errors import CliError
+from services.runtime.logging import setup_logging
 
 # Command modules, in help order. Each adds its own subcommands.
 MODULES: list[ModuleType] = [stack_cmd, demo, schema_cmd, topology_cmd, gpu_cmd, admission_cmd, plan_cmd]
@@ -27,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # Command output goes to stdout; the libraries' logs go to stderr, errors only
+    # (commands that run services, such as `up` and `demo`, set their own level).
+    setup_logging(level="error", json=False)
     try:
         code: int = args.func(args)
     except CliError as exc:
