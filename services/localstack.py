@@ -71,8 +71,9 @@ class LocalStack:
         self.backends: dict[str, SimulatedBackend] = {}
         self.appliers: dict[str, SimulatedApplier] = {}
 
-    async def _bus(self, service: str, **changes: object) -> Bus:
-        bus = await Bus.open(msgspec.structs.replace(self.settings, service=service, **changes))
+    async def _bus(self, service: str, *, provision_streams: bool = True, **changes: object) -> Bus:
+        settings = msgspec.structs.replace(self.settings, service=service, **changes)
+        bus = await Bus.open(settings, provision_streams=provision_streams)
         self.buses.append(bus)
         return bus
 
@@ -101,7 +102,8 @@ class LocalStack:
         backend = SimulatedBackend(topology, node=name)  # type: ignore[arg-type]
         applier = SimulatedApplier()
         agent = NodeAgent(
-            await self._bus("nodeagent", node_name=name),
+            # Like the real agent, it does not provision (its NATS user may not create streams).
+            await self._bus("nodeagent", provision_streams=False, node_name=name),
             node=name,
             backend=backend,
             applier=applier,

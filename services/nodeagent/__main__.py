@@ -46,4 +46,7 @@ async def build(bus: Bus, settings: Settings) -> NodeAgent | HostAgent:
 
 
 if __name__ == "__main__":
-    sys.exit(service_main("nodeagent", build))
+    # The agent never provisions: its NATS user may not create streams (schemas.permissions).
+    # The control-plane services do; an agent started before any of them fails its first
+    # publish and is restarted (DaemonSet), as it would be without NATS.
+    sys.exit(service_main("nodeagent", build, provision_streams=False))

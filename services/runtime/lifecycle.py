@@ -53,9 +53,12 @@ def service_main(
     service: str,
     build: Callable[[Bus, Settings], Awaitable[Runnable]],
     argv: Sequence[str] | None = None,
+    *,
+    provision_streams: bool = True,
 ) -> int:
     """``python -m services.<service> [--config FILE]``: load settings (a bad file fails here,
-    naming the path), connect, provision, build the service and run it until SIGTERM."""
+    naming the path), connect, provision (unless ``provision_streams`` is false: the node
+    agent's NATS user may not create streams), build the service and run it until SIGTERM."""
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
     parser.add_argument("--config", help="YAML/JSON config file (default: $TANDEM_CONFIG)")
     args = parser.parse_args(argv)
@@ -74,7 +77,7 @@ def service_main(
 
         ops = await OpsServer(port=settings.ops_port, ready=ready).start() if settings.ops_port else None
         try:
-            bus = await Bus.open(settings)
+            bus = await Bus.open(settings, provision_streams=provision_streams)
             service = await build(bus, settings)
             await service.start()
             started.set()
