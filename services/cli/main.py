@@ -9,12 +9,30 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from services.cli import admission_cmd, demo, gpu_cmd, plan_cmd, schema_cmd, stack_cmd, topology_cmd
+from services.cli import (
+    admission_cmd,
+    demo,
+    gpu_cmd,
+    nats_cmd,
+    plan_cmd,
+    schema_cmd,
+    stack_cmd,
+    topology_cmd,
+)
 from services.cli.errors import CliError
 from services.runtime.logging import setup_logging
 
 # Command modules, in help order. Each adds its own subcommands.
-MODULES: list[ModuleType] = [stack_cmd, demo, schema_cmd, topology_cmd, gpu_cmd, admission_cmd, plan_cmd]
+MODULES: list[ModuleType] = [
+    stack_cmd,
+    demo,
+    schema_cmd,
+    topology_cmd,
+    gpu_cmd,
+    admission_cmd,
+    plan_cmd,
+    nats_cmd,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import urllib.parse
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -30,7 +31,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 
-from schemas import codec, subjects
+from schemas import codec, permissions, subjects
 from schemas.messages import DeadLetter
 from services.runtime.errors import SettingsError
 from services.runtime.logging import get_logger
@@ -98,11 +99,17 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
+    servers = server_list(settings.nats_url)
     opts: dict[str, Any] = {}
     if settings.nats_creds:
         opts["user_credentials"] = settings.nats_creds
+    user = urllib.parse.urlsplit(servers[0]).username
+    if user:
+        # A user's replies come to its own inbox prefix, which only it may subscribe to
+        # (schemas.permissions); with the shared _INBOX.> any client could read them.
+        opts["inbox_prefix"] = permissions.inbox_prefix(user)
     return await nats.connect(
-        servers=server_list(settings.nats_url),
+        servers=servers,
         name=name or f"{settings.service}/{settings.instance}",
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.5,

@@ -1,0 +1,135 @@
+"""``tandem nats-config``: a nats-server ``authorization`` block with one user per component.
+
+The permissions come from :mod:`schemas.permissions` (least privilege, derived from the
+subject contract): ``allocator``, ``inventory``, ``admission``, ``cli`` and one
+``nodeagent-<node>`` user per node name given. An operator running a static NATS includes the
+block in the server config and gives each component its URL with user and password, e.g.
+``TANDEM_NATS_URL=nats://nodeagent-gpu-1:<password>@nats:4222`` (the services take the
+user's private inbox prefix from the user in the URL).
+
+Passwords are generated (32 letters and digits, so they need no escaping in a URL) unless the
+credentials file already holds one for the user: re-running with more nodes keeps the
+passwords already handed out. The credentials file (YAML, written with mode 0600) maps each
+user to its password and, with ``--server``, to its ready-to-use ``nats_url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import string
+import sys
+import urllib.parse
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from schemas import permissions
+from services.cli.errors import CliError
+
+_ALPHABET = string.ascii_letters + string.digits
+CONTROL_PLANE = ("allocator", "inventory", "admission", "cli")
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "nats-config",
+        help="nats-server users with least-privilege permissions, one per component and node",
+    )
+    p.add_argument("--node", action="append", default=[], metavar="NAME", help="a GPU node (repeatable)")
+    p.add_argument("--nodes-file", type=Path, help="file with node names, one a line (# comments)")
+    p.add_argument("--out", type=Path, help="write the authorization block here (default: stdout)")
+    p.add_argument(
+        "--credentials",
+        type=Path,
+        help="YAML of user -> password (+ nats_url); existing passwords in it are kept",
+    )
+    p.add_argument("--server", help="NATS URL the components use (nats://host:4222), for nats_url")
+    p.set_defaults(func=_run)
+
+
+def _node_names(args: argparse.Namespace) -> list[str]:
+    names = list(args.node)
+    if args.nodes_file:
+        try:
+            text = args.nodes_file.read_text()
+        except OSError as exc:
+            raise CliError(f"{args.nodes_file}: cannot read: {exc.strerror}") from None
+        names += [ln.split("#", 1)[0].strip() for ln in text.splitlines()]
+    names = list(dict.fromkeys(n for n in names if n))
+    for n in names:
+        # Kubernetes node names are DNS subdomains; anything else cannot be a subject token.
+        if not all(c.isascii() and (c.isalnum() or c in ".-") for c in n) or n.lower() != n:
+            raise CliError(f"node name {n!r}: expected a Kubernetes node name ([a-z0-9.-])")
+    return names
+
+
+def _existing(path: Path | None) -> dict[str, str]:
+    if path is None or not path.exists():
+        return {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise CliError(f"{path}: cannot read credentials: {exc}") from None
+    if not isinstance(data, dict):
+        raise CliError(f"{path}: expected a mapping of user -> {{password: ...}}")
+    out = {}
+    for user, entry in data.items():
+        pw = entry.get("password") if isinstance(entry, dict) else None
+        if not isinstance(pw, str) or not pw:
+            raise CliError(f"{path}: user {user!r} has no password")
+        out[str(user)] = pw
+    return out
+
+
+def _url(server: str, user: str, password: str) -> str:
+    parts = urllib.parse.urlsplit(server)
+    if not parts.hostname:
+        raise CliError(f"--server {server!r}: expected a URL such as nats://nats:4222")
+    netloc = f"{user}:{password}@{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit((parts.scheme or "nats", netloc, parts.path, "", ""))
+
+
+def build_users(nodes: list[str], passwords: dict[str, str]) -> list[permissions.User]:
+    """One user per control-plane role and per node; passwords reused or generated."""
+    roles: list[tuple[str, str | None]] = [(r, None) for r in CONTROL_PLANE]
+    roles += [("nodeagent", n) for n in nodes]
+    users = []
+    for role, node in roles:
+        name = permissions.user_name(role, node=node)
+        password = passwords.get(name) or "".join(secrets.choice(_ALPHABET) for _ in range(32))
+        users.append(permissions.User(name, password, permissions.for_role(role, node=node)))
+    return users
+
+
+def _write_private(path: Path, text: str) -> None:
+    # Created 0600 from the start: the file holds every component's password.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _run(args: argparse.Namespace) -> int:
+    nodes = _node_names(args)
+    if not nodes:
+        raise CliError("no node names: give --node NAME (repeatable) or --nodes-file FILE")
+    users = build_users(nodes, _existing(args.credentials))
+    block = (
+        f"# Tandem NATS users ({len(nodes)} node(s)); generated by `tandem nats-config`.\n"
+        + permissions.authorization_block(users)
+    )
+    if args.credentials:
+        creds: dict[str, dict[str, str]] = {}
+        for u in users:
+            creds[u.name] = {"password": u.password}
+            if args.server:
+                creds[u.name]["nats_url"] = _url(args.server, u.name, u.password)
+        _write_private(args.credentials, yaml.safe_dump(creds, sort_keys=False))
+    if args.out:
+        _write_private(args.out, block)
+        print(f"wrote {args.out} ({len(users)} users)", file=sys.stderr)
+    else:
+        sys.stdout.write(block)
+    return 0
