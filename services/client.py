@@ -154,7 +154,8 @@ class TandemClient:
     async def allocations(self, nodes: Iterable[str] | None = None) -> list[NodeAllocations]:
         kv = await self.bus.kv(subjects.KV_ALLOCS)
         try:
-            keys = list(nodes) if nodes is not None else list(await kv.keys())
+            # nats-py's keys() can name a key twice when it is written while being listed.
+            keys = list(nodes) if nodes is not None else sorted(set(await kv.keys()))
         except NoKeysError:
             return []
         out = []
