@@ -10,6 +10,13 @@ then acked (never retried, never fatal); a handler that returns normally is acke
 that raises is nak'ed with a growing delay and redelivered, and parked on the dead-letter
 subject after ``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an
 expected wait, e.g. a pod sandbox not created yet) is redelivered without limit.
+
+Fail-over: when the server leading a replicated stream dies, the stream has no leader for a
+few seconds (4-7 s measured here) and a JetStream publish fails with "no responders" or times
+out (the request went to the dead server). :meth:`Bus.publish` retries such a publish with the
+*same* ``Nats-Msg-Id`` until :attr:`Bus.publish_retry_for` runs out: a retry of a publish that
+did land is dropped by the stream's duplicate window, so retrying never duplicates. A publish
+without an id gets a random one for the duration of its retries for the same reason.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import asyncio
 import contextlib
 import dataclasses
 import urllib.parse
+import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,7 +35,12 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import (
+    BucketNotFoundError,
+    NoStreamResponseError,
+    NotFoundError,
+    ServiceUnavailableError,
+)
 from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
 
@@ -43,6 +56,16 @@ T = TypeVar("T")
 
 KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
 DUPLICATE_WINDOW_S = 120.0
+# One publish attempt: a stream acks in milliseconds, so a request that sat this long went to a
+# server that died (or to a stream without a leader) and is retried rather than waited on.
+PUBLISH_ATTEMPT_TIMEOUT_S = 2.0
+# What a stream leader election may take before a publish gives up (well above the 4-7 s
+# measured); far below the duplicate window, so every retry is still deduplicated.
+PUBLISH_RETRY_S = 30.0
+# "No stream answered" and "no answer in time": the transient faces of a leader election.
+TRANSIENT_PUBLISH_ERRORS = (NoStreamResponseError, ServiceUnavailableError, nats.errors.TimeoutError)
+# The same seen from a handler's KV calls, which also make plain requests (direct gets).
+TRANSIENT_NATS_ERRORS = (*TRANSIENT_PUBLISH_ERRORS, nats.errors.NoRespondersError)
 # Deliveries of one message whose handler raised (not Retry) before it goes to the DLQ.
 MAX_HANDLER_ATTEMPTS = 8
 
@@ -162,6 +185,7 @@ class Bus:
         self.settings = settings
         self._kv: dict[str, KeyValue] = {}
         self._subs: list[Any] = []
+        self.publish_retry_for = PUBLISH_RETRY_S
 
     @classmethod
     async def open(cls, settings: Settings, *, provision_streams: bool = True) -> Bus:
@@ -191,11 +215,35 @@ class Bus:
         msg_id: str | None = None,
         headers: dict[str, str] | None = None,
     ) -> None:
-        """JetStream publish with trace context and dedup id; waits for the stream's ack."""
+        """JetStream publish with trace context and dedup id; waits for the stream's ack,
+        riding out a stream leader election (see the module docstring)."""
         hdrs = inject(headers)
         if msg_id:
             hdrs["Nats-Msg-Id"] = msg_id
-        await self.js.publish(subject, codec.encode(message), headers=hdrs)
+        await self._js_publish(subject, codec.encode(message), hdrs)
+
+    async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str]) -> api.PubAck:
+        # Retries must be deduplicable: a timed-out attempt may have been stored.
+        headers.setdefault("Nats-Msg-Id", f"retry-{uuid.uuid4().hex}")
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_retry_for
+        delay = 0.1
+        attempt = 1
+        while True:
+            try:
+                return await self.js.publish(
+                    subject, data, headers=headers, timeout=PUBLISH_ATTEMPT_TIMEOUT_S
+                )
+            except TRANSIENT_PUBLISH_ERRORS as exc:
+                if _cancelling():
+                    raise asyncio.CancelledError from exc
+                if loop.time() + delay > deadline:
+                    log.warning("publish_gave_up", subject=subject, attempts=attempt, error=repr(exc))
+                    raise
+                log.info("publish_retry", subject=subject, attempt=attempt, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+            attempt += 1
 
     async def publish_core(self, subject: str, message: msgspec.Struct) -> None:
         """Core NATS publish (no persistence) for messages whose loss is harmless."""
@@ -211,7 +259,7 @@ class Bus:
             service=self.service, subject=subject, error=error, data=data, headers=headers or {}
         )
         log.warning("dead_letter", subject=subject, error=error)
-        await self.js.publish(subjects.dlq(self.service), codec.encode(letter))
+        await self._js_publish(subjects.dlq(self.service), codec.encode(letter), inject())
 
     async def consume(
         self,
@@ -245,11 +293,67 @@ class Bus:
                     if _cancelling():
                         raise asyncio.CancelledError from None
                     continue
+                except ServiceUnavailableError:
+                    # The consumer has no leader (its server died, an election is on). Keep
+                    # this subscription: messages the old leader already sent to it are still
+                    # in its queue and the next fetch takes them; a fresh subscription would
+                    # strand them until ack_wait.
+                    log.info("consumer_unavailable", stream=stream, durable=durable)
+                    await asyncio.sleep(0.25)
+                    continue
                 for msg in msgs:
                     await self._deliver(msg, decoder, handler)
         finally:
             with contextlib.suppress(Exception):
                 await psub.unsubscribe()
+
+    async def _ack(self, msg: Msg) -> None:
+        """Confirmed ack that rides out a consumer leader election: the effect is committed,
+        so a lost ack would only cost a redelivery after ack_wait; acking again is harmless."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_retry_for
+        delay = 0.1
+        while True:
+            try:
+                await msg.ack_sync(timeout=PUBLISH_ATTEMPT_TIMEOUT_S)
+                return
+            except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
+                if _cancelling():
+                    raise asyncio.CancelledError from exc
+                if loop.time() + delay > deadline:
+                    raise
+                log.info("ack_retry", subject=msg.subject, error=repr(exc))
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def _handle_through_outage(
+        self, msg: Msg, body: Any, delivery: Delivery, handler: Handler[Any]
+    ) -> None:
+        """Run the handler; while its KV reads/writes find a stream without a leader (a NATS
+        server died, an election is on), run it again here rather than nak the message.
+
+        NATS is at fault, not the message, so this never counts towards parking it on the
+        dead-letter subject. And the message stays in hand: a nak sent during the election
+        can be lost with the consumer's leader, which strands the message until ack_wait
+        (seen in the fail-over test). The handler is idempotent, so running it again is safe;
+        ``in_progress`` keeps the server from redelivering it meanwhile."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.publish_retry_for
+        delay = 0.25
+        while True:
+            try:
+                await handler(body, delivery)
+                return
+            except TRANSIENT_NATS_ERRORS as exc:
+                if _cancelling():
+                    raise asyncio.CancelledError from exc
+                if loop.time() + delay > deadline:
+                    raise
+                log.warning("handler_nats_unavailable", subject=msg.subject, error=repr(exc))
+            with contextlib.suppress(Exception):
+                await msg.in_progress()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
     async def _deliver(self, msg: Msg, decoder: msgspec.msgpack.Decoder[Any], handler: Handler[Any]) -> None:
         headers = dict(msg.headers or {})
@@ -257,7 +361,7 @@ class Bus:
             body = decoder.decode(msg.data)
         except codec.DecodeErrors as exc:
             await self.dead_letter(subject=msg.subject, data=msg.data, error=str(exc), headers=headers)
-            await msg.ack_sync()
+            await self._ack(msg)
             return
         delivery = Delivery(
             subject=msg.subject,
@@ -266,7 +370,7 @@ class Bus:
             context=extract(headers),
         )
         try:
-            await handler(body, delivery)
+            await self._handle_through_outage(msg, body, delivery, handler)
         except Retry as r:
             log.info("redeliver", subject=msg.subject, reason=str(r), delay=r.delay)
             await msg.nak(delay=r.delay)
@@ -278,11 +382,11 @@ class Bus:
                 # retried forever (a poison message would otherwise starve the consumer).
                 error = f"handler failed {delivery.num_delivered} times, last: {exc!r}"
                 await self.dead_letter(subject=msg.subject, data=msg.data, error=error, headers=headers)
-                await msg.ack_sync()
+                await self._ack(msg)
                 return
             await msg.nak(delay=min(0.5 * delivery.num_delivered, 10.0))
             return
-        await msg.ack_sync()
+        await self._ack(msg)
 
     async def serve(
         self,
