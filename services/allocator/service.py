@@ -302,6 +302,8 @@ class Allocator(Service):
     async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
         """Add the allocation to the node's record with CAS; False when the race was lost."""
         node = assignment.node
+        if req.request_id in self.placed:
+            return False  # placed while we decided (see _place); never hold it on two nodes
         kv = self._kv[subjects.KV_ALLOCS]
         cached = self.allocs.get(node)
         record = cached[0] if cached else NodeAllocations(node=node)
@@ -356,9 +358,19 @@ class Allocator(Service):
         elif isinstance(event, Applied):
             await self._on_applied(event)
 
-    async def _republish(self, request_id: str) -> None:
+    async def _republish(self, request_id: str, *, claimed: AllocationRequest | None = None) -> None:
+        """Publish a committed assignment again (same msg id); ``claimed``: we hold its claim."""
         node = self.placed[request_id]
         rec = self.allocs[node][0].allocations[request_id]
+        if claimed is None and request_id in self.deciding:
+            claimed = self.deciding[request_id].request
+        if claimed is not None:
+            # Committed, but the request record still says "deciding": the write that marks it
+            # assigned failed (its KV stream had no leader for a moment). Finish it now, or
+            # the record would stay half-done and be "recovered" again and again.
+            await self._put_request(
+                RequestRecord(request=claimed, state="assigned", node=node, owner=self.instance)
+            )
         await self.bus.publish(
             subjects.alloc_assigned(node),
             rec.assignment,
@@ -381,6 +393,13 @@ class Allocator(Service):
                 await self._republish(req.request_id)
             return "duplicate"
         for _ in range(MAX_COMMIT_ATTEMPTS):
+            if req.request_id in self.placed:
+                # A node record already holds this request: an earlier commit of ours landed
+                # though its reply was lost (a NATS server died mid-write), and the record came
+                # back through the watch or the re-read after a "conflict" with ourselves.
+                # Deciding again would place the request a second time.
+                await self._republish(req.request_id, claimed=req)
+                return "duplicate"
             with _tracer.start_as_current_span("allocator.decide", context=context) as span:
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
@@ -521,7 +540,15 @@ class Allocator(Service):
                         Freed(request_id=release.request_id),
                         msg_id=subjects.msg_id(release.request_id, "freed"),
                     )
-            return
+                    return
+            if current.state not in ("assigned", "releasing"):
+                return  # already freed, cancelled or rejected: nothing is held
+            # Placed while this release waited for the lock (the request was being decided,
+            # e.g. both queued up behind a NATS fail-over): release it as placed, never drop it.
+            await self._refresh_request_placement(release.request_id)
+            node = self.placed.get(release.request_id)
+            if node is None:
+                raise Retry(f"release of {release.request_id}: its placement is not visible yet")
 
         def mark(allocs: NodeAllocations) -> NodeAllocations | None:
             rec = allocs.allocations.get(release.request_id)
