@@ -1,0 +1,363 @@
+"""Least-privilege NATS permissions (schemas.permissions) against a real nats-server.
+
+The server's users come from ``tandem nats-config`` itself (the file an operator would
+include), so the test covers the CLI, the rendered config and the permissions together. Every
+component connects as its own user with ``nats://user:password@...``:
+
+* the real flow — inventory, allocator, two node agents, the admission user playing the
+  bridge's part on the bus (request, release, its two durables, record reads) and the ``cli``
+  user (queries, record reads, device command) — runs request → assigned → applied → release
+  → cleaned → freed with no permission violation reported to any client or logged by the
+  server;
+* a node agent's credentials cannot publish on another node's subjects, consume its
+  assignments (consumer info/create/next all denied), read its allocation record, or read
+  anyone's replies on the shared ``_INBOX.>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+import structlog.testing
+import yaml
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
+
+from schemas import codec, permissions, subjects
+from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, Release
+from services.allocator.service import Allocator
+from services.cli.main import main as cli_main
+from services.client import TandemClient
+from services.inventory.service import Inventory
+from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.service import NodeAgent
+from services.runtime.bus import Bus, Delivery
+from services.runtime.embedded import EmbeddedNats
+from services.runtime.tasks import Supervisor
+from services.topology import load_topology
+from tests.conftest import make_settings
+
+pytestmark = pytest.mark.integration
+
+NODES = ("gpu-a.example", "gpu-b.example")  # dots: node names are DNS subdomains
+DENIED_TIMEOUT = 0.5  # a denied request is dropped by the server: it can only time out
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, dict[str, str]]]:
+    """A nats-server whose only users are the ones ``tandem nats-config`` wrote."""
+    d = tmp_path_factory.mktemp("nats-auth")
+    conf, creds = d / "auth.conf", d / "credentials.yaml"
+    args = ["nats-config", "--out", str(conf), "--credentials", str(creds), "--server", "nats://x:1"]
+    assert cli_main([*args, *(a for n in NODES for a in ("--node", n))]) == 0
+    assert conf.stat().st_mode & 0o077 == 0 and creds.stat().st_mode & 0o077 == 0
+    passwords = {u: e["password"] for u, e in yaml.safe_load(creds.read_text()).items()}
+    with EmbeddedNats(config_file=str(conf)) as server:
+        yield server, passwords
+
+
+def url(secured: tuple[EmbeddedNats, dict[str, str]], user: str) -> str:
+    server, passwords = secured
+    return f"nats://{user}:{passwords[user]}@127.0.0.1:{server.port}"
+
+
+def server_violations(server: EmbeddedNats) -> list[str]:
+    lines = server.log_lines
+    assert len(lines) < 200, "server log beyond what EmbeddedNats keeps: violations could hide"
+    return [ln for ln in lines if "Violation" in ln]
+
+
+@dataclass
+class Stack:
+    inventory: Inventory
+    allocator: Allocator
+    agents: dict[str, NodeAgent]
+    appliers: dict[str, SimulatedApplier]
+    admission: Bus
+    client: TandemClient
+    outcomes: list[tuple[str, object]] = field(default_factory=list)
+    buses: list[Bus] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+async def stack(secured: tuple[EmbeddedNats, dict[str, str]]) -> AsyncIterator[Stack]:
+    buses: list[Bus] = []
+
+    async def bus(service: str, user: str, *, provision: bool, **kw: Any) -> Bus:
+        settings = make_settings(url(secured, user), service, heartbeat_interval=0.2, **kw)
+        b = await Bus.open(settings, provision_streams=provision)
+        buses.append(b)
+        return b
+
+    inventory = Inventory(await bus("inventory", "inventory", provision=True), lost_after=5.0)
+    await inventory.start()
+    allocator = Allocator(
+        await bus("allocator", "allocator", provision=True), instance="allocator-0", retry_interval=0.3
+    )
+    await allocator.start()
+    agents, appliers = {}, {}
+    topology = load_topology("pcie-4gpu-2nic")
+    for node in NODES:
+        user = permissions.user_name("nodeagent", node)
+        appliers[node] = SimulatedApplier()
+        agents[node] = NodeAgent(
+            await bus("nodeagent", user, provision=False, node_name=node),
+            node=node,
+            backend=SimulatedBackend(topology, node=node),
+            applier=appliers[node],
+            heartbeat_interval=0.2,
+        )
+        await agents[node].start()
+    admission = await bus("admission", "admission", provision=True)
+    client = await TandemClient(await bus("cli", "cli", provision=False)).start()
+    s = Stack(inventory, allocator, agents, appliers, admission, client, buses=buses)
+
+    # The bridge's two durables, as services.admission.bridge runs them.
+    async def outcome(event: object, d: Delivery) -> None:
+        s.outcomes.append((d.subject, event))
+
+    tasks = Supervisor("test-bridge")
+    for durable, subject in (
+        (subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL),
+        (subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
+    ):
+        tasks.spawn(
+            durable,
+            lambda d=durable, f=subject: admission.consume(  # type: ignore[misc]
+                stream=subjects.ALLOC_STREAM,
+                durable=d,
+                filter_subject=f,
+                decoder=codec.ALLOC_EVENT,
+                handler=outcome,
+            ),
+        )
+    async with asyncio.timeout(10):
+        while not all(n in allocator.nodes and allocator.nodes[n].status == "ready" for n in NODES):
+            await asyncio.sleep(0.05)
+    yield s
+    await tasks.aclose()
+    await client.close()
+    for agent in agents.values():
+        await agent.stop()
+    await allocator.stop()
+    await inventory.stop()
+    for b in buses:
+        await b.close()
+
+
+@contextlib.contextmanager
+def client_errors() -> Iterator[list[str]]:
+    """What the services' NATS error callbacks reported (Bus.connect logs ``nats_error``)."""
+    with structlog.testing.capture_logs() as logs:
+        errors: list[str] = []
+        yield errors
+        errors += [str(e.get("error")) for e in logs if e.get("event") in ("nats_error", "task_failed")]
+
+
+async def test_flow_runs_with_least_privilege_and_no_violation(
+    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack
+) -> None:
+    server = secured[0]
+    with client_errors() as errors:
+        # cli: the inventory query (request/reply to inventory's responder) and a device command.
+        assert sorted(r.node for r in await stack.client.nodes()) == sorted(NODES)
+        device = next(iter(stack.agents[NODES[1]].health.state))
+        cordoned = await stack.client.command(NODES[1], device, "cordon")
+        assert cordoned.cordoned and cordoned.node == NODES[1]
+        await stack.client.command(NODES[1], device, "uncordon")
+
+        # admission: the request, as the bridge publishes it.
+        req = AllocationRequest(request_id="uid-p.1", pod=PodRef("ns", "p", "uid-p"), gpus=2, rdma=1)
+        await stack.admission.publish(
+            subjects.ALLOC_REQUEST, req, msg_id=subjects.msg_id("request", "uid-p.1")
+        )
+        assigned = await stack.client.wait_for(req.request_id)
+        assert isinstance(assigned, Assignment), assigned
+        node = assigned.node
+        async with asyncio.timeout(5):  # ... and the bridge's durable got it too
+            while not any(isinstance(e, Assignment) for _, e in stack.outcomes):
+                await asyncio.sleep(0.05)
+        assert stack.outcomes[0][0] == subjects.alloc_assigned(node)
+
+        # applied: the agent applied it and the allocator marked the record (read as cli).
+        async with asyncio.timeout(5):
+            while True:
+                record = (await stack.client.allocations([node]))[0].allocations.get(req.request_id)
+                if record is not None and record.state == "applied":
+                    break
+                await asyncio.sleep(0.05)
+        assert stack.appliers[node].applied[req.request_id] == assigned
+        bridge_view = await stack.admission.kv(subjects.KV_REQUESTS)
+        assert req.request_id in await bridge_view.keys()
+
+        # The agent forgets the assignment (as after a restart): cleanup must read its own
+        # allocation record from KV, which is the one direct get its user may make.
+        stack.agents[node].assignments.clear()
+        release_subject = subjects.alloc_release(node)
+        release = Release(request_id=req.request_id, pod=req.pod, node=node)
+        await stack.admission.publish(
+            release_subject, release, msg_id=subjects.msg_id("release", req.request_id, release_subject)
+        )
+        freed = await stack.client.wait_for(req.request_id, (Freed,))
+        assert isinstance(freed, Freed) and freed.node == node
+        assert req.request_id not in stack.appliers[node].applied  # cleaned from the KV record
+        assert (await stack.client.allocations([node]))[0].allocations == {}
+
+        # A request the allocator rejects: failed reaches the bridge's second durable.
+        bad = AllocationRequest(
+            request_id="uid-bad.1", pod=PodRef("ns", "bad", "uid-bad"), gpus=1, device_class="no-such-class"
+        )
+        await stack.admission.publish(subjects.ALLOC_REQUEST, bad, msg_id="request:uid-bad.1")
+        async with asyncio.timeout(5):
+            while not any(isinstance(e, AllocationFailed) for _, e in stack.outcomes):
+                await asyncio.sleep(0.05)
+    assert errors == []
+    assert server_violations(server) == []
+
+
+@dataclass
+class Intruder:
+    """Node A's credentials in someone else's hands: a raw client that records its errors."""
+
+    nc: NATS
+    errors: list[str]
+
+    async def violations(self, expected: int) -> list[str]:
+        async with asyncio.timeout(2):  # the server's -ERR arrives asynchronously
+            while len(self.errors) < expected:
+                await asyncio.sleep(0.02)
+        # nats-py lower-cases the server's error text, subjects included.
+        return [e.lower() for e in self.errors if "permissions violation" in e.lower()]
+
+
+async def connect_as(secured: tuple[EmbeddedNats, dict[str, str]], node: str) -> Intruder:
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc))
+
+    user = permissions.user_name("nodeagent", node)
+    nc = await nats.connect(
+        url(secured, user), inbox_prefix=permissions.inbox_prefix(user), error_cb=on_error
+    )
+    return Intruder(nc, errors)
+
+
+@pytest.fixture
+async def intruder(secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack) -> AsyncIterator[Intruder]:
+    """Node A's credentials (the stack is up, so B's durables and records exist)."""
+    intruder = await connect_as(secured, NODES[0])
+    yield intruder
+    await intruder.nc.close()
+
+
+async def test_node_agent_cannot_publish_as_another_node(
+    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack, intruder: Intruder
+) -> None:
+    a, b = NODES
+    # The inventory user may subscribe to every heartbeat: it sees what reaches the server.
+    watcher = await nats.connect(
+        url(secured, "inventory"), inbox_prefix=permissions.inbox_prefix("inventory")
+    )
+    seen = await watcher.subscribe(subjects.NODE_HEARTBEAT_ALL)
+    await watcher.flush()  # the server has the subscription before anything is published
+    forged = [subjects.node_heartbeat(b), subjects.node_inventory(b), subjects.node_cleaned(b)]
+    for subject in forged:
+        await intruder.nc.publish(subject, b"forged")
+    await intruder.nc.publish(subjects.node_heartbeat(a), b"own")  # allowed: the control
+    await intruder.nc.flush()
+
+    async with asyncio.timeout(5):
+        msg = await seen.next_msg(timeout=2)
+        while msg.data != b"own":  # the real agents' heartbeats are also on the wire
+            assert msg.data != b"forged"
+            msg = await seen.next_msg(timeout=2)
+    violations = await intruder.violations(len(forged))
+    assert len(violations) == len(forged)
+    assert all(any(s.lower() in v for v in violations) for s in forged)
+    # Nor may it write another node's events into the stream through JetStream.
+    with pytest.raises(nats.errors.TimeoutError):
+        await intruder.nc.jetstream(timeout=DENIED_TIMEOUT).publish(subjects.node_cleaned(b), b"forged")
+    await watcher.close()
+
+
+async def test_node_agent_cannot_consume_another_nodes_assignments(intruder: Intruder) -> None:
+    a, b = NODES
+    js = intruder.nc.jetstream(timeout=DENIED_TIMEOUT)
+    attempts = [
+        # B's durable (info, then create), B's filter under A's own durable name, and pulling
+        # from B's durable directly.
+        lambda: js.consumer_info(subjects.ALLOC_STREAM, subjects.nodeagent_durable(b, "assigned")),
+        lambda: js.pull_subscribe(
+            subjects.alloc_assigned(b),
+            durable=subjects.nodeagent_durable(b, "assigned"),
+            stream=subjects.ALLOC_STREAM,
+        ),
+        lambda: js.add_consumer(
+            subjects.ALLOC_STREAM,
+            durable_name=subjects.nodeagent_durable(a, "assigned"),
+            name=subjects.nodeagent_durable(a, "assigned"),
+            filter_subject=subjects.alloc_assigned(b),
+        ),
+    ]
+    for attempt in attempts:
+        with pytest.raises(nats.errors.TimeoutError):
+            await attempt()
+    psub = await js.pull_subscribe_bind(
+        subjects.nodeagent_durable(b, "release"), stream=subjects.ALLOC_STREAM
+    )
+    with pytest.raises(nats.errors.TimeoutError):
+        await psub.fetch(1, timeout=DENIED_TIMEOUT)
+    await psub.unsubscribe()
+    # Core subscriptions to B's subjects, and to everyone's replies, are refused as well.
+    for subject in (subjects.alloc_assigned(b), subjects.alloc_release(b), "_INBOX.>"):
+        await intruder.nc.subscribe(subject)
+    await intruder.nc.flush()
+    violations = await intruder.violations(len(attempts) + 1 + 3)
+    assert len(violations) >= len(attempts) + 1 + 3, intruder.errors
+    assert any("consumer.msg.next" in v for v in violations)
+    assert any(subjects.alloc_assigned(b).lower() in v and "subscription" in v for v in violations)
+    assert any('"_inbox.>"' in v for v in violations)
+    # Its own consumer is allowed (the control): the agent's own durable answers.
+    info = await js.consumer_info(subjects.ALLOC_STREAM, subjects.nodeagent_durable(a, "assigned"))
+    assert info.config.filter_subject == subjects.alloc_assigned(a)
+
+
+async def test_node_agent_cannot_read_another_nodes_allocation_record(
+    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack
+) -> None:
+    req = AllocationRequest(request_id="uid-q.1", pod=PodRef("ns", "q", "uid-q"), gpus=4)
+    await stack.admission.publish(subjects.ALLOC_REQUEST, req, msg_id="request:uid-q.1")
+    assigned = await stack.client.wait_for(req.request_id)
+    assert isinstance(assigned, Assignment)
+    # The victim is whichever node holds the record; the intruder has the other's credentials.
+    victim = assigned.node
+    own = next(n for n in NODES if n != victim)
+    intruder = await connect_as(secured, own)
+    js = intruder.nc.jetstream(timeout=DENIED_TIMEOUT)
+    kv = await js.key_value(subjects.KV_ALLOCS)
+    with pytest.raises(nats.errors.TimeoutError):
+        await kv.get(subjects.kv_key(victim))
+    with pytest.raises(nats.errors.TimeoutError):  # the classic get, key in the body
+        await js.get_msg(f"KV_{subjects.KV_ALLOCS}", subject=f"$KV.{subjects.KV_ALLOCS}.{victim}")
+    with pytest.raises(nats.errors.TimeoutError):  # listing keys needs a consumer on the bucket
+        await kv.keys()
+    # Its own record is readable: an answer (the record, or "no such key"), not silence.
+    with contextlib.suppress(KeyNotFoundError):
+        entry = await kv.get(subjects.kv_key(own))
+        assert codec.NODE_ALLOCS.decode(entry.value or b"").node == own
+    violations = await intruder.violations(3)
+    assert any("direct.get" in v and victim in v for v in violations), intruder.errors
+    assert any("stream.msg.get" in v for v in violations), intruder.errors
+    # The victim's own agent reads the same record fine (its user may).
+    agent_kv = await stack.agents[victim].bus.kv(subjects.KV_ALLOCS)
+    entry = await agent_kv.get(subjects.kv_key(victim))
+    assert req.request_id in codec.NODE_ALLOCS.decode(entry.value or b"").allocations
+    await intruder.nc.close()
