@@ -28,6 +28,7 @@ import pytest
 import structlog.testing
 import yaml
 from nats.aio.client import Client as NATS
+from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, permissions, subjects
@@ -38,7 +39,7 @@ from services.client import TandemClient
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus, Delivery
+from services.runtime.bus import Bus, Delivery, provision
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.tasks import Supervisor
 from services.topology import load_topology
@@ -361,3 +362,17 @@ async def test_node_agent_cannot_read_another_nodes_allocation_record(
     entry = await agent_kv.get(subjects.kv_key(victim))
     assert req.request_id in codec.NODE_ALLOCS.decode(entry.value or b"").allocations
     await intruder.nc.close()
+
+
+async def test_provision_turns_direct_gets_on_for_buckets_made_without(
+    nats_url: str, clean_jetstream: None
+) -> None:
+    """A node agent's scoped read needs direct gets; buckets from before are switched over."""
+    nc = await nats.connect(nats_url)
+    js = nc.jetstream()
+    await js.create_key_value(KeyValueConfig(bucket=subjects.KV_ALLOCS, history=5))
+    assert not (await js.stream_info(permissions.kv_stream(subjects.KV_ALLOCS))).config.allow_direct
+    await provision(js)
+    for bucket in permissions.KV_BUCKETS:
+        assert (await js.stream_info(permissions.kv_stream(bucket))).config.allow_direct, bucket
+    await nc.close()
