@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +36,6 @@ from nats.js.errors import KeyNotFoundError
 from schemas import codec, permissions, subjects
 from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, Release
 from services.allocator.service import Allocator
-from services.cli.main import main as cli_main
 from services.client import TandemClient
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
@@ -57,7 +58,9 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Embedded
     d = tmp_path_factory.mktemp("nats-auth")
     conf, creds = d / "auth.conf", d / "credentials.yaml"
     args = ["nats-config", "--out", str(conf), "--credentials", str(creds), "--server", "nats://x:1"]
-    assert cli_main([*args, *(a for n in NODES for a in ("--node", n))]) == 0
+    args += [a for n in NODES for a in ("--node", n)]
+    # As an operator runs it (a process of its own: the CLI sets up logging for its process).
+    subprocess.run([sys.executable, "-m", "services.cli.main", *args], check=True, timeout=60)
     assert conf.stat().st_mode & 0o077 == 0 and creds.stat().st_mode & 0o077 == 0
     passwords = {u: e["password"] for u, e in yaml.safe_load(creds.read_text()).items()}
     with EmbeddedNats(config_file=str(conf)) as server:

@@ -3,13 +3,24 @@ tests/integration/test_permissions.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import structlog
 import yaml
 
 from schemas import permissions, subjects
 from services.cli.main import main as cli_main
+
+
+@pytest.fixture(autouse=True)
+def keep_logging_config() -> Iterator[None]:
+    """``tandem`` configures structlog to print to the stderr of the moment, which in a test is
+    pytest's capture file, closed afterwards; put the configuration back for later tests."""
+    saved = structlog.get_config()
+    yield
+    structlog.configure(**saved)
 
 
 def all_subjects(p: permissions.Permissions) -> list[str]:
