@@ -18,6 +18,18 @@ def _add_trace_id(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
     return event
 
 
+class _Stderr:
+    """``sys.stderr`` looked up at each write, not when logging is set up: the CLI sets up
+    logging in-process, and under pytest the stderr of that moment is a capture file that is
+    closed after the test (later log lines would raise "I/O operation on closed file")."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
 def setup_logging(*, level: str = "info", json: bool = True, service: str | None = None) -> None:
     """Configure structlog for the process; safe to call more than once."""
     lvl = logging.getLevelNamesMapping().get(level.upper(), logging.INFO)
@@ -32,7 +44,7 @@ def setup_logging(*, level: str = "info", json: bool = True, service: str | None
     structlog.configure(
         processors=processors,
         wrapper_class=structlog.make_filtering_bound_logger(lvl),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(file=_Stderr()),  # type: ignore[arg-type]
         cache_logger_on_first_use=False,
     )
     if service:
