@@ -92,7 +92,7 @@ class User:
     """A nats-server user: name, password and the permissions of its role."""
 
     name: str
-    password: str
+    password: str = field(repr=False)  # never in a log line or a traceback
     permissions: Permissions = field(repr=False)
 
 

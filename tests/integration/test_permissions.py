@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -314,6 +315,19 @@ async def test_node_agent_cannot_consume_another_nodes_assignments(intruder: Int
     for attempt in attempts:
         with pytest.raises(nats.errors.TimeoutError):
             await attempt()
+    # The create subject it may use (its durable, its filter) with B's filter in the body: the
+    # server refuses the mismatch, so the filter in the permitted subject is binding.
+    own = subjects.nodeagent_durable(a, "assigned")
+    body = {
+        "stream_name": subjects.ALLOC_STREAM,
+        "config": {"durable_name": own, "name": own, "filter_subject": subjects.alloc_assigned(b)},
+    }
+    reply = await intruder.nc.request(
+        f"$JS.API.CONSUMER.CREATE.{subjects.ALLOC_STREAM}.{own}.{subjects.alloc_assigned(a)}",
+        json.dumps(body).encode(),
+        timeout=2,
+    )
+    assert json.loads(reply.data)["error"]["err_code"] == 10131  # filter does not match subject
     psub = await js.pull_subscribe_bind(
         subjects.nodeagent_durable(b, "release"), stream=subjects.ALLOC_STREAM
     )
