@@ -8,6 +8,7 @@ and only meant for small nodes (the property tests and ``bench.run``'s optimalit
 
 from __future__ import annotations
 
+import math
 from itertools import combinations, permutations
 
 from schemas.config import DeviceClass
@@ -147,3 +148,55 @@ def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str]
             if result is None or key < result[0]:
                 result = (key, list(G), list(N))
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# The node order's reserve rule, from its definition (services/allocator/core/cluster.py)
+
+
+def aligned_free(topo: NodeTopology, free: set[str]) -> int:
+    """GPU/NIC pairs that could still share a PCIe switch: per switch, min(free GPUs, free PFs)."""
+    gpus: dict[tuple[object, ...], int] = {}
+    pfs: dict[tuple[object, ...], int] = {}
+    for loc in locate(topo):
+        key = loc.key(Scope.PCIE_SWITCH)
+        if key is None or loc.device.id not in free:
+            continue
+        side = gpus if isinstance(loc.device, Gpu) else pfs
+        side[key] = side.get(key, 0) + 1
+    return sum(min(n, pfs.get(k, 0)) for k, n in gpus.items())
+
+
+def all_devices(topo: NodeTopology) -> set[str]:
+    out = {g.id for g in topo.gpus()}
+    for nic in topo.nics():
+        out.add(nic.name)
+        out.update(vf.name for vf in nic.vfs)
+    return out
+
+
+def under_pressure(topos: dict[str, NodeTopology], free: dict[str, set[str]], reserve: float) -> bool:
+    """Fewer nodes than ``ceil(reserve x capable)`` can host the largest aligned job ``K``,
+    where ``K`` is the largest whole-node aligned capacity that at least ``1 / reserve`` nodes
+    have (so that the reserve is at least one node)."""
+    if reserve <= 0:
+        return False
+    caps = [aligned_free(t, all_devices(t)) for t in topos.values()]
+    for k in sorted({c for c in caps if c > 0}, reverse=True):
+        able = sum(1 for c in caps if c >= k)
+        if able * reserve >= 1.0 - 1e-9:
+            target = math.ceil(able * reserve - 1e-9)
+            have = sum(1 for name, t in topos.items() if aligned_free(t, free[name]) >= k)
+            return have < target
+    return False
+
+
+def capacity_cost(topo: NodeTopology, free: set[str], taken: set[str]) -> int:
+    """How far the largest fully aligned job the node could take (a power of two) drops."""
+    vf_parent = {vf.name: nic.name for nic in topo.nics() for vf in nic.vfs}
+    after = free - taken - {vf_parent[d] for d in taken if d in vf_parent}
+
+    def pow2(n: int) -> int:
+        return 0 if n <= 0 else 1 << (n.bit_length() - 1)
+
+    return pow2(aligned_free(topo, free)) - pow2(aligned_free(topo, after))

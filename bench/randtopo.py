@@ -128,10 +128,19 @@ CLASSES = {
 }
 
 
-def random_cluster(seed: int, n_nodes: int) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]]]:
-    """A cluster of random nodes with random holds and unavailable devices."""
+def random_cluster(
+    seed: int, n_nodes: int, *, reserve: float | None = None
+) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]]]:
+    """A cluster of random nodes with random holds and unavailable devices.
+
+    ``reserve`` overrides the core's default reserve share (which needs 50 large servers to
+    keep one in reserve, so small random clusters never see reserve pressure otherwise)."""
     rng = random.Random(seed)
-    cluster = Cluster(policy=rng.choice(("binpack", "spread")), device_classes=CLASSES)
+    policy = rng.choice(("binpack", "spread"))
+    if reserve is None:
+        cluster = Cluster(policy=policy, device_classes=CLASSES)
+    else:
+        cluster = Cluster(policy=policy, device_classes=CLASSES, reserve=reserve)
     topos: dict[str, NodeTopology] = {}
     blocked: dict[str, set[str]] = {}
     shared = random_topology(rng)

@@ -40,14 +40,15 @@ from bench.baselines import BASELINES, Baseline, Pick
 from bench.fleet import MIX, MIXES, REAL_MIX, fleet, requests
 from bench.randtopo import random_cluster, random_request
 from schemas.config import default_device_classes
-from schemas.messages import AllocationRequest
+from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import SCOPES, NodeTopology
 from services.allocator.core import Cluster, Placement, Unschedulable, normalise
 from services.allocator.core.search import cross_key
 
 ROOT = Path(__file__).resolve().parent
 UTILS = (0.50, 0.85)  # speed and quality
-STRESS = 0.95  # an extra quality point where the fleet runs out of aligned capacity
+STRESS = (0.90, 0.95)  # extra quality points where the fleet runs out of aligned capacity
+PROBE_EVERY = 100  # quality runs: sample the aligned capacity left every this many decisions
 CLASSES = default_device_classes()
 
 
@@ -138,13 +139,34 @@ class ChurnStats:
     latencies_ns: list[int] = field(default_factory=list)
     allocator_s: float = 0.0
     util: float = 0.0
+    # Aligned capacity left, averaged over samples taken during the measured decisions: nodes
+    # that could still take an 8-GPU + 8-NIC (4 + 4) job with every pair on a PCIe switch.
+    cap_samples: int = 0
+    cap_8x8: int = 0
+    cap_4x4: int = 0
 
 
 class Churn:
     """Drives one allocator: a seeded request stream, random releases, utilisation target."""
 
-    def __init__(self, alloc: Any, nodes: list[tuple[str, NodeTopology]], *, seed: int) -> None:
+    def __init__(
+        self,
+        alloc: Any,
+        nodes: list[tuple[str, NodeTopology]],
+        *,
+        seed: int,
+        probe_every: int = 0,
+    ) -> None:
         self.alloc = alloc
+        # A probe: a second Tandem index mirroring this allocator's holds, used only to count
+        # the nodes that could still take a large aligned job (the same count for every
+        # allocator, whatever its own data structures).
+        self.probe: Cluster | None = None
+        self.probe_every = probe_every
+        if probe_every:
+            self.probe = Cluster()
+            for name, topo in nodes:
+                self.probe.set_node(name, topo)
         self.total_gpus = sum(len(t.gpus()) for _, t in nodes)
         self.total_nics = sum(len(t.nics()) for _, t in nodes)
         self.used_gpus = 0
@@ -163,6 +185,8 @@ class Churn:
         t0 = time.perf_counter()
         self.alloc.release(node, rid)
         dt = time.perf_counter() - t0
+        if self.probe is not None:
+            self.probe.release(node, rid)
         self.used_gpus -= g
         self.used_nics -= n
         return dt
@@ -178,12 +202,18 @@ class Churn:
             self.alloc.hold(out.node, req.request_id, out.devices)
         t2 = time.perf_counter_ns()
         if out is not None:
+            if self.probe is not None:
+                self.probe.hold(out.node, req.request_id, out.devices)
             self.live.append((out.node, req.request_id, out.gpus, out.nics))
             self.used_gpus += out.gpus
             self.used_nics += out.nics
         if stats is None:
             return
         stats.decisions += 1
+        if self.probe is not None and stats.decisions % self.probe_every == 0:
+            stats.cap_samples += 1
+            stats.cap_8x8 += self.probe.fit_count(_PROBE_8X8)
+            stats.cap_4x4 += self.probe.fit_count(_PROBE_4X4)
         stats.latencies_ns.append(t1 - t0)
         stats.allocator_s += (t2 - t0) / 1e9
         required = req.policy == "required"
@@ -221,6 +251,17 @@ class Churn:
             self._decide(stats)
         stats.util = self.util()
         return stats
+
+
+def _probe_request(n: int) -> AllocationRequest:
+    rid = f"probe-{n}x{n}"
+    return AllocationRequest(
+        request_id=rid, pod=PodRef("bench", rid, rid), gpus=n, rdma=n, scope="pcie-switch", policy="required"
+    )
+
+
+_PROBE_8X8 = _probe_request(8)
+_PROBE_4X4 = _probe_request(4)
 
 
 def _pct(values: list[int], q: float) -> float:
@@ -312,10 +353,10 @@ def quality(n_nodes: int, decisions: int, seed: int, *, mix: str = "builtin") ->
     rows = []
     makers: list[tuple[str, Any]] = [("tandem", lambda: TandemAdapter(nodes))]
     makers += [(b.name, lambda b=b: BaselineAdapter(b(nodes))) for b in BASELINES]
-    for target in (*UTILS, STRESS):
+    for target in (*UTILS, *STRESS):
         for name, make in makers:
             alloc = make()
-            churn = Churn(alloc, nodes, seed=seed)
+            churn = Churn(alloc, nodes, seed=seed, probe_every=PROBE_EVERY)
             churn.fill(target)
             st = churn.measure(target, decisions)
             total_pairs = sum(st.pairs) or 1
@@ -337,6 +378,8 @@ def quality(n_nodes: int, decisions: int, seed: int, *, mix: str = "builtin") ->
                     "all_switch_pct": round(100 * st.all_switch / max(st.with_pairs, 1), 1),
                     "required": st.required,
                     "required_met": st.required_met,
+                    "cap_8x8": round(st.cap_8x8 / max(st.cap_samples, 1), 1),
+                    "cap_4x4": round(st.cap_4x4 / max(st.cap_samples, 1), 1),
                 }
             )
             print(f"  quality ({mix}) {name} @ {target:.0%} done", file=sys.stderr)
@@ -463,8 +506,9 @@ def markdown(results: dict[str, Any]) -> str:
         lines += [f"### Quality ({results['quality_nodes']:,} nodes, {title}; same churn and requests)", ""]
         lines += [
             "| allocator | target util | placed | refused | fragmentation refusals | pairs pcie-switch "
-            "| pcie-root | numa | socket | node | all pairs on switch | required met |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| pcie-root | numa | socket | node | all pairs on switch | required met "
+            "| 8+8 nodes | 4+4 nodes |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in results[key]:
             sh = r["pair_share_pct"]
@@ -472,7 +516,8 @@ def markdown(results: dict[str, Any]) -> str:
                 f"| {r['allocator']} | {r['target_util']:.0%} | {r['placed']} | {r['refused']} "
                 f"| {r['frag_refused']} ({r['frag_refused_pct']}%) | {sh['pcie-switch']}% "
                 f"| {sh['pcie-root']}% | {sh['numa']}% | {sh['socket']}% | {sh['node']}% "
-                f"| {r['all_switch_pct']}% | {r['required_met']}/{r['required']} |"
+                f"| {r['all_switch_pct']}% | {r['required_met']}/{r['required']} "
+                f"| {r['cap_8x8']} | {r['cap_4x4']} |"
             )
         lines.append("")
     o = results["optimality"]

@@ -214,3 +214,63 @@ def test_bigger_nodes_equal_exhaustive(
         assert isinstance(got, Placement), got.reason
         assert got.quality == ref[0]
         assert set(got.devices()).isdisjoint(blocked)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rseed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 4),
+    reserve=st.sampled_from([0.3, 0.5, 1.0]),
+)
+def test_reserve_pressure_orders_nodes_by_capacity_cost(
+    seed: int, rseed: int, n: int, reserve: float
+) -> None:
+    """With a reserve small clusters can reach: in-node placement stays exact, and when fewer
+    nodes than the reserve can take the largest aligned job, binpack orders nodes by capacity
+    cost (the drop of the largest fully aligned job the node could take), then alignment, then
+    fullness; otherwise by the ordinary key. Checked against the reference definitions in
+    bench.exhaustive, with each node's own in-node choice (from a one-node cluster)."""
+    cluster, topos, blocked = random_cluster(seed, n, reserve=reserve)
+    req = random_request(random.Random(rseed))
+    spec = cluster.normalise(req)
+    free = {name: exhaustive.effective_free(topo, blocked[name]) for name, topo in topos.items()}
+    pressure = cluster.policy == "binpack" and exhaustive.under_pressure(topos, free, reserve)
+    refs = {}
+    for name, topo in topos.items():
+        labels = cluster.labels(name)
+        if all(labels.get(k) == v for k, v in req.node_selector.items()):
+            ref = exhaustive.best(topo, free[name], spec)
+            if ref is not None:
+                refs[name] = ref[0]
+    got = cluster.decide(req)
+    if not refs:
+        assert isinstance(got, Unschedulable)
+        return
+    assert isinstance(got, Placement), f"refused ({got.reason}) though nodes {sorted(refs)} fit"
+    check_placement(got, cluster, topos, blocked, req)
+    assert got.quality == refs[got.node]  # the in-node optimum, pressure or not
+    if not pressure:
+        return
+    s = int(spec.scope)
+
+    def key(name: str, quality: tuple[int, ...], devices: set[str]) -> tuple[int, ...]:
+        topo = topos[name]
+        gpus = {g.id for g in topo.gpus()}
+        pfs = {x.name for x in topo.nics()}
+        waste = len(pfs & free[name]) if spec.rdma == 0 else len(gpus & free[name]) if spec.gpus == 0 else 0
+        cost = exhaustive.capacity_cost(topo, free[name], devices)
+        return (cost, *cross_key(quality, s), waste, len(gpus & free[name]), len(pfs & free[name]))
+
+    keys = {}
+    for name in refs:
+        one = Cluster(policy="binpack", device_classes=CLASSES, reserve=0.0)
+        one.set_node(
+            name, topos[name], labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name)
+        )
+        for rid, devs in cluster.holds(name).items():
+            one.hold(name, rid, devs)
+        mine = one.decide(req)
+        assert isinstance(mine, Placement)
+        keys[name] = key(name, mine.quality, set(mine.devices()))
+    assert key(got.node, got.quality, set(got.devices())) == min(keys.values())

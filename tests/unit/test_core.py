@@ -312,3 +312,45 @@ def test_change_log_compaction_and_stale_signatures(monkeypatch: pytest.MonkeyPa
         else:
             assert isinstance(again, Unschedulable)
             assert got.counts == again.counts
+
+
+def _reserve_cluster(reserve: float | None) -> Cluster:
+    """h100: NUMA 1 free (4 aligned pairs, a whole 4+4 unit); pcie: only root-level pairs left."""
+    c = Cluster() if reserve is None else Cluster(reserve=reserve)
+    c.set_node("h100", load_topology("dgx-h100"))
+    c.hold("h100", "x", ["gpu0", "gpu1", "gpu2", "gpu3", "mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3"])
+    c.set_node("pcie", load_topology("pcie-4gpu-2nic"))
+    c.hold("pcie", "y", ["gpu0", "mlx5_0"])
+    return c
+
+
+def test_reserve_pressure_trades_a_small_jobs_alignment_for_large_aligned_capacity() -> None:
+    # No node can take the largest aligned job (8 GPUs + 8 NICs on switches): with a reserve
+    # of one such node, a preferred 1+1 takes a root-level pair on the PCIe box instead of
+    # breaking the h100's whole 4+4 unit.
+    p = placed(_reserve_cluster(1.0).decide(req("a", 1, 1)))
+    assert p.node == "pcie" and p.pairs[0].scope == "pcie-root" and not p.met
+    # Without the reserve (or with the default share, which needs 50 such servers to hold one
+    # in reserve) alignment comes first.
+    for reserve in (0.0, None):
+        q = placed(_reserve_cluster(reserve).decide(req("a", 1, 1)))
+        assert q.node == "h100" and q.pairs[0].scope == "pcie-switch"
+    # A required request is never placed below its scope, pressure or not.
+    r = placed(_reserve_cluster(1.0).decide(req("r", 1, 1, policy="required")))
+    assert r.node == "h100" and r.met
+
+
+def test_reserve_pressure_ends_when_a_node_can_take_the_largest_job_again() -> None:
+    c = _reserve_cluster(0.5)  # two servers can take 8+8 when free: a reserve of one
+    c.set_node("spare", load_topology("dgx-h100"))  # whole: the reserve is met
+    p = placed(c.decide(req("a", 1, 1)))
+    assert p.node == "h100" and p.pairs[0].scope == "pcie-switch"  # and "spare" stays whole
+    c.hold("spare", "z", ["gpu7"])  # no node can take 8+8 now: pressure
+    # The broken server has 7 aligned pairs left (a 4+4 unit plus a partial one): a pair from
+    # it costs no 4+4 capacity, one from "h100" would break its only 4+4 unit.
+    q = placed(c.decide(req("a", 1, 1)))
+    assert q.node == "spare" and q.pairs[0].scope == "pcie-switch"
+    c.release("spare", "z")
+    assert placed(c.decide(req("a", 1, 1))).node == "h100"
+    with pytest.raises(InvalidRequest, match="reserve"):
+        Cluster(reserve=1.5)

@@ -30,14 +30,31 @@ Node order (the heap key):
    count), so that small jobs use the aligned slots of weaker servers and the servers that
    can host large aligned jobs stay whole; then fragmentation (the whole switches / NUMA
    nodes / NVLink partitions the placement breaks) and the fullest node (fewest free GPUs,
-   then NICs);
+   then NICs), then the hardware registered first;
    ``spread``: the emptiest node, then fragmentation;
 3. the full in-node quality (finer pairs win ties), then first registered.
 
 Quality comes before node policy: a half-empty node with switch-aligned pairs beats a nearly
 full node that could only align at NUMA level — except that ``binpack`` does not open a
-completely free node for a ``preferred`` request. Under heavy load this keeps alignment at
-the cost of some capacity for the largest requests; see ``docs/benchmarks.md``.
+completely free node for a ``preferred`` request, and except under *reserve pressure*.
+
+Reserve pressure (``binpack`` only). Alignment-first placement keeps small NIC jobs on the
+servers that can align them, which under heavy load are exactly the servers the large
+aligned jobs (8 GPUs + 8 NICs on PCIe switches) need: measured in ``docs/benchmarks.md``,
+that made Tandem refuse more large jobs at 90-95 % utilisation than a GPU-first allocator.
+So the index keeps a *reserve*: ``K`` is the largest aligned job (``Shape.aligned``) that at
+least ``1 / reserve`` nodes can host when free, and while fewer than ``ceil(reserve x those
+nodes)`` can host it now (``Shape.aligned_free``), every binpack decision orders nodes by
+:func:`.search.capacity_cost` first (how far the largest fully aligned job the node could
+take drops, buddy-style: using a partial unit costs 0, breaking a node's last 4+4 or 8+8
+unit costs 4 or 8), then by 1., then fullest node, hardware registered first, and
+fragmentation. A ``preferred`` request may then get a ``pcie-root`` or ``numa`` pair on a used
+server instead of breaking an aligned unit; a ``required`` one is still never placed below
+its scope. In-node placement is the same exact optimum in both orders. With the default
+reserve (2 %) a fleet needs 50 servers of the largest aligned kind before any is held in
+reserve; smaller clusters always use the alignment-first order. Each signature keeps one
+heap per order (the pressure flag is part of its key), so switching costs a replay, not a
+rebuild.
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
@@ -47,6 +64,7 @@ in-use devices handed out twice). Not thread-safe: one owner calls it.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -58,7 +76,7 @@ from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
 from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
-from .search import Choice, Refusal, cross_bound, evaluate, fresh_cost, precheck
+from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -68,6 +86,9 @@ GroupKey = tuple[int, int]  # (hardware id, free mask)
 _LOG_MAX = 200_000  # change-log entries kept before lagging signatures are rebuilt
 _SIG_MAX = 512  # signature states kept (least recently used dropped)
 _EVAL_MAX = 400_000  # cached in-node results before the cache is cleared
+# Share of the nodes that can host the largest aligned job which binpack tries to keep able to
+# host it (see Cluster._pressure); measured in docs/benchmarks.md.
+DEFAULT_RESERVE = 0.02
 
 
 @dataclass(slots=True)
@@ -147,18 +168,27 @@ class _SigState:
     refused: dict[str, int] = field(default_factory=dict)  # refusal text -> nodes
     feasible: int = 0  # nodes searched and able to take the request
     pending: int = 0  # nodes that passed the cheap check and are not searched yet
+    pressure: bool = False  # ordered by the reserve-pressure order (see _entry)
 
 
 class Cluster:
-    """All nodes' hardware, health and holds; decides placements (see the module docstring)."""
+    """All nodes' hardware, health and holds; decides placements (see the module docstring).
+
+    ``reserve``: the share of the servers able to host the largest aligned job that binpack
+    tries to keep able to host it (0 turns reserve pressure off)."""
 
     def __init__(
         self,
         policy: NodePolicy | str = "binpack",
         device_classes: Mapping[str, DeviceClass] | None = None,
+        *,
+        reserve: float = DEFAULT_RESERVE,
     ) -> None:
         if policy not in ("binpack", "spread"):
             raise InvalidRequest(f"unknown node policy {policy!r}; expected binpack or spread")
+        if not 0.0 <= reserve <= 1.0:
+            raise InvalidRequest(f"reserve must be a fraction between 0 and 1, got {reserve!r}")
+        self.reserve = reserve
         self.policy: NodePolicy = "binpack" if policy == "binpack" else "spread"
         self.device_classes: dict[str, DeviceClass] = dict(
             device_classes if device_classes is not None else default_device_classes()
@@ -176,6 +206,11 @@ class Cluster:
         self._selector_ok: dict[tuple[int, tuple[tuple[str, str], ...]], bool] = {}
         self._seq = 0
         self._codes: dict[str, str] = {}  # refusal text -> code
+        # Reserve bookkeeping: nodes per shape capability (Shape.aligned) and per current
+        # aligned capacity (Shape.aligned_free of the free mask); see _pressure.
+        self._capable: dict[int, int] = {}
+        self._aligned_now: dict[int, int] = {}
+        self._reserve_level: tuple[int, int] | None = None  # (K, reserve nodes), cached
 
     # ------------------------------------------------------------------------------------
     # state changes
@@ -283,6 +318,18 @@ class Cluster:
             t["free_nics"] += (mask & shape.pf_all).bit_count() * n
         return t
 
+    def fit_count(self, request: AllocationRequest) -> int:
+        """How many nodes could take ``request`` now (a required scope met); walks every group.
+
+        For reports and benchmarks (for example "nodes that can still take an 8-GPU + 8-NIC
+        switch-aligned job"), not for the decision path."""
+        spec = normalise(request, self.device_classes)
+        n = 0
+        for (hw, mask), members in self._groups.items():
+            if isinstance(self._eval(spec, hw, mask), Choice):
+                n += len(members)
+        return n
+
     def group_count(self) -> int:
         """Distinct (hardware, free-mask) groups: what a decision's work scales with."""
         return len(self._groups)
@@ -324,7 +371,7 @@ class Cluster:
             assert isinstance(status, Choice)
             if not entry[6]:
                 # A bound entry: put the exact key in and look at the top again.
-                heapq.heapreplace(heap, self._entry(st.spec, gkey, status, entry[4]))
+                heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
             name = next(iter(self._groups[gkey]))
             return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
@@ -366,12 +413,14 @@ class Cluster:
                 if not members:
                     del self._groups[old]
                 log.append((old, -1))
+                self._count_capacity(old, -1)
         if new is not None:
             members = self._groups.get(new)
             if members is None:
                 members = self._groups[new] = {}
             members[name] = None
             log.append((new, 1))
+            self._count_capacity(new, 1)
         if len(log) > _LOG_MAX:
             self._compact()
 
@@ -406,7 +455,8 @@ class Cluster:
         return ok
 
     def _state(self, spec: Spec) -> _SigState:
-        sk = (spec.key, spec.selector)
+        pressure = self.policy == "binpack" and self._pressure()
+        sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
         end = self._log_base + len(self._log)
         if st is not None:
@@ -429,7 +479,7 @@ class Cluster:
                 return st
             # A long-unused signature: rebuilding from the groups is cheaper than replaying.
             del self._sigs[sk]
-        st = _SigState(spec=spec, cursor=end)
+        st = _SigState(spec=spec, cursor=end, pressure=pressure)
         self._replay(st, [(gkey, len(members)) for gkey, members in self._groups.items()])
         if len(self._sigs) >= _SIG_MAX:
             del self._sigs[next(iter(self._sigs))]
@@ -472,28 +522,93 @@ class Cluster:
 
     def _push(self, st: _SigState, gkey: GroupKey, status: Choice | Refusal | None) -> None:
         self._seq += 1
-        heapq.heappush(st.heap, self._entry(st.spec, gkey, status, self._seq))
+        heapq.heappush(st.heap, self._entry(st, gkey, status, self._seq))
         st.in_heap.add(gkey)
 
-    def _entry(self, spec: Spec, gkey: GroupKey, status: Choice | Refusal | None, seq: int) -> HeapEntry:
-        """Heap order: quality, then for binpack fragmentation before fullness (packing that
-        breaks no whole switch / partition first), for spread emptiness before fragmentation."""
+    def _entry(self, st: _SigState, gkey: GroupKey, status: Choice | Refusal | None, seq: int) -> HeapEntry:
+        """Heap order (see the module docstring). For binpack: alignment, then the less capable
+        server, fragmentation before fullness (packing that breaks no whole switch / partition
+        first); under reserve pressure capacity cost before alignment, then fullness. For
+        spread: alignment, emptiness, fragmentation.
+
+        A bound entry (group not searched yet) must sort no later than the group's exact entry:
+        its key is a prefix of, or smaller than, the exact one."""
+        spec = st.spec
         hw, mask = gkey
         shape = self._hw[hw][0]
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
+        exact = isinstance(status, Choice)
+        if st.pressure:
+            # Reserve pressure: capacity cost, then alignment, then fullness and a fixed
+            # hardware order (first-fit: the same kinds of server absorb the small jobs).
+            if isinstance(status, Choice):
+                cost = capacity_cost(shape, mask, status)
+                key = (cost, *status.cross, free_g, free_n, hw, *status.frag)
+                return (key, (), (), status.key, seq, gkey, True)
+            return ((0, *cross_bound(spec)), (), (), (), seq, gkey, False)
         if isinstance(status, Choice):
-            key, frag, full, exact = status.cross, status.frag, status.key, True
+            key, frag, full = status.cross, status.frag, status.key
         else:
-            key, frag, full, exact = cross_bound(spec), (), (), False
+            key, frag, full = cross_bound(spec), (), ()
         if self.policy == "binpack":
             key = (fresh_cost(shape, mask, spec), *key)
             # Among equal placements the less capable server first (fewer GPUs that can pair
             # with a NIC on their own switch, then fewer GPUs): the servers that can host the
             # big aligned jobs stay whole for them.
             size_frag = (shape.aligned, shape.n_gpus, *frag) if exact else (shape.aligned, shape.n_gpus)
-            return (key, size_frag, (free_g, free_n), full, seq, gkey, exact)
+            return (key, size_frag, (free_g, free_n, hw), full, seq, gkey, exact)
         return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
+
+    def _count_capacity(self, gkey: GroupKey, delta: int) -> None:
+        shape = self._hw[gkey[0]][0]
+        cap = shape.aligned
+        if cap <= 0:
+            return
+        left = self._capable.get(cap, 0) + delta
+        if left:
+            self._capable[cap] = left
+        else:
+            del self._capable[cap]
+        if (left == delta) or not left:  # a capability level appeared or vanished
+            self._reserve_level = None
+        now = shape.aligned_free(gkey[1])
+        left = self._aligned_now.get(now, 0) + delta
+        if left:
+            self._aligned_now[now] = left
+        else:
+            del self._aligned_now[now]
+
+    def _pressure(self) -> bool:
+        """Is the reserve of nodes that can take the largest aligned job below its target?
+
+        ``K`` is the largest aligned job size (``Shape.aligned``: GPU/NIC pairs on shared PCIe
+        switches) that at least ``1 / reserve`` nodes can host when free, so that the reserve
+        is at least one node: the largest job a real part of the fleet, not one odd server, is
+        built for. The target is ``ceil(reserve x nodes able to host K)``; the count is the
+        nodes whose free devices can host K now (``Shape.aligned_free``)."""
+        if self.reserve <= 0.0:
+            return False
+        level = self._reserve_level
+        if level is None:
+            level = (0, 0)
+            able = 0
+            for cap in sorted(self._capable, reverse=True):
+                able += self._capable[cap]
+                if able * self.reserve >= 1.0 - 1e-9:
+                    level = (cap, math.ceil(able * self.reserve - 1e-9))
+                    break
+            self._reserve_level = level
+        k, target = level
+        if k == 0:
+            return False
+        have = 0
+        for now, n in self._aligned_now.items():
+            if now >= k:
+                have += n
+                if have >= target:
+                    return False
+        return True
 
     def _first_status(self, spec: Spec, gkey: GroupKey) -> Choice | Refusal | None:
         """A group's status without searching: a cheap refusal, a cached result, or pending."""

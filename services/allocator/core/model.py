@@ -169,6 +169,25 @@ class Shape:
     paths: list[tuple[int, int, int, int, int, int]]
     aligned: int  # GPUs that can have a NIC (PF) on their own PCIe switch: the shape's capability
     views: dict[str, ClassView] = field(default_factory=dict)
+    _aligned_free: dict[int, int] = field(default_factory=dict)
+
+    def aligned_free(self, free: int) -> int:
+        """GPU/NIC pairs that can still sit on a shared PCIe switch with ``free`` slots free:
+        ``sum(min(free GPUs, free NIC PFs))`` over the switches (what :attr:`aligned` is for a
+        free node). A node with ``aligned_free(free) >= k`` can take a ``k``-GPU + ``k``-NIC
+        job with every pair on a switch (bottom-up matching reaches the per-switch minimum)."""
+        got = self._aligned_free.get(free)
+        if got is None:
+            got = 0
+            for u in self.level_units[0]:
+                m = self.unit_mask[u] & free
+                g = (m & self.gpu_all).bit_count()
+                n = (m & self.pf_all).bit_count()
+                got += g if g < n else n
+            if len(self._aligned_free) > 65536:
+                self._aligned_free.clear()
+            self._aligned_free[free] = got
+        return got
 
     def loc_of(self, slot: int) -> tuple[int, int, int, int]:
         if slot < self.n_gpus:

@@ -42,6 +42,7 @@ from .request import Spec
 __all__ = [
     "Choice",
     "Refusal",
+    "capacity_cost",
     "cross_bound",
     "cross_key",
     "evaluate",
@@ -90,6 +91,27 @@ def fresh_cost(shape: Shape, free: int, spec: Spec) -> int:
     if spec.required or free & whole != whole:
         return 0
     return shape.n_gpus
+
+
+def _pow2_floor(n: int) -> int:
+    return 0 if n <= 0 else 1 << (n.bit_length() - 1)
+
+
+def capacity_cost(shape: Shape, free: int, choice: Choice) -> int:
+    """What a placement costs the node's capacity for large aligned jobs, buddy-style.
+
+    A node's aligned capacity is :meth:`Shape.aligned_free` (the most GPU/NIC pairs it could
+    still put on shared PCIe switches), rounded down to a power of two: the largest of the
+    1 / 2 / 4 / 8 ... GPU + NIC jobs it could still take fully aligned. The cost is how much
+    that drops: a 1+1 job that turns a node able to take 8+8 into one able to take 4+4 costs 4,
+    one that takes a pair from a node with 3 or 5-7 aligned pairs left costs 0 (it uses a
+    partial unit). Used by the binpack order under reserve pressure (see :mod:`.cluster`)."""
+    taken = 0
+    for s in (*choice.gpus, *choice.nics):
+        taken |= 1 << s
+    # A VF taken makes its PF unusable as a whole NIC (effective_free applies that rule).
+    after = shape.effective_free(~(free & ~taken) & ((1 << shape.n_slots) - 1))
+    return _pow2_floor(shape.aligned_free(free)) - _pow2_floor(shape.aligned_free(after))
 
 
 def one_sided_waste(shape: Shape, free: int, g: int, r: int) -> int:
