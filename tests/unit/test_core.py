@@ -354,3 +354,14 @@ def test_reserve_pressure_ends_when_a_node_can_take_the_largest_job_again() -> N
     assert placed(c.decide(req("a", 1, 1))).node == "h100"
     with pytest.raises(InvalidRequest, match="reserve"):
         Cluster(reserve=1.5)
+
+
+def test_reserve_follows_the_fleet_as_nodes_arrive_and_leave() -> None:
+    c = _reserve_cluster(0.5)  # one server able to take 8+8: a 50 % reserve holds none of it
+    assert placed(c.decide(req("a", 1, 1))).node == "h100"
+    c.set_node("busy", load_topology("dgx-h100"))  # now two: a reserve of one, and none free
+    c.hold("busy", "all", [f"gpu{i}" for i in range(8)])
+    p = placed(c.decide(req("a", 1, 1)))
+    assert p.node == "pcie" and p.pairs[0].scope == "pcie-root"
+    c.remove_node("busy")
+    assert placed(c.decide(req("a", 1, 1))).node == "h100"

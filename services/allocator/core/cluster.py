@@ -237,6 +237,10 @@ class Cluster:
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
         old = self._nodes.get(name)
         self._nodes[name] = node
+        if old is None or old.shape is not shape:
+            if old is not None:
+                self._count_capable(old.shape, -1)
+            self._count_capable(shape, 1)
         self._refresh(node, old_key=None if old is None else (old.hw, old.mask))
 
     def set_unavailable(self, name: str, devices: Iterable[str]) -> None:
@@ -249,6 +253,7 @@ class Cluster:
         """Forget the node's hardware (its holds stay until released)."""
         node = self._nodes.pop(name, None)
         if node is not None:
+            self._count_capable(node.shape, -1)
             self._move(name, (node.hw, node.mask), None)
 
     def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
@@ -560,8 +565,8 @@ class Cluster:
             return (key, size_frag, (free_g, free_n, hw), full, seq, gkey, exact)
         return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
 
-    def _count_capacity(self, gkey: GroupKey, delta: int) -> None:
-        shape = self._hw[gkey[0]][0]
+    def _count_capable(self, shape: Shape, delta: int) -> None:
+        """A node of ``shape`` joins (+1) or leaves (-1) the fleet: the reserve level changes."""
         cap = shape.aligned
         if cap <= 0:
             return
@@ -570,8 +575,13 @@ class Cluster:
             self._capable[cap] = left
         else:
             del self._capable[cap]
-        if (left == delta) or not left:  # a capability level appeared or vanished
-            self._reserve_level = None
+        self._reserve_level = None
+
+    def _count_capacity(self, gkey: GroupKey, delta: int) -> None:
+        """A node enters (+1) or leaves (-1) group ``gkey``: count its aligned capacity now."""
+        shape = self._hw[gkey[0]][0]
+        if shape.aligned <= 0:
+            return
         now = shape.aligned_free(gkey[1])
         left = self._aligned_now.get(now, 0) + delta
         if left:
