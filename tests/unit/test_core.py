@@ -365,3 +365,18 @@ def test_reserve_follows_the_fleet_as_nodes_arrive_and_leave() -> None:
     assert p.node == "pcie" and p.pairs[0].scope == "pcie-root"
     c.remove_node("busy")
     assert placed(c.decide(req("a", 1, 1))).node == "h100"
+
+
+def test_refusal_says_when_failed_devices_are_part_of_why() -> None:
+    cluster = Cluster()
+    topo = load_topology("pcie-4gpu-2nic")
+    cluster.set_node("sick", topo, unavailable=["gpu2"])
+    cluster.set_node("busy", topo)
+    cluster.hold("busy", "other", ["gpu0"])
+    out = cluster.decide(req("all4", gpus=4, rdma=0))
+    assert isinstance(out, Unschedulable)
+    assert "2 nodes: fewer than 4 free GPUs (1 of them with unhealthy or cordoned devices)" in out.reason
+    cluster.set_unavailable("sick", [])
+    cluster.hold("sick", "x", ["gpu3"])
+    out = cluster.decide(req("all4b", gpus=4, rdma=0))
+    assert isinstance(out, Unschedulable) and "unhealthy" not in out.reason

@@ -672,13 +672,33 @@ class Cluster:
             return Unschedulable(reason="no nodes", counts={}, reasons=[])
         items = sorted(st.refused.items(), key=lambda kv: (-kv[1], kv[0]))
         reasons = [NodeReason(self._codes.get(t, ""), t, n) for t, n in items]
-        text = "; ".join(f"{n} node{'' if n == 1 else 's'}: {t}" for t, n in items)
+        impaired = self._impaired_by_refusal(st)
+        text = "; ".join(
+            f"{n} node{'' if n == 1 else 's'}: {t}"
+            + (f" ({impaired[t]} of them with unhealthy or cordoned devices)" if impaired.get(t) else "")
+            for t, n in items
+        )
         what = f"{spec.gpus} GPUs + {spec.rdma} NICs"
         return Unschedulable(
             reason=f"no node can take {what}: {text}" if text else f"no node can take {what}",
             counts=dict(items),
             reasons=reasons,
         )
+
+    def _impaired_by_refusal(self, st: _SigState) -> dict[str, int]:
+        """Per refusal text, how many of its nodes hold devices out of service: a person
+        reading "fewer than 4 free GPUs" should learn that a failed GPU is part of why.
+        Walks the refused groups only, on the refusal path only (never per decision)."""
+        out: dict[str, int] = {}
+        for gkey, rec in st.groups.items():
+            status = rec[1]
+            if not isinstance(status, Refusal) or status.code not in ("gpus", "nics", "scope"):
+                continue
+            for name in self._groups.get(gkey, ()):
+                node = self._nodes[name]
+                if node.unavailable or node.port_down:
+                    out[status.text] = out.get(status.text, 0) + 1
+        return out
 
 
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
