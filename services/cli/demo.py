@@ -21,6 +21,7 @@ import asyncio
 import statistics
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -186,6 +187,10 @@ async def _script(demo: Demo, t_start: float) -> int:
     victim = f"gpu{free[0]}"
     ev = await client.command(node, victim, "fail", reason="XID 79: GPU has fallen off the bus")
     print(f"{node}/{victim}: healthy={ev.healthy} reason={ev.reason!r}")
+    # Health travels agent → inventory → KV → allocator; wait until the decision side sees it
+    # (a request racing the failure event could otherwise still get the GPU, as it would in a
+    # cluster: the demo shows the steady state, not the race).
+    await _until(lambda: victim in stack.allocators[0].nodes[node].unavailable(), what="failure seen")
     # A pod that needs every GPU still free on that node can only wait for the failed one.
     big = AllocationRequest(
         **{**_as_dict(_request("eval-job", len(free), 0, None, None)), "node_selector": {HOSTNAME: node}}
@@ -256,6 +261,17 @@ async def _script(demo: Demo, t_start: float) -> int:
         raise DemoFailure(f"trace {trace_id} lacks spans {sorted(expected - set(names))}")
     print(f"\nDemo finished in {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+async def _until(predicate: Callable[[], bool], *, what: str, timeout: float = 10.0) -> None:
+    async def poll() -> None:
+        while not predicate():  # noqa: ASYNC110 - the allocator's read model has no change event
+            await asyncio.sleep(0.02)
+
+    try:
+        await asyncio.wait_for(poll(), timeout)
+    except TimeoutError:
+        raise DemoFailure(f"timed out waiting for: {what}") from None
 
 
 def _gpus(a: Assignment) -> list[int]:

@@ -203,9 +203,12 @@ async def test_silent_node_gets_nothing_until_heartbeats_resume(stack_factory) -
 
 
 async def test_failed_gpu_is_skipped_and_returns_after_recovery(stack_factory) -> None:  # type: ignore[no-untyped-def]
-    _stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
+    stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
     ev = await client.command("pcie-0", "gpu2", "fail", reason="XID 79")
     assert not ev.healthy and ev.reason == "XID 79"
+    # The failure reaches the allocator through inventory and KV; a request racing it could
+    # still get the GPU (eventual consistency), which is not what this test is about.
+    await wait_until(lambda: "gpu2" in stack.allocators[0].nodes["pcie-0"].unavailable(), what="failure seen")
     req = request("all4", 4, 0)
     await client.submit(req)
     failed = await client.wait_for(req.request_id)
