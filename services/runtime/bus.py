@@ -145,8 +145,22 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     )
 
 
-async def provision(js: JetStreamContext, *, replicas: int = 1) -> None:
-    """Create or update every stream and KV bucket; safe to run from every service at start."""
+async def provision(js: JetStreamContext, *, replicas: int = 1, attempts: int = 3) -> None:
+    """Create or update every stream and KV bucket; safe to run from every service at start.
+
+    Every step is idempotent, so a JetStream API call that times out (a loaded server can take
+    longer than the client's 5 s to create a file-backed stream) is simply tried again."""
+    for attempt in range(1, attempts + 1):
+        try:
+            await _provision_once(js, replicas=replicas)
+            return
+        except nats.errors.TimeoutError:
+            if attempt == attempts:
+                raise
+            log.warning("provision_retry", attempt=attempt)
+
+
+async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
     for name, subjects_ in subjects.STREAM_SUBJECTS.items():
         cfg = api.StreamConfig(
             name=name,
