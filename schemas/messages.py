@@ -284,9 +284,14 @@ class NodeRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
 
 
 class AllocRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One allocation in its node's record. ``traceparent`` is the W3C trace context of the
+    allocation: the record is what the node agent acts on (one write may carry several
+    allocations), so the apply and cleanup spans join the allocation's trace through it."""
+
     assignment: Assignment
     state: Literal["assigned", "applied", "releasing"] = "assigned"
     priority: int = 0
+    traceparent: str = ""
     updated_at: float = msgspec.field(default_factory=now)
 
 

@@ -107,13 +107,8 @@ def inbox_prefix(user: str) -> str:
     return f"_INBOX_{user}"
 
 
-def kv_stream(bucket: str) -> str:
-    """The stream behind a KV bucket (nats-py's ``KV_STREAM_TEMPLATE``)."""
-    return f"KV_{bucket}"
-
-
-def kv_subject(bucket: str, key: str = ">") -> str:
-    return f"$KV.{bucket}.{key}"
+kv_stream = subjects.kv_stream
+kv_subject = subjects.kv_subject
 
 
 def user_name(role: str, node: str | None = None) -> str:
@@ -137,11 +132,15 @@ def _provision() -> list[str]:
     return [f"{JS_API}.STREAM.{op}.{s}" for s in streams for op in ("INFO", "CREATE", "UPDATE")]
 
 
-def _durable(stream: str, durable: str, filter_subject: str) -> list[str]:
-    """A durable pull consumer as ``Bus.consume`` runs it (publish side)."""
+def _durable(stream: str, durable: str, filters: str | list[str]) -> list[str]:
+    """A durable pull consumer as ``Bus.consume`` runs it (publish side). The server names
+    one filter subject in the create subject; a consumer with several has none there."""
+    create = f"{JS_API}.CONSUMER.CREATE.{stream}.{durable}"
+    if isinstance(filters, str):
+        create = f"{create}.{filters}"
     return [
         f"{JS_API}.CONSUMER.INFO.{stream}.{durable}",
-        f"{JS_API}.CONSUMER.CREATE.{stream}.{durable}.{filter_subject}",
+        create,
         f"{JS_API}.CONSUMER.MSG.NEXT.{stream}.{durable}",
         f"$JS.ACK.{stream}.{durable}.>",
     ]
@@ -188,7 +187,7 @@ def allocator() -> Permissions:
         *_provision(),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_RELEASES, subjects.ALLOC_RELEASE_ALL),
-        *_durable(subjects.NODE_STREAM, subjects.CONSUMER_ALLOCATOR_NODE, subjects.NODE_EVENTS_ALL),
+        *_durable(subjects.NODE_STREAM, subjects.CONSUMER_ALLOCATOR_NODE, subjects.ALLOCATOR_NODE_FILTERS),
         *_kv_reader(subjects.KV_NODES),
         *_kv_writer(subjects.KV_ALLOCS),
         *_kv_writer(subjects.KV_REQUESTS),
@@ -200,7 +199,7 @@ def inventory() -> Permissions:
     pub = [
         subjects.dlq("inventory"),
         *_provision(),
-        *_durable(subjects.NODE_STREAM, subjects.CONSUMER_INVENTORY, subjects.NODE_EVENTS_ALL),
+        *_durable(subjects.NODE_STREAM, subjects.CONSUMER_INVENTORY, subjects.INVENTORY_NODE_FILTERS),
         *_kv_writer(subjects.KV_NODES),
     ]
     sub = [subjects.NODE_HEARTBEAT_ALL, subjects.QUERY_INVENTORY, _inbox("inventory")]
@@ -223,10 +222,10 @@ def admission() -> Permissions:
 
 
 def nodeagent(node: str) -> Permissions:
-    """Only its own node: its own events, its own assignments and releases, its own record."""
+    """Only its own node: its own events, its own allocation record (read, and followed on
+    its republish subject)."""
     if not node:
         raise PermissionsError("the nodeagent role needs its node name")
-    a = subjects.ALLOC_STREAM
     pub = [
         subjects.node_inventory(node),
         subjects.node_health(node),
@@ -234,11 +233,10 @@ def nodeagent(node: str) -> Permissions:
         subjects.node_cleaned(node),
         subjects.node_heartbeat(node),
         subjects.dlq("nodeagent"),
-        *_durable(a, subjects.nodeagent_durable(node, "assigned"), subjects.alloc_assigned(node)),
-        *_durable(a, subjects.nodeagent_durable(node, "release"), subjects.alloc_release(node)),
         *_kv_reader(subjects.KV_ALLOCS, key=subjects.kv_key(node)),
     ]
-    sub = [subjects.node_command(node), _inbox(user_name("nodeagent", node))]
+    # Its allocation record comes as the server republishes it (no consumer of its own).
+    sub = [subjects.node_command(node), subjects.node_allocs(node), _inbox(user_name("nodeagent", node))]
     return Permissions(publish=_dedup(pub), subscribe=_dedup(sub), allow_responses=True)
 
 

@@ -11,6 +11,16 @@ Subject tree (``<node>`` is a node token, see :func:`node_token`)::
     tandem.alloc.release.<node>  (``_unplaced`` when unknown)   stream ALLOC_STREAM
     tandem.dlq.<service>                                        stream DLQ_STREAM
     tandem.query.inventory                                      core NATS request/reply
+    tandem.allocs.<node name>                                   core NATS, republished by the
+                                                                server from KV ``tandem-allocs``
+
+A node's allocation record (KV ``tandem-allocs``, key = node name) is the node's desired state
+and the allocator's commit: every committed write is republished by the server (stream
+RePublish) on ``tandem.allocs.<node name>`` with the header ``Nats-Sequence`` = the record's
+revision, so one publish is both the commit and the event, and a node agent follows its record
+with a plain subscription instead of a durable consumer per node (a stream holds at most a
+few thousand consumers; a fleet has more nodes). Only stored writes are republished, so a
+compare-and-set that lost its race is never seen as truth.
 
 A release goes to the node's own subject, so a node agent reads only its own assignments and
 releases (the NATS permission model in DESIGN.md "Security"); the allocator reads them all.
@@ -35,8 +45,18 @@ ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
 ALLOC_RELEASE_ALL = f"{ROOT}.alloc.release.*"
 UNPLACED = "_unplaced"
 QUERY_INVENTORY = f"{ROOT}.query.inventory"
+ALLOCS_REPUBLISH_PREFIX = f"{ROOT}.allocs"
+NODE_ALLOCS_ALL = f"{ALLOCS_REPUBLISH_PREFIX}.>"
 
 NODE_EVENTS_ALL = f"{ROOT}.node.*.*"
+NODE_INVENTORY_ALL = f"{ROOT}.node.*.inventory"
+NODE_HEALTH_ALL = f"{ROOT}.node.*.health"
+NODE_APPLIED_ALL = f"{ROOT}.node.*.applied"
+NODE_CLEANED_ALL = f"{ROOT}.node.*.cleaned"
+# What each durable consumer of TANDEM_NODE reads: the inventory the node's hardware and
+# health, the allocator the outcomes of its allocations (neither wades through the other's).
+INVENTORY_NODE_FILTERS = [NODE_INVENTORY_ALL, NODE_HEALTH_ALL]
+ALLOCATOR_NODE_FILTERS = [NODE_APPLIED_ALL, NODE_CLEANED_ALL]
 NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 DLQ_ALL = f"{ROOT}.dlq.*"
 
@@ -104,6 +124,26 @@ def alloc_assigned(node: str) -> str:
 
 def alloc_release(node: str | None) -> str:
     return f"{ROOT}.alloc.release.{node_token(node) if node else UNPLACED}"
+
+
+def node_allocs(node: str) -> str:
+    """Where the server republishes every committed write of ``node``'s allocation record."""
+    return f"{ALLOCS_REPUBLISH_PREFIX}.{kv_key(node)}"
+
+
+def node_of_allocs(subject: str) -> str:
+    """The node a :func:`node_allocs` subject is about (node names may contain dots)."""
+    return subject[len(ALLOCS_REPUBLISH_PREFIX) + 1 :]
+
+
+def kv_subject(bucket: str, key: str = ">") -> str:
+    """The stream subject a KV write of ``key`` goes to (``$KV.<bucket>.<key>``)."""
+    return f"$KV.{bucket}.{key}"
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a KV bucket (nats-py's ``KV_STREAM_TEMPLATE``)."""
+    return f"KV_{bucket}"
 
 
 def dlq(service: str) -> str:

@@ -1,26 +1,38 @@
 """The allocator service: allocation requests in, committed placements out.
 
-Read model: the service mirrors KV ``tandem-nodes`` (hardware, health, ready/lost),
-``tandem-allocs`` (what every node has handed out) and ``tandem-requests`` (where each request
-stands) into the pure core's :class:`~services.allocator.core.Cluster`. Decisions never read
-NATS; only commits write it.
+Decisions are serial and in memory; everything that waits on NATS runs many at a time. The
+parts, one module each:
+
+* :mod:`.readmodel` mirrors KV ``tandem-nodes`` and ``tandem-allocs`` into the pure core, with
+  the devices of decisions whose commits are in flight held tentatively;
+* :mod:`.commits` holds the writes as pure mutations; :class:`~services.runtime.records.RecordStore`
+  writes them with compare-and-set, one write in flight per record, the mutations that
+  arrive meanwhile folded into the next one (group commit);
+* this module is the placement loop: requests, releases and node reports come from durable
+  pull consumers that hand over up to ``concurrency`` messages at once.
 
 One request, start to finish (each step idempotent, keyed by ``request_id``):
 
-1. already placed (the request id is in some node's allocation record) → publish the
-   assignment again (same ``Nats-Msg-Id``) and stop: a redelivery never allocates twice;
-2. *claim* the request record with compare-and-set (``pending → deciding``, owner = this
-   instance), so two replicas never place one request on two nodes;
-3. ``allocator.decide``: the core picks node + devices jointly;
-4. ``allocator.commit``: add the allocation to the node's record with compare-and-set on its
-   revision. A lost race (another replica committed on that node first) re-reads the record
-   and decides again — two allocators can never hand out one device;
-5. mark the request ``assigned`` and publish ``Assignment`` to the node's subject.
+1. already placed (a node record holds the request id) → publish the assignment again (same
+   ``Nats-Msg-Id``) and stop: a redelivery never allocates twice; the same request already
+   in hand (a redelivery while it is decided) waits for that outcome;
+2. ``allocator.decide``: the core picks node + devices jointly; the devices are held
+   tentatively, so the decisions taken while this one commits see them as used;
+3. *claim* the request record with compare-and-set (``deciding``, owner = this instance), so
+   two replicas never place one request on two nodes;
+4. ``allocator.commit``: add the allocation to the node's record with compare-and-set. That
+   one write is the commit and the node agent's event (the server republishes it on
+   ``tandem.allocs.<node>``). If another replica wrote the record first and took a device,
+   the write fails for this request only, which is decided again;
+5. ack the request; in the background mark the request record ``assigned`` and publish
+   ``Assignment`` on the node's subject (for the pod bridge and the CLI).
 
-An unschedulable request is recorded ``pending`` with the reason (one ``AllocationFailed``
-per distinct reason, not one per retry) and retried, highest priority first, whenever
-capacity changes (devices freed, a node joins or recovers) and every ``retry_interval``.
-Devices are freed only when the node agent reports a *verified* cleanup (``Cleaned.ok``).
+Unschedulable: the request record says ``pending`` with the reason (one ``AllocationFailed``
+per distinct reason) before the request is acked; pending requests are decided again,
+highest priority first, when capacity may have grown and every ``retry_interval``, and only
+a decision that finds a place writes anything. A release marks the allocation ``releasing``
+in the node's record (the agent sees it there and cleans up); a verified ``Cleaned`` drops
+it. ``Applied`` marks it ``applied``.
 """
 
 from __future__ import annotations
@@ -31,9 +43,9 @@ import gc
 import time
 import zlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
-from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 
@@ -53,20 +65,28 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
-from services.allocator import metrics
+from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
+from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.runtime.bus import Bus, Delivery, Retry
-from services.runtime.kvwatch import watch_bucket
+from services.runtime.kvwatch import watch_bucket, watch_raw
 from services.runtime.logging import get_logger
+from services.runtime.records import Conflict, RecordStore
 from services.runtime.tasks import Service, Supervisor
-from services.runtime.tracing import tracer
+from services.runtime.tracing import current_traceparent, tracer
+
+__all__ = ["HOSTNAME_LABEL", "Allocator", "build_assignment"]
 
 log = get_logger(__name__)
 _tracer = tracer("tandem.allocator")
 
 CommitHook = Callable[[AllocationRequest, Placement], Awaitable[None]]
 MAX_COMMIT_ATTEMPTS = 8
-HOSTNAME_LABEL = "kubernetes.io/hostname"
+# Messages handled at once per consumer: decisions stay serial (they never await), the
+# commits, claims and publishes of that many requests are in flight together.
+REQUEST_CONCURRENCY = 256
+EVENT_CONCURRENCY = 64
+LIVE_REQUEST_STATES = frozenset({"pending", "deciding"})
 
 
 def build_assignment(req: AllocationRequest, placement: Placement, *, instance: str) -> Assignment:
@@ -118,121 +138,130 @@ class Allocator(Service):
         retry_interval: float = 5.0,
         claim_timeout: float = 30.0,
         before_commit: CommitHook | None = None,
+        concurrency: int = REQUEST_CONCURRENCY,
     ) -> None:
         self.bus = bus
         self.instance = instance
-        self.cluster = Cluster(policy=policy, device_classes=device_classes)
+        self.model = ReadModel(Cluster(policy=policy, device_classes=device_classes))
+        self.cluster = self.model.cluster
         self.retry_interval = retry_interval
         self.claim_timeout = claim_timeout
+        self.concurrency = concurrency
         # Test seam: awaited between decide and commit so a test can force two replicas to
         # race on one node with the same stale view.
         self.before_commit = before_commit
-        self.nodes: dict[str, NodeRecord] = {}
-        self.allocs: dict[str, tuple[NodeAllocations, int]] = {}
-        self.placed: dict[str, str] = {}  # request id → node, derived from self.allocs
-        self._held: dict[str, set[str]] = {}  # node → request ids held in the core
+        self.node_allocs: RecordStore[NodeAllocations] = RecordStore(
+            bus, subjects.KV_ALLOCS, codec.NODE_ALLOCS, on_change=self.model.on_allocs
+        )
+        self.requests: RecordStore[RequestRecord] = RecordStore(
+            bus,
+            subjects.KV_REQUESTS,
+            codec.REQUEST_RECORD,
+            on_change=self._on_request_record,
+            retain=lambda r: r.state in LIVE_REQUEST_STATES,
+        )
         self.pending: dict[str, AllocationRequest] = {}
         self.deciding: dict[str, RequestRecord] = {}  # claimed records, to recover abandoned ones
-        self._lock = asyncio.Lock()
-        self._capacity = asyncio.Event()
+        self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
         self._tasks = Supervisor("allocator")
         self._kv: dict[str, KeyValue] = {}
+
+    # -- the read model, as tests and the CLI see it ------------------------------------------
+
+    @property
+    def nodes(self) -> dict[str, NodeRecord]:
+        return self.model.nodes
+
+    @property
+    def placed(self) -> dict[str, str]:
+        return self.model.placed
+
+    @property
+    def allocs(self) -> dict[str, tuple[NodeAllocations | None, int]]:
+        return self.node_allocs.cache
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS):
             self._kv[bucket] = await self.bus.kv(bucket)
-        watches = [
-            (subjects.KV_ALLOCS, codec.NODE_ALLOCS, self._on_allocs),
-            (subjects.KV_NODES, codec.NODE_RECORD, self._on_node_record),
-            (subjects.KV_REQUESTS, codec.REQUEST_RECORD, self._on_request_record),
-        ]
-        for bucket, decoder, callback in watches:
-            ready = asyncio.Event()
-            self._tasks.spawn(
-                f"watch-{bucket}",
-                lambda b=bucket, d=decoder, c=callback, r=ready: watch_bucket(  # type: ignore[misc]
-                    self._kv[b], d, c, ready=r
+        watches: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
+            (
+                subjects.KV_ALLOCS,
+                lambda r: watch_raw(self._kv[subjects.KV_ALLOCS], self.node_allocs.observe, ready=r),
+            ),
+            (
+                subjects.KV_NODES,
+                lambda r: watch_bucket(
+                    self._kv[subjects.KV_NODES],
+                    codec.NODE_RECORD,
+                    lambda k, v, _: self.model.on_node_record(k, v),
+                    ready=r,
                 ),
-            )
-            await asyncio.wait_for(ready.wait(), 30)
+            ),
+            (
+                subjects.KV_REQUESTS,
+                lambda r: watch_raw(self._kv[subjects.KV_REQUESTS], self.requests.observe, ready=r),
+            ),
+        ]
+        for bucket, watch in watches:
+            ready = asyncio.Event()
+            self._tasks.spawn(f"watch-{bucket}", lambda w=watch, r=ready: w(r))  # type: ignore[misc]
+            await asyncio.wait_for(ready.wait(), 60)
         # The decoded topologies of a large fleet are ~0.7 M long-lived objects; moving them out
         # of the collector's generations keeps full collections out of decision latency
         # (docs/benchmarks.md, "gc.freeze").
         gc.freeze()
-        consumers = [
-            (subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST, subjects.ALLOC_STREAM),
-            (subjects.CONSUMER_ALLOCATOR_RELEASES, subjects.ALLOC_RELEASE_ALL, subjects.ALLOC_STREAM),
-            (subjects.CONSUMER_ALLOCATOR_NODE, subjects.NODE_EVENTS_ALL, subjects.NODE_STREAM),
+        consumers: list[tuple[str, str, str | list[str], Any, int]] = [
+            (
+                subjects.ALLOC_STREAM,
+                subjects.CONSUMER_ALLOCATOR_REQUESTS,
+                subjects.ALLOC_REQUEST,
+                self._on_request,
+                self.concurrency,
+            ),
+            (
+                subjects.ALLOC_STREAM,
+                subjects.CONSUMER_ALLOCATOR_RELEASES,
+                subjects.ALLOC_RELEASE_ALL,
+                self._on_release,
+                EVENT_CONCURRENCY,
+            ),
+            (
+                subjects.NODE_STREAM,
+                subjects.CONSUMER_ALLOCATOR_NODE,
+                subjects.ALLOCATOR_NODE_FILTERS,
+                self._on_node_report,
+                EVENT_CONCURRENCY,
+            ),
         ]
-        for durable, subject, stream in consumers:
+        for stream, durable, filters, handler, concurrency in consumers:
             decoder = codec.NODE_EVENT if stream == subjects.NODE_STREAM else codec.ALLOC_EVENT
             self._tasks.spawn(
                 durable,
-                lambda d=durable, s=subject, st=stream, dec=decoder: self.bus.consume(  # type: ignore[misc]
-                    stream=st, durable=d, filter_subject=s, decoder=dec, handler=self._on_event
+                lambda st=stream, d=durable, f=filters, h=handler, c=concurrency, dec=decoder: (  # type: ignore[misc]
+                    self.bus.consume(
+                        stream=st,
+                        durable=d,
+                        filter_subject=f,
+                        decoder=dec,
+                        handler=h,
+                        batch=max(64, c),
+                        concurrency=c,
+                        # Every handler is idempotent: a lost ack costs a redelivery.
+                        confirm_acks=False,
+                    )
                 ),
             )
         self._tasks.spawn("retry-pending", self._retry_loop)
-        log.info("allocator_started", instance=self.instance, nodes=len(self.nodes))
+        log.info("allocator_started", instance=self.instance, nodes=len(self.model.nodes))
 
     async def stop(self) -> None:
         await self._tasks.aclose()
+        await self.node_allocs.aclose()
+        await self.requests.aclose()
 
-    # -- read model -------------------------------------------------------------------------
-
-    def _sync_node(self, node: str) -> None:
-        """Make the core's view of ``node`` match the node record and its allocation record."""
-        record = self.nodes.get(node)
-        if record is None or record.status != "ready":
-            # A lost node gets no new allocations; its holds return with it.
-            self.cluster.remove_node(node)
-            self._held.pop(node, None)
-            return
-        topo = record.topology
-        # Like kubelet, every node carries its own name as a label selectors can use.
-        labels = {**topo.labels, HOSTNAME_LABEL: node}
-        self.cluster.set_node(node, topo, labels=labels, unavailable=record.unavailable())
-        held = self._held.setdefault(node, set())
-        allocs = self.allocs.get(node)
-        current = dict(allocs[0].allocations) if allocs else {}
-        for request_id in held - set(current):
-            self.cluster.release(node, request_id)
-        for request_id, rec in current.items():
-            self.cluster.hold(node, request_id, rec.assignment.device_ids())
-        self._held[node] = set(current)
-
-    def _on_node_record(self, key: str, record: NodeRecord | None, _: int) -> None:
-        before = self.nodes.get(key)
-        if record is None:
-            self.nodes.pop(key, None)
-        else:
-            self.nodes[key] = record
-        self._sync_node(key)
-        if record is not None and (
-            before is None
-            or before.status != record.status
-            or before.unavailable() != record.unavailable()
-            or before.topology != record.topology
-        ):
-            self._capacity.set()
-
-    def _on_allocs(self, key: str, value: NodeAllocations | None, revision: int) -> None:
-        old = self.allocs.get(key)
-        if old is not None and old[1] >= revision:
-            return  # our own commit already applied it
-        for request_id in old[0].allocations if old else {}:
-            self.placed.pop(request_id, None)
-        if value is None:
-            self.allocs.pop(key, None)
-        else:
-            self.allocs[key] = (value, revision)
-            for request_id in value.allocations:
-                self.placed[request_id] = key
-        self._sync_node(key)
-        if old is not None and (value is None or set(old[0].allocations) - set(value.allocations)):
-            self._capacity.set()
+    # -- request records --------------------------------------------------------------------
 
     def _on_request_record(self, key: str, record: RequestRecord | None, _: int) -> None:
         self.pending.pop(key, None)
@@ -249,127 +278,45 @@ class Allocator(Service):
         the pending path has no message left to redeliver, so without this such a request
         would wait forever."""
         cutoff = time.time() - self.claim_timeout
-        return [r.request for r in self.deciding.values() if r.updated_at < cutoff]
+        return [
+            r.request
+            for rid, r in self.deciding.items()
+            if r.updated_at < cutoff and rid not in self._inflight
+        ]
 
-    # -- KV helpers -------------------------------------------------------------------------
-
-    async def _get_request(self, request_id: str) -> tuple[RequestRecord | None, int | None]:
-        try:
-            entry = await self._kv[subjects.KV_REQUESTS].get(subjects.kv_key(request_id))
-        except KeyNotFoundError:
-            return None, None
-        return codec.REQUEST_RECORD.decode(entry.value or b""), entry.revision
-
-    async def _put_request(self, record: RequestRecord) -> None:
-        await self._kv[subjects.KV_REQUESTS].put(
-            subjects.kv_key(record.request.request_id), codec.encode(record)
-        )
-
-    async def _claim(self, req: AllocationRequest) -> RequestRecord | None:
-        """Take the request for this instance; None when it is done or another owns it."""
-        kv = self._kv[subjects.KV_REQUESTS]
-        for _ in range(MAX_COMMIT_ATTEMPTS):
-            current, revision = await self._get_request(req.request_id)
-            if current is not None:
-                if current.state in ("assigned", "releasing", "freed", "cancelled", "rejected"):
-                    return None
-                busy = current.state == "deciding" and current.owner != self.instance
-                if busy and time.time() - current.updated_at < self.claim_timeout:
-                    raise Retry(f"request {req.request_id} is being decided by {current.owner}")
-            claim = RequestRecord(
-                request=req,
-                state="deciding",
-                owner=self.instance,
-                reason=current.reason if current else "",
-            )
-            try:
-                if revision is None:
-                    await kv.create(subjects.kv_key(req.request_id), codec.encode(claim))
-                else:
-                    await kv.update(subjects.kv_key(req.request_id), codec.encode(claim), last=revision)
-                return claim
-            except KeyWrongLastSequenceError:
-                continue
-        raise Retry(f"request {req.request_id}: claim kept conflicting")
-
-    async def _refresh_allocs(self, node: str) -> None:
-        try:
-            entry = await self._kv[subjects.KV_ALLOCS].get(subjects.kv_key(node))
-        except KeyNotFoundError:
-            return
-        self._on_allocs(node, codec.NODE_ALLOCS.decode(entry.value or b""), entry.revision or 0)
-
-    async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
-        """Add the allocation to the node's record with CAS; False when the race was lost."""
-        node = assignment.node
-        if req.request_id in self.placed:
-            return False  # placed while we decided (see _place); never hold it on two nodes
-        kv = self._kv[subjects.KV_ALLOCS]
-        cached = self.allocs.get(node)
-        record = cached[0] if cached else NodeAllocations(node=node)
-        clash = record.used() & set(assignment.device_ids())
-        if clash:
-            await self._refresh_allocs(node)
-            return False
-        allocations = dict(record.allocations)
-        allocations[req.request_id] = AllocRecord(assignment=assignment, priority=req.priority)
-        new = NodeAllocations(node=node, allocations=allocations)
-        try:
-            if cached is None:
-                revision = await kv.create(subjects.kv_key(node), codec.encode(new))
-            else:
-                revision = await kv.update(subjects.kv_key(node), codec.encode(new), last=cached[1])
-        except KeyWrongLastSequenceError:
-            log.info("commit_conflict", node=node, request_id=req.request_id)
-            await self._refresh_allocs(node)
-            return False
-        self._on_allocs(node, new, revision)
-        return True
-
-    async def _update_node_allocs(
-        self, node: str, mutate: Callable[[NodeAllocations], NodeAllocations | None]
-    ) -> NodeAllocations | None:
-        kv = self._kv[subjects.KV_ALLOCS]
-        for _ in range(MAX_COMMIT_ATTEMPTS * 4):
-            try:
-                entry = await kv.get(subjects.kv_key(node))
-            except KeyNotFoundError:
-                return None
-            new = mutate(codec.NODE_ALLOCS.decode(entry.value or b""))
-            if new is None:
-                return None
-            try:
-                revision = await kv.update(subjects.kv_key(node), codec.encode(new), last=entry.revision)
-            except KeyWrongLastSequenceError:
-                continue
-            self._on_allocs(node, new, revision)
-            return new
-        raise Retry(f"allocation record of {node}: too many conflicts")
+    async def _request_record(self, request_id: str) -> RequestRecord | None:
+        cached = self.requests.cached(request_id)
+        if cached is not None:
+            return cached[0]
+        record, _ = await self.requests.fetch(request_id)
+        return record
 
     # -- requests ---------------------------------------------------------------------------
 
-    async def _on_event(self, event: object, delivery: Delivery) -> None:
+    async def _on_request(self, event: object, delivery: Delivery) -> None:
         if isinstance(event, AllocationRequest):
             await self.handle_request(event, context=delivery.context)
-        elif isinstance(event, Release):
-            await self._on_release(event, delivery)
-        elif isinstance(event, Cleaned):
-            await self._on_cleaned(event, delivery)
-        elif isinstance(event, Applied):
-            await self._on_applied(event)
+        else:
+            log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
 
     async def _republish(self, request_id: str, *, claimed: AllocationRequest | None = None) -> None:
-        """Publish a committed assignment again (same msg id); ``claimed``: we hold its claim."""
-        node = self.placed[request_id]
-        rec = self.allocs[node][0].allocations[request_id]
+        """Publish a committed assignment again (same msg id) and finish its request record."""
+        node = self.model.placed[request_id]
+        record = self.node_allocs.cached(node)
+        rec = record[0].allocations.get(request_id) if record and record[0] else None
+        if rec is None:
+            return  # freed meanwhile
         if claimed is None and request_id in self.deciding:
             claimed = self.deciding[request_id].request
         if claimed is not None:
             # Committed, but the request record still says "deciding": the write that marks it
-            # assigned failed (its KV stream had no leader for a moment). Finish it now, or
+            # assigned was lost (its KV stream had no leader for a moment). Finish it now, or
             # the record would stay half-done and be "recovered" again and again.
-            await self._put_request(
-                RequestRecord(request=claimed, state="assigned", node=node, owner=self.instance)
+            await self.requests.update(
+                request_id,
+                commits.put_request(
+                    RequestRecord(request=claimed, state="assigned", node=node, owner=self.instance)
+                ),
             )
         await self.bus.publish(
             subjects.alloc_assigned(node),
@@ -380,26 +327,32 @@ class Allocator(Service):
     async def handle_request(self, req: AllocationRequest, *, context: Context | None = None) -> str:
         """Place one request; returns the outcome (``assigned``, ``pending``, ``rejected``,
         ``duplicate``)."""
-        if req.request_id in self.placed:
-            await self._republish(req.request_id)
+        rid = req.request_id
+        if rid in self.model.placed:
+            await self._republish(rid)
             return "duplicate"
-        async with self._lock:
-            return await self._place(req, context=context)
+        running = self._inflight.get(rid)
+        if running is not None:
+            await asyncio.shield(running)  # the same request, already in hand
+            return "duplicate"
+        outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self._inflight[rid] = outcome
+        try:
+            result = await self._place(req, context=context)
+        except BaseException as exc:
+            outcome.set_exception(exc)
+            outcome.exception()  # retrieved: waiters re-raise it, nobody else must
+            raise
+        else:
+            outcome.set_result(result)
+            return result
+        finally:
+            del self._inflight[rid]
 
     async def _place(self, req: AllocationRequest, *, context: Context | None) -> str:
-        claim = await self._claim(req)
-        if claim is None:
-            if req.request_id in self.placed:
-                await self._republish(req.request_id)
-            return "duplicate"
+        rid = req.request_id
+        claimed = False
         for _ in range(MAX_COMMIT_ATTEMPTS):
-            if req.request_id in self.placed:
-                # A node record already holds this request: an earlier commit of ours landed
-                # though its reply was lost (a NATS server died mid-write), and the record came
-                # back through the watch or the re-read after a "conflict" with ourselves.
-                # Deciding again would place the request a second time.
-                await self._republish(req.request_id, claimed=req)
-                return "duplicate"
             with _tracer.start_as_current_span("allocator.decide", context=context) as span:
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
@@ -416,8 +369,7 @@ class Allocator(Service):
                 if isinstance(decision, Unschedulable):
                     metrics.DECISIONS.labels("unschedulable").inc()
                     span.set_attributes({"tandem.outcome": "unschedulable", "tandem.reason": decision.reason})
-                    await self._unschedulable(req, claim, decision)
-                    return "pending"
+                    return await self._unschedulable(req, decision)
                 span.set_attributes(
                     {
                         "tandem.candidates": decision.candidates,
@@ -425,68 +377,158 @@ class Allocator(Service):
                         "k8s.node.name": decision.node,
                     }
                 )
-                if self.before_commit is not None:
-                    await self.before_commit(req, decision)
+                node = decision.node
                 assignment = build_assignment(req, decision, instance=self.instance)
-                with _tracer.start_as_current_span("allocator.commit") as cspan:
+                # Until the commit lands, the next decisions must see these devices as used.
+                self.model.hold_tentative(node, rid, assignment.device_ids())
+                try:
+                    if self.before_commit is not None:
+                        await self.before_commit(req, decision)
+                    if rid in self.model.placed:
+                        # A node record holds this request already: an earlier commit of ours
+                        # landed though its reply was lost, and came back through the watch.
+                        # Deciding again would place the request a second time.
+                        self.model.drop_tentative(node, rid)
+                        await self._republish(rid, claimed=req)
+                        return "duplicate"
+                    if not claimed:
+                        if not await self._claim(req):
+                            self.model.drop_tentative(node, rid)
+                            if rid in self.model.placed:
+                                await self._republish(rid)
+                            return "duplicate"
+                        claimed = True
                     committed = await self._commit(req, assignment)
-                    cspan.set_attribute("tandem.committed", committed)
-                if not committed:
-                    metrics.COMMIT_CONFLICTS.inc()
-                    continue
-                metrics.DECISIONS.labels("assigned").inc()
-                metrics.REQUEST_TO_ASSIGNMENT_SECONDS.observe(
-                    max(0.0, assignment.decided_at - req.created_at)
+                except BaseException:
+                    self.model.drop_tentative(node, rid)
+                    raise
+            if not committed:
+                self.model.drop_tentative(node, rid)
+                metrics.COMMIT_CONFLICTS.inc()
+                continue
+            metrics.DECISIONS.labels("assigned").inc()
+            metrics.REQUEST_TO_ASSIGNMENT_SECONDS.observe(max(0.0, assignment.decided_at - req.created_at))
+            for pair in assignment.pairs:
+                metrics.PAIRS.labels(pair.scope).inc()
+            self.pending.pop(rid, None)
+            # The node record is the commit; the request record and the event follow it.
+            self.requests.submit(
+                rid,
+                commits.put_request(
+                    RequestRecord(request=req, state="assigned", node=node, owner=self.instance)
+                ),
+            )
+            self._publish_later(
+                subjects.alloc_assigned(node), assignment, msg_id=subjects.msg_id(rid, "assigned")
+            )
+            log.debug("assigned", request_id=rid, node=node, scope=decision.scope)
+            return "assigned"
+        raise Retry(f"request {rid}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
+
+    async def _claim(self, req: AllocationRequest) -> bool:
+        """Take the request for this instance; False when it has an outcome already. Raises
+        Retry while another live replica decides it."""
+        mutate = commits.claim(
+            req, instance=self.instance, claim_timeout=self.claim_timeout, now=time.time()
+        )
+        try:
+            # A request never seen is created without reading it first (the common case).
+            await self.requests.update(req.request_id, mutate, assume_absent=True)
+        except commits.AlreadyDone:
+            return False
+        return True
+
+    async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
+        """Add the allocation to the node's record; False when a device went to another."""
+        with _tracer.start_as_current_span("allocator.commit") as cspan:
+            rec = AllocRecord(
+                assignment=assignment, priority=req.priority, traceparent=current_traceparent() or ""
+            )
+            try:
+                await self.node_allocs.update(
+                    assignment.node, commits.add_allocation(assignment.node, req.request_id, rec)
                 )
-                for pair in assignment.pairs:
-                    metrics.PAIRS.labels(pair.scope).inc()
-                await self._put_request(
-                    RequestRecord(request=req, state="assigned", node=decision.node, owner=self.instance)
-                )
-                await self.bus.publish(
-                    subjects.alloc_assigned(decision.node),
-                    assignment,
-                    msg_id=subjects.msg_id(req.request_id, "assigned"),
-                )
-                self.pending.pop(req.request_id, None)
-                log.info(
-                    "assigned",
-                    request_id=req.request_id,
-                    node=decision.node,
-                    scope=decision.scope,
-                    gpus=[g.index for g in assignment.gpus],
-                    nics=[n.name for n in assignment.nics],
-                )
-                return "assigned"
-        raise Retry(f"request {req.request_id}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
+            except Conflict as exc:
+                log.info("commit_conflict", node=assignment.node, request_id=req.request_id, why=str(exc))
+                cspan.set_attribute("tandem.committed", False)
+                return False
+            except Exception:
+                # The write may have landed although no reply came: read the record, so that
+                # the handler run again finds the request placed instead of placing it anew.
+                with contextlib.suppress(Exception):
+                    await self.node_allocs.fetch(assignment.node)
+                raise
+            cspan.set_attribute("tandem.committed", True)
+            return True
 
     async def _reject(self, req: AllocationRequest, reason: str) -> None:
-        await self._put_request(RequestRecord(request=req, state="rejected", reason=reason))
-        await self.bus.publish(
+        await self.requests.update(
+            req.request_id,
+            commits.put_request(RequestRecord(request=req, state="rejected", reason=reason)),
+        )
+        self.pending.pop(req.request_id, None)
+        self._publish_later(
             subjects.ALLOC_FAILED,
             AllocationFailed(request_id=req.request_id, pod=req.pod, reason=reason, retrying=False),
             msg_id=subjects.msg_id(req.request_id, "rejected"),
         )
         log.info("rejected", request_id=req.request_id, reason=reason)
 
-    async def _unschedulable(self, req: AllocationRequest, claim: RequestRecord, why: Unschedulable) -> None:
-        await self._put_request(RequestRecord(request=req, state="pending", owner="", reason=why.reason))
-        self.pending[req.request_id] = req
-        if claim.reason != why.reason:
-            await self.bus.publish(
+    async def _unschedulable(self, req: AllocationRequest, why: Unschedulable) -> str:
+        rid = req.request_id
+        known = self.requests.cached(rid)
+        was = known[0] if known is not None else None
+        if was is not None and (was.state, was.reason) == ("pending", why.reason):
+            return "pending"  # nothing new to say: no write
+        said: list[str] = []
+
+        def record_pending(current: RequestRecord | None) -> RequestRecord | None:
+            if current is not None and current.state in commits.DONE_STATES:
+                raise commits.AlreadyDone(current.state)
+            if (
+                current is not None
+                and current.state == "deciding"
+                and current.owner != self.instance
+                and time.time() - current.updated_at < self.claim_timeout
+            ):
+                raise Retry(f"request {rid} is being decided by {current.owner}")
+            said[:] = [current.reason if current is not None else ""]
+            if current is not None and current.state == "pending" and current.reason == why.reason:
+                return None
+            return RequestRecord(request=req, state="pending", owner="", reason=why.reason)
+
+        try:
+            await self.requests.update(rid, record_pending, assume_absent=True)
+        except commits.AlreadyDone:
+            return "duplicate"
+        self.pending[rid] = req
+        if said and said[0] != why.reason:
+            self._publish_later(
                 subjects.ALLOC_FAILED,
-                AllocationFailed(request_id=req.request_id, pod=req.pod, reason=why.reason),
-                msg_id=subjects.msg_id(req.request_id, "failed", zlib.crc32(why.reason.encode())),
+                AllocationFailed(request_id=rid, pod=req.pod, reason=why.reason),
+                msg_id=subjects.msg_id(rid, "failed", zlib.crc32(why.reason.encode())),
             )
-            log.info("unschedulable", request_id=req.request_id, reason=why.reason)
+            log.info("unschedulable", request_id=rid, reason=why.reason)
+        return "pending"
+
+    def _publish_later(self, subject: str, message: msgspec.Struct, *, msg_id: str) -> None:
+        """An event that follows a committed effect: published without holding up the
+        request (a failure is logged; the effect is in KV either way)."""
+        self._tasks.spawn(
+            f"publish:{msg_id}",
+            lambda: self.bus.publish(subject, message, msg_id=msg_id),
+            restart=False,
+        )
 
     async def retry_pending(self) -> int:
-        """Try every pending request again, highest priority (then oldest) first."""
+        """Decide every pending request again, highest priority (then oldest) first."""
         placed = 0
         candidates = {r.request_id: r for r in [*self._abandoned_claims(), *self.pending.values()]}
         order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
         for req in order:
             if req.request_id not in self.pending and req.request_id not in self.deciding:
+                continue
+            if req.request_id in self._inflight:
                 continue
             try:
                 if await self.handle_request(req) == "assigned":
@@ -503,125 +545,127 @@ class Allocator(Service):
         metrics.DEVICES.labels("nic", "free").set(totals["free_nics"])
         metrics.PENDING.set(len(self.pending))
         for status in ("ready", "lost"):
-            metrics.NODES.labels(status).set(sum(1 for r in self.nodes.values() if r.status == status))
+            metrics.NODES.labels(status).set(sum(1 for r in self.model.nodes.values() if r.status == status))
 
     async def _retry_loop(self) -> None:
+        last_gauges = 0.0
         while True:
-            self.update_gauges()
+            now = time.monotonic()
+            if now - last_gauges >= self.retry_interval:
+                self.update_gauges()  # walks every group: not on every capacity change
+                last_gauges = now
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._capacity.wait(), self.retry_interval)
-            self._capacity.clear()
+                await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)
+            self.model.capacity.clear()
             if self.pending or self.deciding:
                 await self.retry_pending()
 
     # -- release, apply, cleanup ------------------------------------------------------------
 
-    async def _on_release(self, release: Release, delivery: Delivery) -> None:
-        node = self.placed.get(release.request_id)
+    async def _placement_of(self, request_id: str) -> str | None:
+        """The node holding ``request_id``, after any decision of it in flight finished."""
+        running = self._inflight.get(request_id)
+        if running is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(running)
+        node = self.model.placed.get(request_id)
+        if node is not None:
+            return node
+        record = await self._request_record(request_id)
+        if record is not None and record.node and record.state in ("assigned", "releasing"):
+            # Placed by another replica whose write this one's watch has not shown yet.
+            await self.node_allocs.fetch(record.node)
+        return self.model.placed.get(request_id)
+
+    async def _on_release(self, release: object, delivery: Delivery) -> None:
+        if not isinstance(release, Release):
+            log.warning("unexpected_message", subject=delivery.subject, kind=type(release).__name__)
+            return
+        rid = release.request_id
+        node = await self._placement_of(rid)
         if node is None:
-            await self._refresh_request_placement(release.request_id)
-            node = self.placed.get(release.request_id)
-        if node is None:
-            # Not placed (pending, or the release overtook the request): cancel for good.
-            async with self._lock:
-                current, _ = await self._get_request(release.request_id)
-                request = (
-                    current.request
-                    if current
-                    else AllocationRequest(request_id=release.request_id, pod=release.pod, gpus=0)
-                )
-                if current is None or current.state in ("pending", "deciding"):
-                    await self._put_request(
-                        RequestRecord(request=request, state="cancelled", reason="released")
-                    )
-                    self.pending.pop(release.request_id, None)
-                    await self.bus.publish(
-                        subjects.ALLOC_FREED,
-                        Freed(request_id=release.request_id),
-                        msg_id=subjects.msg_id(release.request_id, "freed"),
-                    )
-                    return
-            if current.state not in ("assigned", "releasing"):
-                return  # already freed, cancelled or rejected: nothing is held
-            # Placed while this release waited for the lock (the request was being decided,
-            # e.g. both queued up behind a NATS fail-over): release it as placed, never drop it.
-            await self._refresh_request_placement(release.request_id)
-            node = self.placed.get(release.request_id)
+            if await self._cancel(release):
+                return
+            # Placed by now (its decision was in flight on another replica): release it.
+            node = await self._placement_of(rid)
             if node is None:
-                raise Retry(f"release of {release.request_id}: its placement is not visible yet")
+                raise Retry(f"release of {rid}: its placement is not visible yet")
+        await self.node_allocs.update(
+            node, commits.set_state(rid, "releasing", only_from=frozenset({"assigned", "applied"}))
+        )
+        self.requests.submit(rid, commits.request_state("releasing", only_from=frozenset({"assigned"})))
 
-        def mark(allocs: NodeAllocations) -> NodeAllocations | None:
-            rec = allocs.allocations.get(release.request_id)
-            if rec is None or rec.state == "releasing":
+    async def _cancel(self, release: Release) -> bool:
+        """Cancel a request that is not placed (pending, or the release overtook it); False
+        when it turned out to be placed after all."""
+        rid = release.request_id
+        outcome: list[str] = []
+
+        def cancel(current: RequestRecord | None) -> RequestRecord | None:
+            if current is not None and current.state in ("assigned", "releasing"):
+                outcome.append("placed")
                 return None
-            updated = dict(allocs.allocations)
-            updated[release.request_id] = msgspec.structs.replace(
-                rec, state="releasing", updated_at=time.time()
+            if current is not None and current.state in ("freed", "cancelled", "rejected"):
+                outcome.append("done")
+                return None
+            request = (
+                current.request if current else AllocationRequest(request_id=rid, pod=release.pod, gpus=0)
             )
-            return msgspec.structs.replace(allocs, allocations=updated)
+            outcome.append("cancelled")
+            return RequestRecord(request=request, state="cancelled", reason="released")
 
-        await self._update_node_allocs(node, mark)
-        if delivery.subject == subjects.alloc_release(None):
-            # The releaser did not know the node: forward to the node agent that holds it.
-            await self.bus.publish(
-                subjects.alloc_release(node),
-                msgspec.structs.replace(release, node=node),
-                msg_id=subjects.msg_id(release.request_id, "release", node),
+        await self.requests.update(rid, cancel)
+        if outcome == ["placed"]:
+            return False
+        if outcome == ["cancelled"]:
+            self.pending.pop(rid, None)
+            self._publish_later(
+                subjects.ALLOC_FREED, Freed(request_id=rid), msg_id=subjects.msg_id(rid, "freed")
             )
+        return True
 
-    async def _refresh_request_placement(self, request_id: str) -> None:
-        current, _ = await self._get_request(request_id)
-        if current is not None and current.node:
-            await self._refresh_allocs(current.node)
+    async def _on_node_report(self, event: object, delivery: Delivery) -> None:
+        if isinstance(event, Applied):
+            await self._on_applied(event)
+        elif isinstance(event, Cleaned):
+            await self._on_cleaned(event, delivery)
 
     async def _on_applied(self, applied: Applied) -> None:
-        def mark(allocs: NodeAllocations) -> NodeAllocations | None:
-            rec = allocs.allocations.get(applied.request_id)
-            if rec is None or rec.state != "assigned":
-                return None
-            updated = dict(allocs.allocations)
-            updated[applied.request_id] = msgspec.structs.replace(
-                rec, state="applied", updated_at=time.time()
-            )
-            return msgspec.structs.replace(allocs, allocations=updated)
-
         if not applied.ok:
             log.warning("apply_failed", request_id=applied.request_id, node=applied.node, error=applied.error)
             return
-        await self._update_node_allocs(applied.node, mark)
+        await self.node_allocs.update(
+            applied.node, commits.set_state(applied.request_id, "applied", only_from=frozenset({"assigned"}))
+        )
 
     async def _on_cleaned(self, cleaned: Cleaned, delivery: Delivery) -> None:
+        rid = cleaned.request_id
         if not cleaned.ok:
             # Never free devices whose cleanup was not verified; the agent has marked them
             # unhealthy and a later verified cleanup frees them.
-            log.warning("cleanup_unverified", request_id=cleaned.request_id, problems=cleaned.problems)
-            current, _ = await self._get_request(cleaned.request_id)
-            if current is not None:
-                await self._put_request(
-                    msgspec.structs.replace(
-                        current, reason="; ".join(cleaned.problems), updated_at=time.time()
-                    )
-                )
+            log.warning("cleanup_unverified", request_id=rid, problems=cleaned.problems)
+            self.requests.submit(rid, commits.request_state("releasing", reason="; ".join(cleaned.problems)))
             return
         with _tracer.start_as_current_span("allocator.free", context=delivery.context) as span:
-            span.set_attributes({"tandem.request_id": cleaned.request_id, "k8s.node.name": cleaned.node})
+            span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
+            dropped: list[bool] = []
+            drop = commits.drop_allocation(rid, only_from=frozenset({"releasing"}))
 
-            def drop(allocs: NodeAllocations) -> NodeAllocations | None:
-                if cleaned.request_id not in allocs.allocations:
-                    return None
-                rest = {k: v for k, v in allocs.allocations.items() if k != cleaned.request_id}
-                return msgspec.structs.replace(allocs, allocations=rest)
+            def drop_released(current: NodeAllocations | None) -> NodeAllocations | None:
+                new = drop(current)
+                dropped[:] = [new is not None]
+                return new
 
-            await self._update_node_allocs(cleaned.node, drop)
-            current, _ = await self._get_request(cleaned.request_id)
-            if current is not None and current.state != "freed":
-                await self._put_request(
-                    msgspec.structs.replace(current, state="freed", updated_at=time.time())
-                )
-            await self.bus.publish(
+            await self.node_allocs.update(cleaned.node, drop_released)
+            if not any(dropped):
+                # Not being released on that node (a redelivery after the free, or a report
+                # about an allocation nobody released): nothing to free.
+                log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
+                return
+            self.requests.submit(rid, commits.request_state("freed"))
+            self._publish_later(
                 subjects.ALLOC_FREED,
-                Freed(request_id=cleaned.request_id, node=cleaned.node, devices=cleaned.devices),
-                msg_id=subjects.msg_id(cleaned.request_id, "freed"),
+                Freed(request_id=rid, node=cleaned.node, devices=cleaned.devices),
+                msg_id=subjects.msg_id(rid, "freed"),
             )
-            self._capacity.set()
-            log.info("freed", request_id=cleaned.request_id, node=cleaned.node)
+            log.debug("freed", request_id=rid, node=cleaned.node)

@@ -4,15 +4,21 @@ It publishes the node's inventory snapshot at start and on every change, a heart
 ``heartbeat_interval`` (core NATS: a lost heartbeat is harmless, a missing run of them is the
 signal), and a health event whenever a device's health or cordon changes — from the backend
 (XID, link down), from operator commands (``tandem.node.<node>.command``), or from recovery
-after a clean period. It consumes its own assignments and releases from JetStream:
+after a clean period.
 
-* assigned → ``Applier.apply`` → ``Applied`` (idempotent: re-applying is a no-op in appliers);
-* release  → ``Applier.cleanup`` + no compute process left on the GPUs → ``Cleaned``. A cleanup
-  that cannot be verified marks the devices unhealthy with the reason and reports
-  ``Cleaned(ok=False)``: the allocator keeps them held rather than freeing them silently.
+What to apply and clean comes from the node's allocation record (KV ``tandem-allocs``), which
+the agent follows with :class:`~services.nodeagent.follow.AllocationsFollower` (a plain
+subscription to the server's republish of the record plus direct gets; no durable consumer
+per node):
 
-A release for an assignment this agent does not remember (it restarted) is resolved from the
-allocator's record of the node (KV ``tandem-allocs``), so cleanup still happens.
+* a new allocation → ``Applier.apply`` → ``Applied`` (idempotent: re-applying is a no-op in
+  appliers, so an agent that restarts simply applies what its record holds);
+* an allocation marked ``releasing`` → ``Applier.cleanup`` + no compute process left on the
+  GPUs → ``Cleaned``. A cleanup that cannot be verified marks the devices unhealthy with the
+  reason and reports ``Cleaned(ok=False)``: the allocator keeps them held rather than freeing
+  them silently.
+
+The record carries each allocation's trace context, so apply and cleanup join its trace.
 """
 
 from __future__ import annotations
@@ -21,30 +27,31 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from nats.js.errors import KeyNotFoundError
 from opentelemetry import trace
 from prometheus_client import Counter
 
 from schemas import codec, subjects
 from schemas.messages import (
+    AllocRecord,
     Applied,
     Assignment,
     Cleaned,
     DeviceCommand,
     HealthEvent,
     Heartbeat,
+    NodeAllocations,
     NodeInventory,
-    Release,
 )
 from schemas.topology import NodeTopology, locate
 from services.nodeagent.backends.base import Applier, BackendError, DiscoveryBackend
 from services.nodeagent.cleanup import gpu_problems
+from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.nodeagent.health import HealthTracker
 from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Service, Supervisor
-from services.runtime.tracing import tracer
+from services.runtime.tracing import context_from_traceparent, tracer
 
 log = get_logger(__name__)
 
@@ -78,6 +85,7 @@ class NodeAgent(Service):
         heartbeat_interval: float = 2.0,
         clean_period: float = 60.0,
         rescan_interval: float = 30.0,
+        resync_interval: float = 30.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.bus = bus
@@ -90,7 +98,11 @@ class NodeAgent(Service):
         self.health = HealthTracker([], clean_period=clean_period)
         self.topology: NodeTopology | None = None
         self.generation = 0
-        self.assignments: dict[str, Assignment] = {}
+        self.assignments: dict[str, Assignment] = {}  # applied, by request id
+        self.cleaning: set[str] = set()  # releases handled (cleaned or reported unverified)
+        self.follower = AllocationsFollower(
+            bus, node=node, on_record=self._on_record, resync_interval=resync_interval
+        )
         self.heartbeats_paused = False  # tests and the demo simulate a silent node
         self._seq = 0
         self._tasks = Supervisor(f"nodeagent:{node}")
@@ -105,29 +117,11 @@ class NodeAgent(Service):
         self._tasks.spawn("heartbeat", self._heartbeat_loop)
         self._tasks.spawn("health", self._health_loop)
         self._tasks.spawn("rescan", self._rescan_loop)
-        self._tasks.spawn(
-            "assignments",
-            lambda: self.bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable=subjects.nodeagent_durable(self.node, "assigned"),
-                filter_subject=subjects.alloc_assigned(self.node),
-                decoder=codec.ALLOC_EVENT,
-                handler=self._on_alloc_event,
-            ),
-        )
-        self._tasks.spawn(
-            "releases",
-            lambda: self.bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable=subjects.nodeagent_durable(self.node, "release"),
-                filter_subject=subjects.alloc_release(self.node),
-                decoder=codec.ALLOC_EVENT,
-                handler=self._on_alloc_event,
-            ),
-        )
+        await self.follower.start()
         log.info("nodeagent_started", node=self.node, backend=self.backend.name)
 
     async def stop(self) -> None:
+        await self.follower.stop()
         await self._tasks.aclose()
         await self.backend.close()
 
@@ -215,14 +209,21 @@ class NodeAgent(Service):
 
     # -- apply and cleanup -------------------------------------------------------------------
 
-    async def _on_alloc_event(self, event: object, delivery: Delivery) -> None:
-        if isinstance(event, Assignment):
-            await self._apply(event, delivery)
-        elif isinstance(event, Release):
-            await self._cleanup(event, delivery)
+    async def _on_record(self, node: str, record: NodeAllocations | None, _revision: int) -> None:
+        """Make the node match its record (calls never overlap; see AllocationsFollower)."""
+        actions = node_actions(record, applied=self.assignments, cleaning=self.cleaning)
+        for rid in actions.gone:  # freed: nothing of it is left to do
+            self.assignments.pop(rid, None)
+            self.cleaning.discard(rid)
+        for rec in actions.apply:
+            await self._apply(rec)
+        for rec in actions.cleanup:
+            await self._cleanup(rec)
 
-    async def _apply(self, assignment: Assignment, delivery: Delivery) -> None:
-        with _tracer.start_as_current_span("nodeagent.apply", context=delivery.context) as span:
+    async def _apply(self, rec: AllocRecord) -> None:
+        assignment = rec.assignment
+        context = context_from_traceparent(rec.traceparent)
+        with _tracer.start_as_current_span("nodeagent.apply", context=context) as span:
             span.set_attributes(
                 {
                     "k8s.node.name": self.node,
@@ -232,17 +233,17 @@ class NodeAgent(Service):
                     "tandem.request_id": assignment.request_id,
                 }
             )
-            self.assignments[assignment.request_id] = assignment
             try:
                 await self.applier.apply(assignment)
                 result = Applied(request_id=assignment.request_id, node=self.node, ts=self.clock())
             except NetnsNotReady as exc:
                 # The pod's sandbox does not exist yet (the allocator decides before kubelet
-                # starts the pod): redeliver later rather than report a failed apply.
+                # starts the pod): look again later rather than report a failed apply.
                 raise Retry(str(exc), delay=2.0) from exc
             except BackendError as exc:
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))
+            self.assignments[assignment.request_id] = assignment
             APPLIES.labels("ok" if result.ok else "failed").inc()
             await self.bus.publish(
                 subjects.node_applied(self.node),
@@ -250,46 +251,33 @@ class NodeAgent(Service):
                 msg_id=subjects.msg_id(assignment.request_id, "applied"),
             )
 
-    async def _known_assignment(self, request_id: str) -> Assignment | None:
-        if request_id in self.assignments:
-            return self.assignments[request_id]
-        kv = await self.bus.kv(subjects.KV_ALLOCS)
-        try:
-            entry = await kv.get(subjects.kv_key(self.node))
-        except KeyNotFoundError:
-            return None
-        record = codec.NODE_ALLOCS.decode(entry.value or b"").allocations.get(request_id)
-        return record.assignment if record else None
-
-    async def _cleanup(self, release: Release, delivery: Delivery) -> None:
-        with _tracer.start_as_current_span("nodeagent.cleanup", context=delivery.context) as span:
-            span.set_attributes({"k8s.node.name": self.node, "tandem.request_id": release.request_id})
-            assignment = await self._known_assignment(release.request_id)
-            if assignment is None:
-                # Nothing was ever applied here (or it is already cleaned and freed).
-                cleaned = Cleaned(request_id=release.request_id, node=self.node, ts=self.clock())
-            else:
-                problems = await self.applier.cleanup(assignment)
-                problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus])
-                if problems:
-                    span.set_status(trace.StatusCode.ERROR, "; ".join(problems))
-                    for device in {p.split(":", 1)[0] for p in problems}:
-                        if device in self.health.state:
-                            self.health.fail(device, f"cleanup failed: {problems[0]}", now=self.clock())
-                            await self._publish_health(device)
-                else:
-                    self.assignments.pop(release.request_id, None)
-                cleaned = Cleaned(
-                    request_id=release.request_id,
-                    node=self.node,
-                    ok=not problems,
-                    devices=assignment.device_ids(),
-                    problems=problems,
-                    ts=self.clock(),
-                )
+    async def _cleanup(self, rec: AllocRecord) -> None:
+        assignment = rec.assignment
+        request_id = assignment.request_id
+        context = context_from_traceparent(rec.traceparent)
+        with _tracer.start_as_current_span("nodeagent.cleanup", context=context) as span:
+            span.set_attributes({"k8s.node.name": self.node, "tandem.request_id": request_id})
+            problems = await self.applier.cleanup(assignment)
+            problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus])
+            if problems:
+                span.set_status(trace.StatusCode.ERROR, "; ".join(problems))
+                for device in {p.split(":", 1)[0] for p in problems}:
+                    if device in self.health.state:
+                        self.health.fail(device, f"cleanup failed: {problems[0]}", now=self.clock())
+                        await self._publish_health(device)
+            self.assignments.pop(request_id, None)
+            self.cleaning.add(request_id)
+            cleaned = Cleaned(
+                request_id=request_id,
+                node=self.node,
+                ok=not problems,
+                devices=assignment.device_ids(),
+                problems=problems,
+                ts=self.clock(),
+            )
             CLEANUPS.labels("verified" if cleaned.ok else "unverified").inc()
             await self.bus.publish(
                 subjects.node_cleaned(self.node),
                 cleaned,
-                msg_id=subjects.msg_id(release.request_id, "cleaned", "ok" if cleaned.ok else "failed"),
+                msg_id=subjects.msg_id(request_id, "cleaned", "ok" if cleaned.ok else "failed"),
             )

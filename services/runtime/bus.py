@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
@@ -178,15 +179,33 @@ async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
     # ($JS.API.DIRECT.GET.KV_<bucket>.$KV.<bucket>.<key>), so NATS permissions can let a node
     # agent read its own allocation record and no other (schemas.permissions).
     for bucket in KV_BUCKETS:
+        republish = _republish(bucket)
         try:
             kv = await js.key_value(bucket)
         except BucketNotFoundError:
-            cfg_kv = api.KeyValueConfig(bucket=bucket, history=5, replicas=replicas, direct=True)
+            cfg_kv = api.KeyValueConfig(
+                bucket=bucket, history=5, replicas=replicas, direct=True, republish=republish
+            )
             await js.create_key_value(cfg_kv)
             continue
-        if not kv._direct:  # a bucket made before direct gets were on
-            info = await js.stream_info(f"KV_{bucket}")
-            await js.update_stream(dataclasses.replace(info.config, allow_direct=True))
+        info = await js.stream_info(subjects.kv_stream(bucket))
+        current = info.config.republish
+        wants_republish = republish is not None and (
+            current is None or (current.src, current.dest) != (republish.src, republish.dest)
+        )
+        if not kv._direct or wants_republish:  # a bucket made by an older version
+            await js.update_stream(
+                dataclasses.replace(info.config, allow_direct=True, republish=republish or current)
+            )
+
+
+def _republish(bucket: str) -> api.RePublish | None:
+    """Node allocation records are republished on ``tandem.allocs.<node>`` (schemas.subjects)."""
+    if bucket != subjects.KV_ALLOCS:
+        return None
+    return api.RePublish(
+        src=subjects.kv_subject(bucket), dest=subjects.NODE_ALLOCS_ALL, headers_only=False
+    )
 
 
 class Bus:
@@ -259,6 +278,11 @@ class Bus:
             delay = min(delay * 2, 1.0)
             attempt += 1
 
+    async def publish_raw(self, subject: str, data: bytes, *, headers: dict[str, str]) -> api.PubAck:
+        """JetStream publish of bytes as they are (a KV write with its own headers), with the
+        same retries as :meth:`publish`; returns the stream's ack."""
+        return await self._js_publish(subject, data, dict(headers))
+
     async def publish_core(self, subject: str, message: msgspec.Struct) -> None:
         """Core NATS publish (no persistence) for messages whose loss is harmless."""
         await self.nc.publish(subject, codec.encode(message), headers=inject())
@@ -280,46 +304,77 @@ class Bus:
         *,
         stream: str,
         durable: str,
-        filter_subject: str,
+        filter_subject: str | list[str],
         decoder: msgspec.msgpack.Decoder[Any],
         handler: Handler[Any],
-        batch: int = 32,
+        batch: int = 64,
         stop: asyncio.Event | None = None,
         deliver_new: bool = False,
+        concurrency: int = 1,
+        confirm_acks: bool = True,
     ) -> None:
-        """Run a durable pull consumer until ``stop`` is set (or the task is cancelled)."""
+        """Run a durable pull consumer until ``stop`` is set (or the task is cancelled).
+
+        A continuous pull: one pull request for ``batch`` messages stays open on the server
+        and is topped up when half of it has arrived, so a message is handed over the moment
+        it is stored (nats-py's ``fetch`` waits for its whole batch or its timeout).
+        ``concurrency`` > 1 runs that many handlers at once (each message still acked only
+        after its handler returned). ``confirm_acks=False`` sends acks without waiting for the
+        server's confirmation: for idempotent handlers a lost ack costs a redelivery, not a
+        round trip per message.
+        """
+        filters = [filter_subject] if isinstance(filter_subject, str) else list(filter_subject)
         config = api.ConsumerConfig(
+            name=durable,
             durable_name=durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait,
-            max_ack_pending=1000,
-            filter_subject=filter_subject,
+            max_ack_pending=max(1000, batch * 4),
             deliver_policy=api.DeliverPolicy.NEW if deliver_new else api.DeliverPolicy.ALL,
+            **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
         )
-        psub = await self.js.pull_subscribe(filter_subject, durable=durable, stream=stream, config=config)
-        self._subs.append(psub)
+        await self._ensure_consumer(stream, config)
+        puller = _Puller(self, stream=stream, durable=durable, batch=batch)
+        await puller.open()
+        gate = asyncio.Semaphore(concurrency)
+        running: set[asyncio.Task[None]] = set()
+
+        async def deliver(msg: Msg) -> None:
+            try:
+                await self._deliver(msg, decoder, handler, confirm_ack=confirm_acks)
+            finally:
+                gate.release()
+
         try:
             while stop is None or not stop.is_set():
-                try:
-                    msgs = await psub.fetch(batch, timeout=1.0)
-                except (nats.errors.TimeoutError, TimeoutError):
-                    # nats-py turns a cancelled fetch into its TimeoutError: honour the cancel.
-                    if _cancelling():
-                        raise asyncio.CancelledError from None
+                msg = await puller.next()
+                if msg is None:
+                    if puller.consumer_gone:
+                        try:
+                            await self._ensure_consumer(stream, config)
+                        except TRANSIENT_NATS_ERRORS as exc:
+                            log.warning("consumer_recreate_failed", durable=durable, error=repr(exc))
+                            await asyncio.sleep(1.0)
                     continue
-                except ServiceUnavailableError:
-                    # The consumer has no leader (its server died, an election is on). Keep
-                    # this subscription: messages the old leader already sent to it are still
-                    # in its queue and the next fetch takes them; a fresh subscription would
-                    # strand them until ack_wait.
-                    log.info("consumer_unavailable", stream=stream, durable=durable)
-                    await asyncio.sleep(0.25)
+                await gate.acquire()
+                if concurrency == 1:
+                    await deliver(msg)
                     continue
-                for msg in msgs:
-                    await self._deliver(msg, decoder, handler)
+                task = asyncio.get_running_loop().create_task(deliver(msg), name=f"consume:{durable}")
+                running.add(task)  # held here, awaited on the way out: not a bare task
+                task.add_done_callback(running.discard)
         finally:
-            with contextlib.suppress(Exception):
-                await psub.unsubscribe()
+            if running:
+                await asyncio.gather(*running, return_exceptions=True)
+            await puller.close()
+
+    async def _ensure_consumer(self, stream: str, config: api.ConsumerConfig) -> None:
+        """Create the durable consumer, or bring an existing one to ``config``."""
+        try:
+            await self.js.add_consumer(stream, config)
+        except ServiceUnavailableError:
+            await asyncio.sleep(0.25)
+            await self.js.add_consumer(stream, config)
 
     async def _ack(self, msg: Msg) -> None:
         """Confirmed ack that rides out a consumer leader election: the effect is committed,
@@ -369,7 +424,14 @@ class Bus:
             await asyncio.sleep(delay)
             delay = min(delay * 2, 1.0)
 
-    async def _deliver(self, msg: Msg, decoder: msgspec.msgpack.Decoder[Any], handler: Handler[Any]) -> None:
+    async def _deliver(
+        self,
+        msg: Msg,
+        decoder: msgspec.msgpack.Decoder[Any],
+        handler: Handler[Any],
+        *,
+        confirm_ack: bool = True,
+    ) -> None:
         headers = dict(msg.headers or {})
         try:
             body = decoder.decode(msg.data)
@@ -400,7 +462,10 @@ class Bus:
                 return
             await msg.nak(delay=min(0.5 * delivery.num_delivered, 10.0))
             return
-        await self._ack(msg)
+        if confirm_ack:
+            await self._ack(msg)
+        else:
+            await msg.ack()
 
     async def serve(
         self,
@@ -431,3 +496,84 @@ class Bus:
                 await msg.respond(codec.encode(reply))
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+
+# Status codes the server answers a pull request with (no message body).
+_STATUS_HEARTBEAT = "100"
+_STATUS_NO_RESPONDERS = "503"
+PULL_EXPIRES_S = 30.0
+PULL_HEARTBEAT_S = 5.0
+
+
+class _Puller:
+    """The pull side of :meth:`Bus.consume`: keeps pull requests open for ``batch`` messages
+    on a private inbox and hands messages over one at a time as they arrive.
+
+    A pull request is a plain publish to ``$JS.API.CONSUMER.MSG.NEXT.<stream>.<durable>``
+    with the inbox as reply subject; the server sends up to ``batch`` messages there, an
+    idle heartbeat (status 100) every ``PULL_HEARTBEAT_S`` while it has nothing, and a status
+    (408 expired, 409 leadership change / consumer deleted, with ``Nats-Pending-Messages``)
+    when the request ends early. Missing heartbeats mean the request is gone (a server died,
+    the consumer moved): a fresh one is sent."""
+
+    def __init__(self, bus: Bus, *, stream: str, durable: str, batch: int) -> None:
+        self.bus = bus
+        self.batch = batch
+        self.next_subject = f"{api.DEFAULT_PREFIX}.CONSUMER.MSG.NEXT.{stream}.{durable}"
+        self.outstanding = 0
+        self.consumer_gone = False
+        self._sub: Any = None
+        self._inbox = ""
+
+    async def open(self) -> None:
+        self._inbox = self.bus.nc.new_inbox()
+        self._sub = await self.bus.nc.subscribe(self._inbox)
+        self.bus._subs.append(self._sub)
+
+    async def close(self) -> None:
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+    async def _pull(self) -> None:
+        want = self.batch - self.outstanding
+        request = {
+            "batch": want,
+            "expires": int(PULL_EXPIRES_S * 1e9),
+            "idle_heartbeat": int(PULL_HEARTBEAT_S * 1e9),
+        }
+        await self.bus.nc.publish(self.next_subject, json.dumps(request).encode(), reply=self._inbox)
+        self.outstanding += want
+
+    async def next(self) -> Msg | None:
+        """The next message, or None after a status that ended a pull (the caller loops)."""
+        self.consumer_gone = False
+        if self.outstanding <= self.batch // 2:
+            await self._pull()
+        try:
+            msg: Msg = await self._sub.next_msg(timeout=PULL_HEARTBEAT_S * 2 + 1)
+        except nats.errors.TimeoutError:
+            if _cancelling():
+                raise asyncio.CancelledError from None
+            self.outstanding = 0  # no heartbeat: the pull request is gone
+            return None
+        headers = msg.headers or {}
+        status = headers.get(api.Header.STATUS) if not msg.data else None
+        if status is None:
+            self.outstanding = max(0, self.outstanding - 1)
+            return msg
+        if status == _STATUS_HEARTBEAT:
+            return None
+        if status == _STATUS_NO_RESPONDERS:
+            # No consumer leader (an election is on) or no consumer at all.
+            # Keep this subscription: messages the old leader already sent are still queued on
+            # it, and a fresh one would strand them until ack_wait.
+            log.info("consumer_unavailable", subject=self.next_subject)
+            self.outstanding = 0
+            await asyncio.sleep(0.25)
+            return None
+        pending = headers.get("Nats-Pending-Messages")
+        self.outstanding = max(0, self.outstanding - int(pending)) if pending else 0
+        description = headers.get(api.Header.DESCRIPTION, "")
+        if "deleted" in description.lower():
+            self.consumer_gone = True
+        return None

@@ -51,3 +51,22 @@ async def watch_bucket(
                 await result
     finally:
         await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+RawChange = Callable[[str, bytes | None, int], object]
+
+
+async def watch_raw(kv: KeyValue, on_change: RawChange, *, ready: asyncio.Event | None = None) -> None:
+    """Like :func:`watch_bucket` but hands over the raw value (None when deleted), for a
+    reader that decodes only what it has not seen (:meth:`RecordStore.observe`)."""
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:
+                if ready is not None:
+                    ready.set()
+                continue
+            data = entry.value if entry.operation is None and entry.value else None
+            on_change(entry.key, data, entry.revision or 0)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]

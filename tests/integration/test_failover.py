@@ -303,21 +303,18 @@ async def test_commit_whose_reply_was_lost_is_finished_not_redone(
     """The allocation record write lands but its reply never comes (the server died after
     storing it): the redelivered request is neither placed again nor left "deciding"."""
     stack, client = small_stack
-    kv = stack.allocators[0]._kv[subjects.KV_ALLOCS]
+    js = stack.allocators[0].bus.js
+    real_publish = js.publish
     lost: list[int] = []
 
-    def losing_reply(real: object) -> object:
-        async def write(*args: object, **kwargs: object) -> int:
-            revision: int = await real(*args, **kwargs)  # type: ignore[operator]
-            if not lost:
-                lost.append(revision)
-                raise nats.errors.TimeoutError
-            return revision
+    async def losing_reply(subject: str, *args: object, **kwargs: object) -> object:
+        ack = await real_publish(subject, *args, **kwargs)  # type: ignore[arg-type]
+        if subject.startswith(subjects.kv_subject(subjects.KV_ALLOCS, "")) and not lost:
+            lost.append(ack.seq)  # stored, but the allocator never hears so
+            raise nats.errors.TimeoutError
+        return ack
 
-        return write
-
-    monkeypatch.setattr(kv, "create", losing_reply(kv.create))
-    monkeypatch.setattr(kv, "update", losing_reply(kv.update))
+    monkeypatch.setattr(js, "publish", losing_reply)
     req = request(100)
     await client.submit(req)
     placed = await client.wait_for(req.request_id, (Assignment,), timeout=15)

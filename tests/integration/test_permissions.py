@@ -9,8 +9,8 @@ component connects as its own user with ``nats://user:password@...``:
   user (queries, record reads, device command) — runs request → assigned → applied → release
   → cleaned → freed with no permission violation reported to any client or logged by the
   server;
-* a node agent's credentials cannot publish on another node's subjects, consume its
-  assignments (consumer info/create/next all denied), read its allocation record, or read
+* a node agent's credentials cannot publish on another node's subjects, follow its
+  allocation record (the republish subject) or read it, create any consumer, or read
   anyone's replies on the shared ``_INBOX.>``.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -293,59 +292,50 @@ async def test_node_agent_cannot_publish_as_another_node(
     await watcher.close()
 
 
-async def test_node_agent_cannot_consume_another_nodes_assignments(intruder: Intruder) -> None:
+async def test_node_agent_cannot_follow_another_nodes_record_or_make_consumers(
+    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack, intruder: Intruder
+) -> None:
     a, b = NODES
     js = intruder.nc.jetstream(timeout=DENIED_TIMEOUT)
+    # A node agent owns no consumer: creating one, on any stream, is refused.
     attempts = [
-        # B's durable (info, then create), B's filter under A's own durable name, and pulling
-        # from B's durable directly.
-        lambda: js.consumer_info(subjects.ALLOC_STREAM, subjects.nodeagent_durable(b, "assigned")),
+        lambda: js.add_consumer(
+            subjects.ALLOC_STREAM,
+            durable_name=subjects.nodeagent_durable(a, "assigned"),
+            name=subjects.nodeagent_durable(a, "assigned"),
+            filter_subject=subjects.alloc_assigned(a),
+        ),
         lambda: js.pull_subscribe(
             subjects.alloc_assigned(b),
             durable=subjects.nodeagent_durable(b, "assigned"),
             stream=subjects.ALLOC_STREAM,
         ),
-        lambda: js.add_consumer(
-            subjects.ALLOC_STREAM,
-            durable_name=subjects.nodeagent_durable(a, "assigned"),
-            name=subjects.nodeagent_durable(a, "assigned"),
-            filter_subject=subjects.alloc_assigned(b),
-        ),
     ]
     for attempt in attempts:
         with pytest.raises(nats.errors.TimeoutError):
             await attempt()
-    # The create subject it may use (its durable, its filter) with B's filter in the body: the
-    # server refuses the mismatch, so the filter in the permitted subject is binding.
-    own = subjects.nodeagent_durable(a, "assigned")
-    body = {
-        "stream_name": subjects.ALLOC_STREAM,
-        "config": {"durable_name": own, "name": own, "filter_subject": subjects.alloc_assigned(b)},
-    }
-    reply = await intruder.nc.request(
-        f"$JS.API.CONSUMER.CREATE.{subjects.ALLOC_STREAM}.{own}.{subjects.alloc_assigned(a)}",
-        json.dumps(body).encode(),
-        timeout=2,
-    )
-    assert json.loads(reply.data)["error"]["err_code"] == 10131  # filter does not match subject
-    psub = await js.pull_subscribe_bind(
-        subjects.nodeagent_durable(b, "release"), stream=subjects.ALLOC_STREAM
-    )
-    with pytest.raises(nats.errors.TimeoutError):
-        await psub.fetch(1, timeout=DENIED_TIMEOUT)
-    await psub.unsubscribe()
-    # Core subscriptions to B's subjects, and to everyone's replies, are refused as well.
-    for subject in (subjects.alloc_assigned(b), subjects.alloc_release(b), "_INBOX.>"):
+    # Core subscriptions to B's record, B's subjects and everyone's replies are refused.
+    denied = (subjects.node_allocs(b), subjects.NODE_ALLOCS_ALL, subjects.alloc_assigned(b), "_INBOX.>")
+    for subject in denied:
         await intruder.nc.subscribe(subject)
     await intruder.nc.flush()
-    violations = await intruder.violations(len(attempts) + 1 + 3)
-    assert len(violations) >= len(attempts) + 1 + 3, intruder.errors
-    assert any("consumer.msg.next" in v for v in violations)
-    assert any(subjects.alloc_assigned(b).lower() in v and "subscription" in v for v in violations)
+    violations = await intruder.violations(len(attempts) + 4)
+    assert len(violations) >= len(attempts) + 4, intruder.errors
+    assert any(subjects.node_allocs(b).lower() in v and "subscription" in v for v in violations)
     assert any('"_inbox.>"' in v for v in violations)
-    # Its own consumer is allowed (the control): the agent's own durable answers.
-    info = await js.consumer_info(subjects.ALLOC_STREAM, subjects.nodeagent_durable(a, "assigned"))
-    assert info.config.filter_subject == subjects.alloc_assigned(a)
+    # Its own record's republish subject is allowed (the control): a write arrives there.
+    own = await intruder.nc.subscribe(subjects.node_allocs(a))
+    await intruder.nc.flush()
+    req = AllocationRequest(
+        request_id="uid-own.1", pod=PodRef("ns", "own", "uid-own"), gpus=1, node_selector={
+            "kubernetes.io/hostname": a
+        }
+    )
+    await stack.admission.publish(subjects.ALLOC_REQUEST, req, msg_id="request:uid-own.1")
+    msg = await own.next_msg(timeout=10)
+    assert req.request_id in codec.NODE_ALLOCS.decode(msg.data).allocations
+    assert msg.headers is not None and int(msg.headers["Nats-Sequence"]) > 0
+    await own.unsubscribe()
 
 
 async def test_node_agent_cannot_read_another_nodes_allocation_record(

@@ -33,8 +33,9 @@ def test_node_agent_is_confined_to_its_own_node() -> None:
     assert subjects.node_heartbeat(mine) in p.publish and subjects.node_cleaned(mine) in p.publish
     assert subjects.node_command(mine) in p.subscribe
     assert f"$JS.API.DIRECT.GET.KV_tandem-allocs.$KV.tandem-allocs.{mine}" in p.publish
-    durable = subjects.nodeagent_durable(mine, "assigned")
-    assert f"$JS.API.CONSUMER.CREATE.TANDEM_ALLOC.{durable}.tandem.alloc.assigned.gpu-1_example" in p.publish
+    # It follows its record on the republish subject; it owns no consumer at all.
+    assert subjects.node_allocs(mine) in p.subscribe
+    assert not any(".CONSUMER." in s for s in p.publish)
     for s in all_subjects(p):
         assert other not in s and subjects.node_token(other) not in s, s
         assert "*" not in s, s  # no wildcard that could stand for another node

@@ -1,0 +1,138 @@
+"""The allocator's writes, as pure mutations of the records they change.
+
+A node's allocation record (``NodeAllocations``, KV ``tandem-allocs``) is the unit of
+atomicity and the single source of truth for what a node has handed out: it is written with
+compare-and-set by :class:`~services.runtime.records.RecordStore`, which folds every mutation
+queued for one node into one write (group commit) and re-applies them to the fresh record
+when another replica wrote first. So each mutation here must decide from the record it is
+given, never from the allocator's view: :func:`add_allocation` refuses (``Conflict``) when a
+device it wants is held in the fresh record — that is what keeps two replicas from ever
+handing out one device.
+
+Request records (``RequestRecord``, KV ``tandem-requests``) say where a request stands. The
+*claim* (``deciding``, owner = this replica) is the only compare-and-set that guards a request
+rather than a device: two replicas retrying one pending request would otherwise place it on
+two different nodes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import msgspec
+
+from schemas.messages import AllocationRequest, AllocRecord, NodeAllocations, RequestRecord
+from services.runtime.bus import Retry
+from services.runtime.records import Conflict, Mutation
+
+AllocState = Literal["assigned", "applied", "releasing"]
+RequestState = Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected"]
+DONE_STATES = frozenset({"assigned", "releasing", "freed", "cancelled", "rejected"})
+
+
+class AlreadyDone(Exception):
+    """The request has an outcome already (placed, freed, cancelled or rejected)."""
+
+
+# -- node allocation records -------------------------------------------------------------------
+
+
+def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[NodeAllocations]:
+    devices = set(rec.assignment.device_ids())
+
+    def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
+        base = current if current is not None else NodeAllocations(node=node)
+        if request_id in base.allocations:
+            raise Conflict(f"{request_id} is already held on {node}")
+        clash = base.used() & devices
+        if clash:
+            raise Conflict(f"{node}: {', '.join(sorted(clash))} held by another allocation")
+        allocations = dict(base.allocations)
+        allocations[request_id] = rec
+        return NodeAllocations(node=node, allocations=allocations)
+
+    return mutate
+
+
+def set_state(
+    request_id: str, state: AllocState, *, only_from: frozenset[str]
+) -> Mutation[NodeAllocations]:
+    """Move one allocation to ``state`` when it is in one of ``only_from`` (else no change)."""
+
+    def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
+        rec = current.allocations.get(request_id) if current is not None else None
+        if current is None or rec is None or rec.state not in only_from:
+            return None
+        allocations = dict(current.allocations)
+        allocations[request_id] = msgspec.structs.replace(rec, state=state, updated_at=time.time())
+        return msgspec.structs.replace(current, allocations=allocations)
+
+    return mutate
+
+
+def drop_allocation(request_id: str, *, only_from: frozenset[str] | None = None) -> Mutation[NodeAllocations]:
+    """Remove one allocation (when in one of ``only_from``, if given)."""
+
+    def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
+        rec = current.allocations.get(request_id) if current is not None else None
+        if current is None or rec is None or (only_from is not None and rec.state not in only_from):
+            return None
+        rest = {k: v for k, v in current.allocations.items() if k != request_id}
+        return msgspec.structs.replace(current, allocations=rest)
+
+    return mutate
+
+
+# -- request records ---------------------------------------------------------------------------
+
+
+def claim(
+    req: AllocationRequest, *, instance: str, claim_timeout: float, now: float
+) -> Mutation[RequestRecord]:
+    """Take the request for ``instance``: raises :class:`AlreadyDone` when it has an outcome,
+    :class:`Retry` while another live replica decides it."""
+
+    def mutate(current: RequestRecord | None) -> RequestRecord | None:
+        if current is not None:
+            if current.state in DONE_STATES:
+                raise AlreadyDone(current.state)
+            busy = current.state == "deciding" and current.owner != instance
+            if busy and now - current.updated_at < claim_timeout:
+                raise Retry(f"request {req.request_id} is being decided by {current.owner}")
+        return RequestRecord(
+            request=req,
+            state="deciding",
+            owner=instance,
+            reason=current.reason if current else "",
+            updated_at=now,
+        )
+
+    return mutate
+
+
+def put_request(record: RequestRecord) -> Mutation[RequestRecord]:
+    def mutate(_: RequestRecord | None) -> RequestRecord | None:
+        return record
+
+    return mutate
+
+
+def request_state(
+    state: RequestState, *, reason: str | None = None, only_from: frozenset[str] | None = None
+) -> Mutation[RequestRecord]:
+    """Move an existing request record to ``state`` (keeping its request)."""
+
+    def mutate(current: RequestRecord | None) -> RequestRecord | None:
+        if current is None or (only_from is not None and current.state not in only_from):
+            return None
+        if current.state == state and (reason is None or reason == current.reason):
+            return None
+        return msgspec.structs.replace(
+            current,
+            state=state,
+            reason=current.reason if reason is None else reason,
+            updated_at=time.time(),
+        )
+
+    return mutate

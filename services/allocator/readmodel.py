@@ -1,0 +1,109 @@
+"""The allocator's read model: KV state mirrored into the pure core.
+
+* ``tandem-nodes`` (hardware, health, ready/lost; written by the inventory) → the core's nodes:
+  a node that is not ``ready`` gets no new allocation, its holds stay;
+* ``tandem-allocs`` (what every node has handed out; written by allocators) → the core's
+  holds and :attr:`ReadModel.placed` (request id → node). These records come from the
+  allocator's own writes (:class:`~services.runtime.records.RecordStore` calls
+  :meth:`ReadModel.on_allocs` as each commit lands), from other replicas' writes through a
+  watch, and from re-reads after a lost compare-and-set;
+* *tentative* holds: devices chosen by a decision whose commit is still in flight. Decisions
+  are taken one at a time on the event loop while many commits are in flight, so the next
+  decision must already see those devices as used; a tentative hold turns into the record's
+  hold when the commit lands, and is dropped when it fails.
+
+Decisions never read NATS. :attr:`ReadModel.capacity` is set whenever capacity may have grown
+(a node joined or recovered, a device recovered, an allocation was dropped) so the placement
+loop retries pending requests then, not on every change.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from schemas.messages import NodeAllocations, NodeRecord
+from services.allocator.core import Cluster
+
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+class ReadModel:
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+        self.nodes: dict[str, NodeRecord] = {}
+        self.placed: dict[str, str] = {}  # request id → node, from the allocation records
+        self.capacity = asyncio.Event()
+        self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
+        self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
+
+    # -- node records -----------------------------------------------------------------------
+
+    def on_node_record(self, node: str, record: NodeRecord | None) -> None:
+        before = self.nodes.get(node)
+        if record is None:
+            self.nodes.pop(node, None)
+        else:
+            self.nodes[node] = record
+        if record is None or record.status != "ready":
+            # A lost node gets no new allocations; its holds return with it.
+            self.cluster.remove_node(node)
+            return
+        if (
+            before is not None
+            and before.status == record.status
+            and before.topology == record.topology
+            and before.unavailable() == record.unavailable()
+        ):
+            return  # a change the core does not see (heartbeat time, reasons)
+        topo = record.topology
+        # Like kubelet, every node carries its own name as a label selectors can use.
+        labels = {**topo.labels, HOSTNAME_LABEL: node}
+        # Holds are kept per node name across set_node / remove_node (the core's contract).
+        self.cluster.set_node(node, topo, labels=labels, unavailable=record.unavailable())
+        self.capacity.set()
+
+    # -- allocation records -----------------------------------------------------------------
+
+    def on_allocs(self, node: str, record: NodeAllocations | None, _revision: int) -> None:
+        allocations = record.allocations if record is not None else {}
+        old = self._ids.get(node, set())
+        new = set(allocations)
+        for rid in old - new:
+            if self.placed.get(rid) == node:
+                del self.placed[rid]
+        for rid in new:
+            self.placed[rid] = node
+        self._ids[node] = new
+        self._sync_holds(node, record)
+        if old - new:
+            self.capacity.set()
+
+    def _sync_holds(self, node: str, record: NodeAllocations | None) -> None:
+        allocations = record.allocations if record is not None else {}
+        tentative = self._tentative.get(node, {})
+        current = set(allocations) | set(tentative)
+        for rid in set(self.cluster.holds(node)) - current:
+            self.cluster.release(node, rid)
+        for rid, rec in allocations.items():
+            tentative.pop(rid, None)  # committed: the record's hold replaces it
+            self.cluster.hold(node, rid, rec.assignment.device_ids())
+        if not tentative:
+            self._tentative.pop(node, None)
+
+    # -- decisions in flight ----------------------------------------------------------------
+
+    def hold_tentative(self, node: str, request_id: str, devices: list[str]) -> None:
+        devs = tuple(devices)
+        self._tentative.setdefault(node, {})[request_id] = devs
+        self.cluster.hold(node, request_id, devs)
+
+    def drop_tentative(self, node: str, request_id: str) -> None:
+        """The commit failed: free the devices unless the record holds the request after all."""
+        tentative = self._tentative.get(node)
+        if tentative is None or tentative.pop(request_id, None) is None:
+            return
+        if not tentative:
+            del self._tentative[node]
+        if request_id not in self._ids.get(node, ()):
+            self.cluster.release(node, request_id)
+            self.capacity.set()

@@ -1,0 +1,256 @@
+"""KV records held in memory, written with compare-and-set, one write in flight per key.
+
+:class:`RecordStore` is the one compare-and-set helper of the services (the allocator's node
+allocation records and request records, the inventory's node records). Each record is kept
+with its revision; a change is a *mutation* (``current → new``, ``None`` = no change) handed
+to :meth:`RecordStore.update`. Per key, one write is in flight at a time; mutations that
+arrive meanwhile are folded into the next write (group commit), so a burst of decisions for
+one node costs one publish, and writes to different keys run concurrently. A write is one
+JetStream publish to ``$KV.<bucket>.<key>`` with ``Nats-Expected-Last-Subject-Sequence``
+(what ``kv.update(..., last=revision)`` sends), so it lands only on the revision it was
+computed from: when another writer got there first, the store reads the key again and applies
+the waiting mutations to the fresh record. A mutation that no longer applies raises
+(:class:`Conflict`, or an error of the caller's); only its caller sees the error, the others
+in the group are written.
+
+No read is needed on the hot path: the cache is filled by :meth:`RecordStore.observe` (a KV
+watch, a resync) and by the store's own writes, and a key missing from a complete cache is
+taken to be absent (``assume_absent``); a wrong guess costs one failed compare-and-set.
+Records a caller no longer needs in memory (``retain`` says which) are dropped after their
+write, so the cache stays as large as the live state.
+
+Writes ride out a NATS leader election like every publish (:meth:`Bus.publish`): the publish
+carries a ``Nats-Msg-Id``, so a retried write that had landed is answered from the duplicate
+window instead of failing its compare-and-set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar
+
+import msgspec
+from nats.js import api
+from nats.js.errors import APIError, KeyNotFoundError
+
+from schemas import codec, subjects
+from services.runtime.bus import Bus
+from services.runtime.logging import get_logger
+from services.runtime.tasks import Supervisor
+
+log = get_logger(__name__)
+T = TypeVar("T")
+
+Mutation = Callable[[T | None], T | None]
+OnChange = Callable[[str, T | None, int], None]
+# JetStream's "wrong last sequence" error codes (as nats-py's kv.update checks them).
+WRONG_LAST_SEQUENCE = (10071, 10164)
+# Lost compare-and-set races in a row before a write gives up (each one re-reads the key).
+MAX_CAS_ATTEMPTS = 32
+
+
+class Conflict(Exception):
+    """A mutation cannot apply to the current record (e.g. its devices are held already)."""
+
+
+class RecordStoreError(Exception):
+    """A record kept losing its compare-and-set race."""
+
+
+class _Pending(Generic[T]):
+    __slots__ = ("assume_absent", "future", "mutate")
+
+    def __init__(self, mutate: Mutation[T], future: asyncio.Future[T | None], assume_absent: bool) -> None:
+        self.mutate = mutate
+        self.future = future
+        self.assume_absent = assume_absent
+
+
+class RecordStore(Generic[T]):
+    def __init__(
+        self,
+        bus: Bus,
+        bucket: str,
+        decoder: msgspec.msgpack.Decoder[T],
+        *,
+        on_change: OnChange[T] | None = None,
+        retain: Callable[[T], bool] | None = None,
+    ) -> None:
+        self.bus = bus
+        self.bucket = bucket
+        self.decoder = decoder
+        self.on_change = on_change
+        self.retain = retain
+        self.cache: dict[str, tuple[T | None, int]] = {}  # key → (value or None = absent, revision)
+        self._queues: dict[str, list[_Pending[T]]] = {}
+        self._tasks = Supervisor(f"records:{bucket}")
+
+    async def aclose(self) -> None:
+        await self._tasks.aclose()
+
+    # -- reading --------------------------------------------------------------------------
+
+    def cached(self, key: str) -> tuple[T | None, int] | None:
+        return self.cache.get(key)
+
+    def observe(self, key: str, data: bytes | None, revision: int) -> bool:
+        """A value seen elsewhere (a watch): keep it when newer than the cached one and tell
+        ``on_change``. Own writes coming back through a watch are skipped without decoding.
+        Returns whether it was newer."""
+        known = self.cache.get(key)
+        if known is not None and known[1] >= revision:
+            return False
+        value: T | None = None
+        if data:
+            try:
+                value = self.decoder.decode(data)
+            except codec.DecodeErrors as exc:
+                log.error("record_undecodable", bucket=self.bucket, key=key, error=str(exc))
+                return False
+        self._set(key, value, revision)
+        return True
+
+    async def fetch(self, key: str) -> tuple[T | None, int]:
+        """Read ``key`` from the server (direct get) and cache it."""
+        kv = await self.bus.kv(self.bucket)
+        try:
+            entry = await kv.get(subjects.kv_key(key))
+        except KeyNotFoundError as exc:
+            revision = exc.entry.revision if getattr(exc, "entry", None) is not None else 0
+            self._set(key, None, revision or 0, force=True)
+            return None, revision or 0
+        value = self.decoder.decode(entry.value) if entry.value else None
+        self._set(key, value, entry.revision or 0, force=True)
+        return value, entry.revision or 0
+
+    def _set(self, key: str, value: T | None, revision: int, *, force: bool = False) -> None:
+        known = self.cache.get(key)
+        if not force and known is not None and known[1] >= revision:
+            return
+        if known is not None and known[1] == revision and known[0] is not None:
+            return  # the same revision read again: nothing changed
+        if value is not None and self.retain is not None and not self.retain(value):
+            self.cache.pop(key, None)
+        else:
+            self.cache[key] = (value, revision)
+        if self.on_change is not None:
+            self.on_change(key, value, revision)
+
+    # -- writing --------------------------------------------------------------------------
+
+    async def update(self, key: str, mutate: Mutation[T], *, assume_absent: bool = False) -> T | None:
+        """Apply ``mutate`` to the record and write it; returns the record as committed.
+
+        ``assume_absent``: a key not in the cache is taken not to exist (a create), instead
+        of being read first. Raises what ``mutate`` raised (e.g. :class:`Conflict`)."""
+        return await self._enqueue(key, mutate, assume_absent=assume_absent)
+
+    def submit(
+        self, key: str, mutate: Mutation[T], *, assume_absent: bool = False
+    ) -> asyncio.Future[T | None]:
+        """:meth:`update` without waiting: the write is queued behind the key's earlier ones
+        (so writes to one key keep their order); a failure is logged."""
+        future = self._enqueue(key, mutate, assume_absent=assume_absent)
+        future.add_done_callback(_log_failure)
+        return future
+
+    def _enqueue(self, key: str, mutate: Mutation[T], *, assume_absent: bool) -> asyncio.Future[T | None]:
+        future: asyncio.Future[T | None] = asyncio.get_running_loop().create_future()
+        queue = self._queues.get(key)
+        if queue is None:
+            queue = self._queues[key] = []
+            self._tasks.spawn(f"write:{key}", lambda: self._writer(key, queue), restart=False)
+        queue.append(_Pending(mutate, future, assume_absent))
+        return future
+
+    async def _writer(self, key: str, queue: list[_Pending[T]]) -> None:
+        try:
+            while queue:
+                batch = list(queue)
+                queue.clear()
+                try:
+                    await self._write(key, batch)
+                except asyncio.CancelledError:
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.cancel()
+                    raise
+                except Exception as exc:
+                    # The write may or may not have landed: the cached revision is no longer
+                    # trusted, the next write reads the record first.
+                    self.cache.pop(key, None)
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(exc)
+        finally:
+            self._queues.pop(key, None)
+            for p in queue:
+                if not p.future.done():
+                    p.future.cancel()
+
+    async def _write(self, key: str, batch: list[_Pending[T]]) -> None:
+        known = self.cache.get(key)
+        if known is None:
+            if all(p.assume_absent for p in batch):
+                known = (None, 0)
+            else:
+                known = await self.fetch(key)
+        base, revision = known
+        for _ in range(MAX_CAS_ATTEMPTS):
+            value = base
+            outcomes: list[tuple[_Pending[T], Exception | None]] = []
+            for p in batch:
+                try:
+                    new = p.mutate(value)
+                except Exception as exc:  # this mutation's own refusal: only its caller sees it
+                    outcomes.append((p, exc))
+                    continue
+                if new is not None:
+                    value = new
+                outcomes.append((p, None))
+            if value is not base:
+                assert value is not None
+                try:
+                    revision = await self._publish(key, value, expected=revision)
+                except _WrongRevision:
+                    base, revision = await self.fetch(key)
+                    continue
+                self._set(key, value, revision)
+            for p, error in outcomes:
+                if p.future.done():
+                    continue
+                if error is not None:
+                    p.future.set_exception(error)
+                else:
+                    p.future.set_result(value)
+            return
+        raise RecordStoreError(f"{self.bucket}/{key}: lost {MAX_CAS_ATTEMPTS} compare-and-set races")
+
+    async def _publish(self, key: str, value: T, *, expected: int) -> int:
+        headers = {
+            api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
+            # A retried write that landed is answered from the duplicate window.
+            "Nats-Msg-Id": f"{self.bucket}:{key}:{expected}:{uuid.uuid4().hex[:12]}",
+        }
+        subject = subjects.kv_subject(self.bucket, subjects.kv_key(key))
+        try:
+            ack = await self.bus.publish_raw(subject, codec.encode(value), headers=headers)
+        except APIError as exc:
+            if exc.err_code in WRONG_LAST_SEQUENCE:
+                raise _WrongRevision from exc
+            raise
+        return ack.seq
+
+
+class _WrongRevision(Exception):
+    pass
+
+
+def _log_failure(future: asyncio.Future[Any]) -> None:
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is not None:
+        log.warning("record_write_failed", error=repr(exc))
