@@ -1,0 +1,150 @@
+"""What the harness simulates: the fleet's composition and the stream of requests (pure).
+
+Both the harness and the fleet process call :func:`fleet_plan` with the same node count, so
+they agree on every node's name and hardware without talking. The proportions follow the
+core benchmark (``bench/fleet.py``): 40 % ``dgx-h100`` (8 GPUs, 8 NICs, one per PCIe
+switch), 30 % ``dgx-a100`` (8 GPUs, 10 NICs), 15 % ``pcie-4gpu-2nic`` (4 GPUs, 2 NICs with
+SR-IOV VFs), 15 % ``gpu-only-8`` (8 GPUs, no NIC). Each node's GPUs get their own UUIDs, as
+real nodes would report them.
+
+:class:`RequestStream` is a seeded stream of :class:`~schemas.messages.AllocationRequest`
+with the benchmark's workload: 1 / 2 / 4 / 8 GPUs (30 / 20 / 25 / 25 %); 70 % ask one NIC per
+GPU, 20 % no NIC (GPU-only), the rest half as many NICs as GPUs (shared); 20 % make a scope
+*required* (half ``pcie-switch``, half ``numa``), and a share ``pinned`` name one node with the
+``kubernetes.io/hostname`` selector, as pods pinned to a node do.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+import msgspec
+
+from schemas.messages import AllocationRequest, PodRef
+from schemas.topology import NodeTopology, ScopeName
+from services.topology import load_topology
+
+# (built-in topology, share of the fleet)
+FLEET_MIX: tuple[tuple[str, float], ...] = (
+    ("dgx-h100", 0.40),
+    ("dgx-a100", 0.30),
+    ("pcie-4gpu-2nic", 0.15),
+    ("gpu-only-8", 0.15),
+)
+# The Kubernetes well-known label every node carries (the allocator labels nodes with it).
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+NAMESPACE = "loadtest"
+REQUIRED_SCOPES: tuple[ScopeName, ...] = ("pcie-switch", "numa")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    name: str
+    kind: str  # built-in topology name
+
+
+def fleet_plan(n: int, mix: tuple[tuple[str, float], ...] = FLEET_MIX) -> list[NodeSpec]:
+    """``n`` nodes named ``<kind>-<i:05d>`` in the ``mix`` proportions (the last kind takes the
+    rounding rest), kinds interleaved so that any prefix of the list is a mixed fleet too."""
+    counts: list[int] = []
+    left = n
+    for pos, (_, share) in enumerate(mix):
+        count = left if pos == len(mix) - 1 else min(left, round(n * share))
+        counts.append(count)
+        left -= count
+    # Interleave by share: node j of a kind sits at position (j + 0.5) / count of the run.
+    keyed = [
+        ((j + 0.5) / count, pos, NodeSpec(f"{kind}-{j:05d}", kind))
+        for pos, ((kind, _), count) in enumerate(zip(mix, counts, strict=True))
+        for j in range(count)
+    ]
+    keyed.sort(key=lambda k: (k[0], k[1]))
+    return [spec for _, _, spec in keyed]
+
+
+@functools.cache
+def kind_topology(kind: str) -> NodeTopology:
+    return load_topology(kind)
+
+
+@functools.cache
+def kind_gpus(kind: str) -> int:
+    return len(kind_topology(kind).gpus())
+
+
+@functools.cache
+def _kind_json(kind: str) -> str:
+    return msgspec.json.encode(kind_topology(kind)).decode()
+
+
+def node_topology(spec: NodeSpec) -> NodeTopology:
+    """The node's own tree: the kind's topology renamed to the node, GPU UUIDs made unique."""
+    suffix = spec.name.rsplit("-", 1)[-1]
+    data = _kind_json(spec.kind).replace('"GPU-', f'"GPU-{suffix}-')
+    topo = msgspec.json.decode(data, type=NodeTopology)
+    return msgspec.structs.replace(topo, name=spec.name)
+
+
+def fleet_gpus(plan: list[NodeSpec]) -> int:
+    return sum(kind_gpus(spec.kind) for spec in plan)
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    sizes: tuple[tuple[int, float], ...] = ((1, 0.30), (2, 0.20), (4, 0.25), (8, 0.25))
+    per_gpu: float = 0.70  # rdma == gpus
+    gpu_only: float = 0.20  # rdma == 0; the rest asks half as many NICs (shared)
+    required: float = 0.20  # policy=required, scope from REQUIRED_SCOPES
+    pinned: float = 0.0  # node_selector kubernetes.io/hostname=<a random node>
+
+
+class RequestStream:
+    """Seeded requests ``<run>-<n>``; ``run`` keeps ids unique across runs on one server."""
+
+    def __init__(self, *, seed: int, run: str, nodes: list[str], workload: Workload = Workload()) -> None:
+        self.rng = random.Random(seed)
+        self.run = run
+        self.nodes = nodes
+        self.w = workload
+        self.n = 0
+        self._sizes = [s for s, _ in workload.sizes]
+        self._weights = [p for _, p in workload.sizes]
+
+    def next(self) -> AllocationRequest:
+        rng = self.rng
+        self.n += 1
+        g = rng.choices(self._sizes, self._weights)[0]
+        x = rng.random()
+        if x < self.w.per_gpu:
+            r = g
+        elif x < self.w.per_gpu + self.w.gpu_only:
+            r = 0
+        else:
+            r = max(1, g // 2)
+        scope = rng.choice(REQUIRED_SCOPES) if rng.random() < self.w.required else None
+        selector = {}
+        if self.nodes and rng.random() < self.w.pinned:
+            selector = {HOSTNAME_LABEL: rng.choice(self.nodes)}
+        rid = f"{self.run}-{self.n:07d}"
+        return AllocationRequest(
+            request_id=rid,
+            pod=PodRef(namespace=NAMESPACE, name=rid, uid=rid),
+            gpus=g,
+            rdma=r,
+            scope=scope,
+            policy="required" if scope else None,
+            node_selector=selector,
+        )
+
+
+def probe_request(*, run: str, node: str) -> AllocationRequest:
+    """One GPU pinned to ``node``: placed only once the allocator knows that node."""
+    rid = f"{run}-probe"
+    return AllocationRequest(
+        request_id=rid,
+        pod=PodRef(namespace=NAMESPACE, name=rid, uid=rid),
+        gpus=1,
+        node_selector={HOSTNAME_LABEL: node},
+    )

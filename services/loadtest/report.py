@@ -1,0 +1,112 @@
+"""The result of a run: one JSON line with the keys of issue 8, then a few more (pure).
+
+Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``replicas``,
+``requests``, ``rate`` (null: open loop), ``assigned``, ``unschedulable``,
+``decisions_per_s``, ``submit_to_assigned_ms`` and ``submit_to_applied_ms`` (``p50``,
+``p99``, ``max``), ``lost``, ``double_held``, ``jetstream_ceiling`` (``publish_per_s``,
+``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
+``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
+``freed``, ``rejected``, ``util_target``, ``util_peak``, ``load_s``, ``arrival_wait_s``, ``drained``,
+``snapshots``. A figure that was not measured is ``null``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+
+class Percentiles(msgspec.Struct):
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+class CeilingFigures(msgspec.Struct):
+    publish_per_s: float | None = None
+    pull_ack_per_s: float | None = None
+
+
+class RssFigures(msgspec.Struct):
+    allocator: float | None = None
+    inventory: float | None = None
+    nats: float | None = None
+    fleet: float | None = None
+
+
+class Report(msgspec.Struct, kw_only=True):
+    nodes: int
+    replicas: int
+    requests: int
+    rate: float | None
+    assigned: int
+    unschedulable: int
+    decisions_per_s: float | None
+    submit_to_assigned_ms: Percentiles
+    submit_to_applied_ms: Percentiles
+    lost: int
+    double_held: int
+    jetstream_ceiling: CeilingFigures
+    rss_mb: RssFigures
+    ready_s: float | None
+    # beyond the issue's keys
+    double_placed: int = 0  # requests held on two nodes (KV records, or assigned twice)
+    released: int = 0
+    freed: int = 0
+    rejected: int = 0  # AllocationFailed(retrying=False): never to be placed
+    util_target: float = 0.0
+    util_peak: float = 0.0  # largest share of fleet GPUs held by observed assignments
+    load_s: float = 0.0  # first submit → last submit
+    arrival_wait_s: float = 0.0  # time arrivals waited for room in the fleet (driver gates)
+    drained: bool = True  # every request answered and every release freed before the deadline
+    snapshots: int = 0  # KV snapshots checked for double_held / double_placed
+
+
+def percentiles(values: list[float]) -> Percentiles:
+    """Nearest-rank p50 / p99 / max, in the unit given, rounded to 0.01."""
+    if not values:
+        return Percentiles()
+    ordered = sorted(values)
+
+    def rank(p: float) -> float:
+        return round(ordered[max(0, math.ceil(p * len(ordered)) - 1)], 2)
+
+    return Percentiles(p50=rank(0.50), p99=rank(0.99), max=round(ordered[-1], 2))
+
+
+def to_json_line(report: Report) -> str:
+    return msgspec.json.encode(report).decode()
+
+
+def _ms(p: Percentiles) -> str:
+    if p.p50 is None:
+        return "n/a"
+    return f"p50 {p.p50:g} ms, p99 {p.p99:g} ms, max {p.max:g} ms"
+
+
+def _num(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:g}{unit}"
+
+
+def summary(r: Report) -> str:
+    """A few lines for a person; the JSON line follows it."""
+    load = f"{r.rate:g}/s" if r.rate is not None else "open loop"
+    rss = r.rss_mb
+    ok = "OK" if r.lost == 0 and r.double_held == 0 and r.double_placed == 0 else "VIOLATED"
+    lines = [
+        f"{r.nodes} nodes, {r.replicas} allocator(s), {r.requests} requests ({load}), "
+        f"ready after {_num(r.ready_s, ' s')}",
+        f"  decided {_num(r.decisions_per_s, '/s')}: {r.assigned} assigned, {r.unschedulable} "
+        f"unschedulable ({r.rejected} rejected); {r.released} released, {r.freed} freed; "
+        f"fleet held up to {r.util_peak:.0%} of its GPUs (target {r.util_target:.0%})",
+        f"  submit→assigned {_ms(r.submit_to_assigned_ms)}",
+        f"  submit→applied  {_ms(r.submit_to_applied_ms)}",
+        f"  invariants {ok}: lost {r.lost}, double-held devices {r.double_held}, requests on two "
+        f"nodes {r.double_placed} ({r.snapshots} KV snapshots){'' if r.drained else '; NOT drained'}",
+        f"  JetStream ceiling on this server: publish {_num(r.jetstream_ceiling.publish_per_s, '/s')}, "
+        f"pull+ack {_num(r.jetstream_ceiling.pull_ack_per_s, '/s')}",
+        f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "
+        f"nats {_num(rss.nats)}, fleet {_num(rss.fleet)}",
+    ]
+    return "\n".join(lines)
