@@ -1,0 +1,86 @@
+"""The JetStream ceiling: what this server does with the simplest client code, measured in the
+same run, on the same server, before the load starts.
+
+* ``publish_per_s``: ``count`` async publishes of a request-sized payload (256 bytes) to a
+  scratch stream, up to ``window`` unacknowledged at once, until the last ack;
+* ``pull_ack_per_s``: the same messages fetched by a durable pull consumer in batches of 256
+  and acked one by one (``ack``, fire-and-forget, flushed at the end).
+
+The scratch stream (file storage, like Tandem's streams) is deleted afterwards. Its subject
+lives under ``tandem.loadtest.`` — a subject ``schemas.subjects`` does not define, because no
+service uses it; it overlaps no Tandem stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+
+import nats
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext, api
+from nats.js.errors import NotFoundError
+
+from schemas import subjects
+
+PAYLOAD = b"x" * 256
+FETCH_BATCH = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Ceiling:
+    publish_per_s: float | None
+    pull_ack_per_s: float | None
+
+
+async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024) -> Ceiling:
+    if count <= 0:
+        return Ceiling(None, None)
+    js = nc.jetstream()
+    token = uuid.uuid4().hex[:8]
+    stream = f"LOADTEST_SCRATCH_{token}"
+    subject = f"{subjects.ROOT}.loadtest.{token}"
+    await js.add_stream(api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE))
+    try:
+        publish = await _publish_rate(js, subject, count=count, window=window)
+        pull = await _pull_ack_rate(nc, js, subject, stream=stream, count=count)
+        return Ceiling(round(publish), round(pull))
+    finally:
+        with contextlib.suppress(NotFoundError, nats.errors.TimeoutError):
+            await js.delete_stream(stream)
+
+
+async def _publish_rate(js: JetStreamContext, subject: str, *, count: int, window: int) -> float:
+    slots = asyncio.Semaphore(window)
+    futures: list[asyncio.Future[api.PubAck]] = []
+    started = time.perf_counter()
+    for _ in range(count):
+        await slots.acquire()
+        fut = await js.publish_async(subject, PAYLOAD)
+        fut.add_done_callback(lambda _: slots.release())
+        futures.append(fut)
+    await asyncio.wait_for(asyncio.gather(*futures), 60)
+    return count / (time.perf_counter() - started)
+
+
+async def _pull_ack_rate(nc: NATS, js: JetStreamContext, subject: str, *, stream: str, count: int) -> float:
+    psub = await js.pull_subscribe(subject, durable=f"ceiling-{stream.lower()}", stream=stream)
+    got = 0
+    started = time.perf_counter()
+    try:
+        while got < count:
+            try:
+                msgs = await psub.fetch(min(FETCH_BATCH, count - got), timeout=5.0)
+            except nats.errors.TimeoutError:
+                break  # fewer messages than expected: measure what came
+            for msg in msgs:
+                await msg.ack()
+            got += len(msgs)
+        await nc.flush()
+        return got / (time.perf_counter() - started)
+    finally:
+        with contextlib.suppress(Exception):
+            await psub.unsubscribe()

@@ -1,0 +1,73 @@
+"""The safety invariants, read from the system's own truth: KV ``tandem-allocs``.
+
+A snapshot reads every node's allocation record (one ordered consumer delivering the last value
+of every key — one pass, not a get per key) and checks what no harness bookkeeping can vouch
+for:
+
+* ``double_held``: a device of a node listed by two allocations of that node's record;
+* ``double_placed``: one request id held on two nodes.
+
+Each record is read whole, so a double-held device inside it is never an artefact of the
+snapshot not being atomic across keys. Across keys it is not atomic, but a request never moves
+between nodes (it is freed and gone, never re-placed under the same id), so a request seen on
+two nodes was really held twice.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from nats.js import JetStreamContext
+
+from schemas import codec, subjects
+from schemas.messages import NodeAllocations
+
+
+@dataclass
+class Violations:
+    """Everything found so far; sets, so repeated snapshots do not count one fault twice."""
+
+    double_held: set[tuple[str, str]] = field(default_factory=set)  # (node, device)
+    double_placed: set[str] = field(default_factory=set)  # request ids
+    undecodable: set[str] = field(default_factory=set)  # node keys
+    snapshots: int = 0
+
+
+async def snapshot(js: JetStreamContext) -> dict[str, NodeAllocations | None]:
+    """The current record of every node (None: undecodable)."""
+    kv = await js.key_value(subjects.KV_ALLOCS)
+    watcher = await kv.watchall(ignore_deletes=True)
+    records: dict[str, NodeAllocations | None] = {}
+    try:
+        async for entry in watcher:
+            if entry is None:  # end of the current values
+                break
+            if entry.operation is not None or not entry.value:
+                records.pop(entry.key, None)
+                continue
+            try:
+                records[entry.key] = codec.NODE_ALLOCS.decode(entry.value)
+            except codec.DecodeErrors:
+                records[entry.key] = None
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+    return records
+
+
+def check(records: dict[str, NodeAllocations | None], found: Violations) -> dict[str, str]:
+    """Add what ``records`` violates to ``found``; return request id → node for every holding."""
+    found.snapshots += 1
+    placed: dict[str, str] = {}
+    for key, record in records.items():
+        if record is None:
+            found.undecodable.add(key)
+            continue
+        held: Counter[str] = Counter()
+        for rid, rec in record.allocations.items():
+            held.update(set(rec.assignment.device_ids()))
+            if rid in placed and placed[rid] != key:
+                found.double_placed.add(rid)
+            placed[rid] = key
+        found.double_held.update((key, device) for device, n in held.items() if n > 1)
+    return placed
