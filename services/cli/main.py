@@ -13,6 +13,7 @@ from services.cli import (
     admission_cmd,
     demo,
     gpu_cmd,
+    loadtest_cmd,
     nats_cmd,
     plan_cmd,
     schema_cmd,
@@ -32,6 +33,7 @@ MODULES: list[ModuleType] = [
     admission_cmd,
     plan_cmd,
     nats_cmd,
+    loadtest_cmd,
 ]
 
 

@@ -1,0 +1,33 @@
+"""``tandem loadtest``: the running system under load, measured from outside.
+
+Where the core benchmark (``bench/``) times the allocator's decision function in-process, this
+harness runs what users run — ``nats-server``, the inventory and the allocator replicas as
+separate processes started the way the chart starts them, and a simulated fleet that really
+publishes inventory and heartbeats and applies and cleans up its allocations over NATS — and
+measures it from outside: decisions per second, submit → assigned and submit → applied
+latencies, readiness time, peak memory per process, and the JetStream ceiling of the same
+server beside them. It also checks the safety invariants on the system's own records (no
+device held twice, no request placed twice, none lost).
+
+Modules::
+
+    harness     one run: server, ceiling, services, fleet, probe, load, drain, teardown
+    procs       child processes: config file + environment, readiness, SIGTERM → SIGKILL, RSS
+    fleet       ``python -m services.loadtest.fleet``: one process speaking for N nodes
+    driver      submits, releases, paces, observes outcomes on core subscriptions
+    invariants  KV snapshots of ``tandem-allocs``: double-held devices, double placements
+    ceiling     async-publish and pull+ack rates of a scratch stream
+    mix         fleet composition and the seeded request stream (pure)
+    publisher   many JetStream publishes in flight, retried with their msg id
+    report      the JSON line and the human summary (pure)
+
+Errors: :class:`LoadtestError` (one line, names the stage and the log to read).
+"""
+
+from __future__ import annotations
+
+from services.loadtest.errors import LoadtestError
+from services.loadtest.harness import Harness, LoadConfig, run_loadtest
+from services.loadtest.report import Report, summary, to_json_line
+
+__all__ = ["Harness", "LoadConfig", "LoadtestError", "Report", "run_loadtest", "summary", "to_json_line"]

@@ -1,0 +1,461 @@
+"""One run of ``tandem loadtest``, start to finish.
+
+1. **Server.** An embedded ``nats-server`` (JetStream, private store, 127.0.0.1, any free
+   port) unless a URL is given.
+2. **Ceiling.** The JetStream ceiling of that server (:mod:`services.loadtest.ceiling`), while
+   nothing else runs on it.
+3. **Services** (clock ``t0`` starts here): the inventory and ``replicas`` allocators, each its
+   own ``python -m services.<name> --config FILE`` process with its own ``TANDEM_INSTANCE``
+   (:mod:`services.loadtest.procs`); each must answer ``/readyz`` on its ops port.
+4. **Fleet.** ``python -m services.loadtest.fleet`` for all nodes
+   (:mod:`services.loadtest.fleet`); it says ``ready`` once every inventory is stored. Then the
+   harness waits until inventory has registered every node (keys of KV ``tandem-nodes``).
+5. **Ready.** A probe request pinned to the last node registered: ``ready_s`` = ``t0`` → its
+   assignment, i.e. until the allocator knows the whole fleet and decides. The probe is then
+   released; it is not part of the figures.
+6. **Load** (:mod:`services.loadtest.driver`), with KV snapshots checking the invariants
+   (:mod:`services.loadtest.invariants`) at a quarter, half and three quarters of the
+   requests; then a **drain** until everything is answered and freed (bounded), a final
+   snapshot, and peak RSS of every process.
+7. **Teardown**, whatever happened: fleet first, then allocators and inventory (SIGTERM, then
+   SIGKILL after a grace period), then the server. Logs of the children stay in the run
+   directory when the run failed (the error names them) or ``keep_logs`` is set.
+
+A stage that fails raises :class:`~services.loadtest.errors.LoadtestError` with one line that
+says which stage, what was seen and which log to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+from nats.js.errors import BucketNotFoundError
+
+from schemas import subjects
+from services.loadtest import ceiling, invariants
+from services.loadtest.driver import LoadDriver, Req
+from services.loadtest.errors import LoadtestError
+from services.loadtest.mix import RequestStream, Workload, fleet_gpus, fleet_plan, probe_request
+from services.loadtest.procs import Child, Children, rss_mb
+from services.loadtest.publisher import AsyncPublisher
+from services.loadtest.report import CeilingFigures, Report, RssFigures, percentiles
+from services.runtime.bus import Bus
+from services.runtime.embedded import EmbeddedNats, free_ports
+from services.runtime.errors import EmbeddedServerError
+from services.runtime.settings import Settings
+from services.runtime.tasks import Supervisor
+
+Progress = Callable[[str], None]
+SERVICE_READY_S = 60.0
+PROGRESS_EVERY_S = 5.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    nodes: int = 100
+    replicas: int = 1
+    requests: int = 1000
+    rate: float | None = None  # None: open loop
+    util: float = 0.85
+    seed: int = 1
+    max_in_flight: int = 512
+    pinned: float = 0.0
+    nats_url: str | None = None  # None: start an embedded nats-server
+    start_services: bool = True  # False: inventory and allocators already run on nats_url
+    drain_s: float = 60.0
+    ceiling_msgs: int = 20_000
+    apply_ms: float = 0.0
+    start_timeout: float | None = None  # None: 60 s + 20 ms per node
+    log_dir: str | None = None
+    keep_logs: bool = False
+
+    def check(self) -> None:
+        """Raise :class:`LoadtestError` for the first bad value (one line, names the flag)."""
+        problems = [
+            (self.nodes < 1, f"--nodes must be at least 1, got {self.nodes}"),
+            (self.replicas < 1, f"--replicas must be at least 1, got {self.replicas}"),
+            (self.requests < 1, f"--requests must be at least 1, got {self.requests}"),
+            (self.rate is not None and not self.rate > 0, f"--rate must be above 0, got {self.rate}"),
+            (not 0 < self.util <= 1, f"--util must be in (0, 1], got {self.util}"),
+            (self.max_in_flight < 1, f"--max-in-flight must be at least 1, got {self.max_in_flight}"),
+            (not 0 <= self.pinned <= 1, f"--pinned must be in [0, 1], got {self.pinned}"),
+            (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
+            (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
+            (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
+            (not self.start_services and self.nats_url is None, "--no-services needs --nats URL"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise LoadtestError(message)
+
+    @property
+    def startup_timeout(self) -> float:
+        return self.start_timeout if self.start_timeout is not None else 60.0 + 0.02 * self.nodes
+
+
+class _FleetEvents:
+    """The fleet's JSON lines on its stdout, by event name."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.events: dict[str, dict[str, Any]] = {}
+        self.changed = asyncio.Event()
+
+    async def read(self) -> None:
+        stdout = self.child.proc.stdout
+        assert stdout is not None
+        while line := await stdout.readline():
+            with contextlib.suppress(msgspec.DecodeError):
+                event = msgspec.json.decode(line, type=dict[str, Any])
+                self.events[str(event.get("event"))] = event
+                self.changed.set()
+
+    async def wait(self, name: str, *, deadline: float, alive: Callable[[], None]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        while name not in self.events:
+            alive()
+            if loop.time() > deadline:
+                raise LoadtestError(
+                    f"fleet did not report {name!r} in time"
+                    f"{': ' + self.child.tail() if self.child.tail() else ''} (log: {self.child.log})"
+                )
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), 0.5)
+        return self.events[name]
+
+
+class Harness:
+    def __init__(self, cfg: LoadConfig, settings: Settings, *, progress: Progress) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.progress = progress
+        self.run_id = f"lt{uuid.uuid4().hex[:8]}"
+        self.own_dir = cfg.log_dir is None
+        self.run_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tandem-loadtest-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.children = Children(self.run_dir)
+        self.tasks = Supervisor("loadtest")
+        self.server: EmbeddedNats | None = None
+        self.bus: Bus | None = None
+        self.violations = invariants.Violations()
+        self.plan = fleet_plan(cfg.nodes)
+        self.names = [spec.name for spec in self.plan]
+        self.failed = True
+
+    # -- the run ----------------------------------------------------------------------------
+
+    async def run(self) -> Report:
+        try:
+            report = await self._run()
+            self.failed = False
+            return report
+        finally:
+            await self._teardown()
+
+    async def _run(self) -> Report:
+        cfg = self.cfg
+        url = cfg.nats_url or await self._start_server()
+        bus = self.bus = await self._connect(url)
+        self.progress(f"measuring the JetStream ceiling ({cfg.ceiling_msgs} messages)")
+        ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs)
+        self.progress(f"JetStream ceiling: publish {ceil.publish_per_s}/s, pull+ack {ceil.pull_ack_per_s}/s")
+
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        deadline = loop.time() + cfg.startup_timeout
+        if cfg.start_services:
+            await self._start_services(url)
+            took = time.perf_counter() - t0
+            self.progress(f"inventory + {cfg.replicas} allocator(s) ready after {took:.1f} s")
+        fleet = await self.children.spawn(
+            "fleet",
+            role="fleet",
+            module="services.loadtest.fleet",
+            config=self._base_config(url),
+            args=["--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)],
+            stdout_pipe=True,
+        )
+        events = _FleetEvents(fleet)
+        self.tasks.spawn("fleet-stdout", events.read, restart=False)
+        ready = await events.wait("ready", deadline=deadline, alive=self.children.check)
+        self.progress(f"fleet: {cfg.nodes} inventories stored in {ready.get('seconds')} s")
+        await self._wait_registered(deadline=deadline)
+        self.progress(f"inventory registered {cfg.nodes} nodes after {time.perf_counter() - t0:.1f} s")
+
+        publisher = AsyncPublisher(bus.js, window=1024)
+        self.tasks.spawn("publish", publisher.run)
+        self.tasks.spawn("reap", publisher.reap)
+        driver = LoadDriver(
+            bus.nc,
+            publisher,
+            stream=RequestStream(
+                seed=cfg.seed, run=self.run_id, nodes=self.names, workload=Workload(pinned=cfg.pinned)
+            ),
+            fleet_gpus=fleet_gpus(self.plan),
+            util=cfg.util,
+            requests=cfg.requests,
+            rate=cfg.rate,
+            max_in_flight=cfg.max_in_flight,
+            seed=cfg.seed,
+        )
+        await driver.observe()
+        try:
+            ready_s = await self._probe(driver, t0=t0, deadline=deadline)
+            self.progress(f"allocator deciding {ready_s:.2f} s after the services started")
+            return await self._load(driver, publisher, ceil=ceil, ready_s=ready_s)
+        finally:
+            await driver.close()
+
+    async def _load(
+        self, driver: LoadDriver, publisher: AsyncPublisher, *, ceil: ceiling.Ceiling, ready_s: float
+    ) -> Report:
+        cfg = self.cfg
+        bus = self.bus
+        assert bus is not None
+        load = "open loop" if cfg.rate is None else f"{cfg.rate:g}/s"
+        self.progress(f"load: {cfg.requests} requests, {load}, fleet kept at {cfg.util:.0%} of its GPUs")
+        checkpoints = {max(1, cfg.requests * k // 4): self._snapshot_hook(f"snapshot-{k}") for k in (1, 2, 3)}
+        self.tasks.spawn("progress", lambda: self._report_progress(driver), restart=False)
+        await driver.run(checkpoints=checkpoints, alive=self.children.check)
+        self.progress(f"all {cfg.requests} submitted; draining (up to {cfg.drain_s:g} s)")
+        drained = await driver.drain(timeout=cfg.drain_s, alive=self.children.check)
+        if not await publisher.flush(timeout=10.0):
+            self.progress(f"warning: publishes still unacknowledged: {publisher.stats.last_error}")
+        placed = invariants.check(await invariants.snapshot(bus.js), self.violations)
+        self.children.check()
+        self.children.sample_rss()
+        return self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
+
+    # -- stages -----------------------------------------------------------------------------
+
+    async def _start_server(self) -> str:
+        self.server = EmbeddedNats()
+        try:
+            await asyncio.to_thread(self.server.start)
+        except EmbeddedServerError as exc:
+            raise LoadtestError(f"embedded nats-server: {str(exc).splitlines()[0]}") from exc
+        self.progress(f"nats-server at {self.server.url}")
+        return self.server.url
+
+    async def _connect(self, url: str) -> Bus:
+        settings = msgspec.structs.replace(self.settings, nats_url=url, service="loadtest")
+        try:
+            return await asyncio.wait_for(Bus.open(settings, provision_streams=False), 10)
+        except (OSError, TimeoutError, nats.errors.Error) as exc:
+            raise LoadtestError(f"cannot reach NATS at {url}: {exc!r}") from exc
+
+    def _base_config(self, url: str) -> dict[str, object]:
+        s = self.settings
+        return {
+            "nats_url": url,
+            "log_level": s.log_level,
+            "log_json": True,
+            "heartbeat_interval": s.heartbeat_interval,
+        }
+
+    async def _start_services(self, url: str) -> None:
+        s = self.settings
+        ports = free_ports(1 + self.cfg.replicas)
+        names = [("inventory", "inventory", "inventory-0")] + [
+            ("allocator", f"allocator-{i}", f"allocator-{i}") for i in range(self.cfg.replicas)
+        ]
+        started: list[Child] = []
+        for (role, name, instance), port in zip(names, ports, strict=True):
+            config = {
+                **self._base_config(url),
+                "ops_port": port,
+                "stream_replicas": s.stream_replicas,
+                "node_policy": s.node_policy,
+                "node_lost_after": s.node_lost_after,
+                "device_classes": s.device_classes,
+            }
+            started.append(
+                await self.children.spawn(
+                    name,
+                    role=role,
+                    module=f"services.{role}",
+                    config=config,
+                    env={"TANDEM_INSTANCE": instance},
+                )
+            )
+        await asyncio.gather(*(self.children.wait_ready(c, timeout=SERVICE_READY_S) for c in started))
+
+    async def _wait_registered(self, *, deadline: float) -> None:
+        """Until every fleet node has a record in KV ``tandem-nodes`` (written by inventory)."""
+        assert self.bus is not None
+        loop = asyncio.get_running_loop()
+        wanted = set(self.names)
+        seen: set[str] = set()
+        try:
+            kv = await self.bus.js.key_value(subjects.KV_NODES)
+        except BucketNotFoundError as exc:
+            raise LoadtestError(f"no KV bucket {subjects.KV_NODES}: is inventory running?") from exc
+        watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
+        try:
+            while not wanted <= seen:
+                if loop.time() > deadline:
+                    raise LoadtestError(
+                        f"only {len(seen & wanted)} of {len(wanted)} nodes registered after "
+                        f"{self.cfg.startup_timeout:g}s (see --start-timeout; logs: {self.run_dir})"
+                    )
+                self.children.check()
+                try:
+                    entry = await watcher.updates(timeout=0.5)  # type: ignore[no-untyped-call]
+                except nats.errors.TimeoutError:
+                    continue
+                if entry is not None and entry.operation is None:
+                    seen.add(entry.key)
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+
+    async def _probe(self, driver: LoadDriver, *, t0: float, deadline: float) -> float:
+        loop = asyncio.get_running_loop()
+        probe = probe_request(run=self.run_id, node=self.names[-1])
+        req: Req = driver.submit(probe, measured=False)
+        while req.assigned is None:
+            self.children.check()
+            if loop.time() > deadline:
+                why = "unschedulable" if req.failed else "no answer"
+                raise LoadtestError(
+                    f"the allocator placed no probe request on {self.names[-1]} within "
+                    f"{self.cfg.startup_timeout:g}s ({why}; logs: {self.run_dir})"
+                )
+            await asyncio.sleep(0.01)
+        driver.release(probe.request_id)
+        return req.assigned - t0
+
+    def _snapshot_hook(self, name: str) -> Callable[[], None]:
+        """A checkpoint hook: check the invariants on a KV snapshot, in the background."""
+
+        async def take() -> None:
+            assert self.bus is not None
+            invariants.check(await invariants.snapshot(self.bus.js), self.violations)
+
+        def start() -> None:
+            self.tasks.spawn(name, take, restart=False)
+
+        return start
+
+    async def _report_progress(self, driver: LoadDriver) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            self.children.sample_rss()
+            self.progress(
+                f"  submitted {len(driver.reqs)}/{driver.total}, answered {driver.first_outcomes}, "
+                f"held {driver.held_gpus / max(1, driver.fleet_gpus):.0%} of the GPUs"
+            )
+
+    # -- result -----------------------------------------------------------------------------
+
+    def _rss(self) -> RssFigures:
+        by_role: dict[str, list[float]] = {}
+        for child in self.children.children:
+            if child.peak_rss_mb is not None:
+                by_role.setdefault(child.role, []).append(child.peak_rss_mb)
+        nats_mb = None
+        if self.server is not None and self.server._proc is not None:
+            nats_mb = rss_mb(self.server._proc.pid)
+        return RssFigures(
+            allocator=max(by_role["allocator"]) if "allocator" in by_role else None,
+            inventory=max(by_role["inventory"]) if "inventory" in by_role else None,
+            nats=nats_mb,
+            fleet=max(by_role["fleet"]) if "fleet" in by_role else None,
+        )
+
+    def _report(
+        self,
+        driver: LoadDriver,
+        placed: dict[str, str],
+        *,
+        ceil: ceiling.Ceiling,
+        ready_s: float,
+        drained: bool,
+    ) -> Report:
+        cfg = self.cfg
+        reqs = driver.reqs
+        lost = 0
+        for rid, r in reqs.items():
+            held_now = rid in placed
+            if r.released is not None:
+                lost += r.freed is None and held_now  # the release never completed
+            else:
+                lost += r.first is None and not held_now  # never answered, not placed either
+        assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
+        unschedulable = sum(
+            1 for rid, r in reqs.items() if r.failed and r.assigned is None and rid not in placed
+        )
+        decided_first = [r for r in reqs.values() if r.assigned is not None and r.first == r.assigned]
+        to_assigned = [(r.assigned - r.submitted) * 1000 for r in decided_first if r.assigned is not None]
+        to_applied = [(r.applied - r.submitted) * 1000 for r in decided_first if r.applied is not None]
+        decisions_per_s = None
+        start, last = driver.started, driver.last_first
+        if start is not None and last is not None and last > start:
+            decisions_per_s = round(driver.first_outcomes / (last - start), 1)
+        load_s = (driver.submit_done or driver.started or 0.0) - (driver.started or 0.0)
+        return Report(
+            nodes=cfg.nodes,
+            replicas=cfg.replicas,
+            requests=cfg.requests,
+            rate=cfg.rate,
+            assigned=assigned,
+            unschedulable=unschedulable,
+            decisions_per_s=decisions_per_s,
+            submit_to_assigned_ms=percentiles(to_assigned),
+            submit_to_applied_ms=percentiles(to_applied),
+            lost=int(lost),
+            double_held=len(self.violations.double_held),
+            jetstream_ceiling=CeilingFigures(ceil.publish_per_s, ceil.pull_ack_per_s),
+            rss_mb=self._rss(),
+            ready_s=round(ready_s, 3),
+            double_placed=len(self.violations.double_placed | driver.extra_placements),
+            released=sum(1 for r in reqs.values() if r.released is not None),
+            freed=sum(1 for r in reqs.values() if r.freed is not None),
+            rejected=sum(1 for r in reqs.values() if r.rejected),
+            util_target=cfg.util,
+            util_peak=round(driver.peak_held_gpus / max(1, driver.fleet_gpus), 3),
+            load_s=round(load_s, 3),
+            arrival_wait_s=round(driver.arrival_wait_s, 3),
+            drained=drained,
+            snapshots=self.violations.snapshots,
+        )
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        fleet = [c for c in self.children.children if c.role == "fleet"]
+        services = [c for c in self.children.children if c.role != "fleet"]
+        await self.children.stop(fleet, grace=10.0)
+        await self.children.stop(services, grace=15.0)
+        await self.tasks.aclose()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.close()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+        if self.failed or self.cfg.keep_logs or not self.own_dir:
+            self.progress(f"logs of the services and the fleet: {self.run_dir}")
+        else:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def kill_now(self) -> None:
+        """Last resort when the event loop is gone (a second Ctrl-C): SIGKILL everything."""
+        self.children.kill_now()
+        if self.server is not None:
+            self.server.stop()
+
+
+async def run_loadtest(cfg: LoadConfig, settings: Settings, *, progress: Progress) -> Report:
+    cfg.check()
+    return await Harness(cfg, settings, progress=progress).run()
