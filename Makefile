@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench gpu-check clean
+.PHONY: demo test lint typecheck unit integration bench bench-e2e gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,12 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
+# nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.
+BENCH_E2E_ARGS ?= --nodes 1000 --requests 5000
+bench-e2e: $(STAMP)
+	$(BIN)/tandem loadtest $(BENCH_E2E_ARGS)
 
 gpu-check: $(STAMP)
 	$(BIN)/tandem gpu-check

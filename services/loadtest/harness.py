@@ -58,6 +58,7 @@ from services.runtime.tasks import Supervisor
 
 Progress = Callable[[str], None]
 SERVICE_READY_S = 60.0
+CONNECT_S = 5.0
 PROGRESS_EVERY_S = 5.0
 
 
@@ -252,9 +253,11 @@ class Harness:
     async def _connect(self, url: str) -> Bus:
         settings = msgspec.structs.replace(self.settings, nats_url=url, service="loadtest")
         try:
-            return await asyncio.wait_for(Bus.open(settings, provision_streams=False), 10)
-        except (OSError, TimeoutError, nats.errors.Error) as exc:
-            raise LoadtestError(f"cannot reach NATS at {url}: {exc!r}") from exc
+            return await asyncio.wait_for(Bus.open(settings, provision_streams=False), CONNECT_S)
+        except TimeoutError as exc:
+            raise LoadtestError(f"cannot reach NATS at {url}: no connection within {CONNECT_S:g}s") from exc
+        except (OSError, nats.errors.Error) as exc:
+            raise LoadtestError(f"cannot reach NATS at {url}: {exc}") from exc
 
     def _base_config(self, url: str) -> dict[str, object]:
         s = self.settings

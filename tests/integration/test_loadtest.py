@@ -1,0 +1,170 @@
+"""``tandem loadtest`` end to end, small: the harness starts nats-server, inventory, allocator
+replicas and the simulated fleet as processes, drives requests through them and prints one
+JSON line; the tests check its keys and the invariants it read from KV ``tandem-allocs``.
+
+Needs the node-side contract of issue 8 (``services.nodeagent.follow``: nodes follow their
+allocation record; no per-node consumers). No timing assertions: the figures on a shared
+2-core machine are noise; only counts and invariants are checked.
+
+The pure pieces (fleet plan, percentiles, the invariant check) are tested here too.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
+from services.loadtest import invariants
+from services.loadtest.mix import FLEET_MIX, RequestStream, fleet_gpus, fleet_plan, node_topology
+from services.loadtest.report import percentiles
+
+TANDEM = str(Path(sys.executable).parent / "tandem")
+ISSUE_KEYS = [
+    "nodes",
+    "replicas",
+    "requests",
+    "rate",
+    "assigned",
+    "unschedulable",
+    "decisions_per_s",
+    "submit_to_assigned_ms",
+    "submit_to_applied_ms",
+    "lost",
+    "double_held",
+    "jetstream_ceiling",
+    "rss_mb",
+    "ready_s",
+]
+
+
+def loadtest(*args: str, timeout: float = 100) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        [TANDEM, "loadtest", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def one_json_line(stdout: str) -> dict[str, Any]:
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 1, stdout
+    result: dict[str, Any] = json.loads(lines[0])
+    return result
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int) -> None:
+    code, out, err = loadtest(
+        *("--nodes", "20", "--requests", "200", "--replicas", str(replicas)),
+        *("--json", "--ceiling-msgs", "2000", "--drain", "30"),
+    )
+    assert code == 0, err[-3000:]
+    result = one_json_line(out)
+    assert list(result)[: len(ISSUE_KEYS)] == ISSUE_KEYS
+    assert (result["nodes"], result["replicas"], result["requests"]) == (20, replicas, 200)
+    assert result["rate"] is None
+    assert result["lost"] == 0
+    assert result["double_held"] == 0
+    assert result["double_placed"] == 0
+    assert result["assigned"] > 0
+    assert result["assigned"] + result["unschedulable"] == 200
+    assert result["released"] > 0 and result["freed"] == result["released"]
+    assert result["drained"] is True
+    assert result["snapshots"] >= 2
+    assert result["decisions_per_s"] > 0 and result["ready_s"] > 0
+    for key in ("submit_to_assigned_ms", "submit_to_applied_ms"):
+        assert set(result[key]) == {"p50", "p99", "max"}
+        assert result[key]["p50"] is not None
+    assert set(result["jetstream_ceiling"]) == {"publish_per_s", "pull_ack_per_s"}
+    assert result["jetstream_ceiling"]["publish_per_s"] > 0
+    assert all(result["rss_mb"][k] > 0 for k in ("allocator", "inventory", "nats", "fleet"))
+
+
+@pytest.mark.integration
+def test_unreachable_nats_is_one_line_not_a_hang() -> None:
+    code, out, err = loadtest("--nats", "nats://127.0.0.1:1", "--json", "-q", timeout=60)
+    assert (code, out) == (2, ""), err
+    assert err.startswith("tandem: cannot reach NATS at nats://127.0.0.1:1"), err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_bad_input_is_one_line() -> None:
+    code, out, err = loadtest("--util", "1.5")
+    assert (code, out, err.strip()) == (2, "", "tandem: --util must be in (0, 1], got 1.5")
+    code, out, err = loadtest("--no-services")
+    assert (code, out, err.strip()) == (2, "", "tandem: --no-services needs --nats URL")
+
+
+# -- pure pieces ---------------------------------------------------------------------------------
+
+
+def test_fleet_plan_is_deterministic_mixed_and_named_uniquely() -> None:
+    plan = fleet_plan(1000)
+    assert plan == fleet_plan(1000)
+    assert len({s.name for s in plan}) == 1000
+    counts = {kind: sum(1 for s in plan if s.kind == kind) for kind, _ in FLEET_MIX}
+    assert counts == {"dgx-h100": 400, "dgx-a100": 300, "pcie-4gpu-2nic": 150, "gpu-only-8": 150}
+    assert {s.kind for s in plan[:8]} == {kind for kind, _ in FLEET_MIX}  # any prefix is mixed
+    assert fleet_gpus(plan) == 400 * 8 + 300 * 8 + 150 * 4 + 150 * 8
+    a, b = node_topology(plan[0]), node_topology(plan[4])
+    assert a.name == plan[0].name
+    assert not {g.uuid for g in a.gpus()} & {g.uuid for g in b.gpus()}
+
+
+def test_request_stream_is_seeded_and_mixed() -> None:
+    names = [s.name for s in fleet_plan(10)]
+    one = [RequestStream(seed=7, run="r", nodes=names).next() for _ in range(1)]
+    stream = RequestStream(seed=7, run="r", nodes=names)
+    reqs = [stream.next() for _ in range(2000)]
+    assert reqs[0].gpus == one[0].gpus and reqs[0].request_id == "r-0000001"
+    assert {r.gpus for r in reqs} == {1, 2, 4, 8}
+    assert any(r.rdma == 0 for r in reqs) and any(r.rdma == r.gpus for r in reqs)
+    assert {r.scope for r in reqs if r.policy == "required"} == {"pcie-switch", "numa"}
+    assert not any(r.node_selector for r in reqs)  # pinned defaults to 0
+
+
+def test_percentiles_nearest_rank() -> None:
+    p = percentiles([float(i) for i in range(1, 101)])
+    assert (p.p50, p.p99, p.max) == (50.0, 99.0, 100.0)
+    assert percentiles([]).p50 is None
+
+
+def _alloc(rid: str, node: str, gpus: list[int], nics: list[str]) -> AllocRecord:
+    return AllocRecord(
+        assignment=Assignment(
+            request_id=rid,
+            pod=PodRef("ns", rid),
+            node=node,
+            gpus=[AssignedGpu(index=i, uuid=f"GPU-{i}") for i in gpus],
+            nics=[AssignedNic(name=n, pf=n) for n in nics],
+        )
+    )
+
+
+def test_invariant_check_finds_double_held_devices_and_double_placements() -> None:
+    records: dict[str, NodeAllocations | None] = {
+        "n1": NodeAllocations(
+            node="n1",
+            allocations={
+                "a": _alloc("a", "n1", [0, 1], ["mlx5_0"]),
+                "b": _alloc("b", "n1", [1], ["mlx5_0"]),  # gpu1 and mlx5_0 twice
+            },
+        ),
+        "n2": NodeAllocations(node="n2", allocations={"a": _alloc("a", "n2", [0], [])}),  # a twice
+        "n3": None,  # undecodable
+    }
+    found = invariants.Violations()
+    placed = invariants.check(records, found)
+    assert found.double_held == {("n1", "gpu1"), ("n1", "mlx5_0")}
+    assert found.double_placed == {"a"}
+    assert found.undecodable == {"n3"}
+    assert placed["b"] == "n1"
+    clean = invariants.Violations()
+    invariants.check({"n1": NodeAllocations(node="n1", allocations={"a": _alloc("a", "n1", [0], [])})}, clean)
+    assert not clean.double_held and not clean.double_placed and clean.snapshots == 1
