@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from schemas.messages import AllocationRequest, PodRef
-from schemas.topology import NodeTopology
+from schemas.topology import Gpu, Nic, NodeTopology, NumaNode, PcieRoot, PcieSwitch, Socket
 from services.topology import import_nvidia_smi, load_topology
 
 # (built-in topology, share of the fleet)
@@ -48,6 +48,37 @@ def _topology(name: str) -> NodeTopology:
         text = (MATRICES / file).read_text()
         return import_nvidia_smi(text, name=name, gpu_model=model).topology
     return load_topology(name)
+
+
+V100 = "Tesla V100-SXM3-32GB"
+
+
+def sixteen_gpu(nics_per_switch: int = 2) -> NodeTopology:
+    """A DGX-2 / HGX-2 class server: 16 GPUs on one NVSwitch fabric (one NVLink domain), two
+    sockets, each with two PCIe roots of two switches, each switch holding 2 GPUs and
+    ``nics_per_switch`` NICs (1: DGX-2's 16 GPUs + 8 NICs; 2: 16 GPUs + 16 NICs)."""
+    sockets = []
+    gi = ni = 0
+    for s in range(2):
+        roots = []
+        for r in range(2):
+            switches = []
+            for w in range(2):
+                gpus = []
+                for _ in range(2):
+                    peers = [j for j in range(16) if j != gi]
+                    uuid = f"GPU-16-{gi:02d}"
+                    gpus.append(Gpu(index=gi, uuid=uuid, model=V100, memory_mib=32768, nvlink_peers=peers))
+                    gi += 1
+                nics = []
+                for _ in range(nics_per_switch):
+                    nics.append(Nic(name=f"mlx5_{ni}", speed_gbps=100))
+                    ni += 1
+                switches.append(PcieSwitch(id=f"sw{s}{r}{w}", gpus=gpus, nics=nics))
+            roots.append(PcieRoot(id=f"pci{s}{r}", switches=switches))
+        sockets.append(Socket(id=s, numa_nodes=[NumaNode(id=s, roots=roots)]))
+    name = f"16gpu-{8 * nics_per_switch}nic"
+    return NodeTopology(name=name, sockets=sockets).validate()
 
 
 def fleet(n: int, mix: tuple[tuple[str, float], ...] = MIX) -> list[tuple[str, NodeTopology]]:

@@ -109,6 +109,76 @@ def random_topology(
     return topo.validate()
 
 
+def big_topology(rng: random.Random, *, gpus: int = 16, nics: int = 16, vfs: bool = True) -> NodeTopology:
+    """A 16-GPU class server (HGX-2 / DGX-2, 16-GPU PCIe boxes): ``gpus`` GPUs and ``nics``
+    NICs spread at random over 2 sockets, 1-2 NUMA nodes each, 1-2 PCIe roots per NUMA node
+    and 1-4 switches per root (most devices under a switch, some directly on a root); NVLink
+    one NVSwitch domain, bridge pairs (half the time across switches), a 2 / 4 / 8 / 16
+    partition table, or none. Too big for :func:`bench.exhaustive.best` unless most devices
+    are held."""
+    # Holders: (socket, NUMA, root, switch or -1 for the root itself).
+    holders: list[tuple[int, int, int, int]] = []
+    for s in range(2):
+        for n in range(rng.randint(1, 2)):
+            for r in range(rng.randint(1, 2)):
+                holders.append((s, n, r, -1))
+                holders.extend((s, n, r, w) for w in range(rng.randint(1, 4)))
+    switches = [h for h in holders if h[3] >= 0]
+
+    def place() -> tuple[int, int, int, int]:
+        return rng.choice(holders) if rng.random() < 0.15 else rng.choice(switches)
+
+    # Devices are numbered in tree order, as discovery numbers them.
+    gpu_at = sorted(place() for _ in range(gpus))
+    nic_at = sorted(place() for _ in range(nics))
+    model = rng.choice(MODELS)
+    made: dict[tuple[int, int, int, int], tuple[list[Gpu], list[Nic]]] = {h: ([], []) for h in holders}
+    for i, h in enumerate(gpu_at):
+        m = model if rng.random() < 0.9 else rng.choice(MODELS)
+        mem = rng.choice((40960, 81920))
+        made[h][0].append(Gpu(index=i, uuid=f"GPU-{i:04d}", model=m, memory_mib=mem))
+    for i, h in enumerate(nic_at):
+        vf_list = []
+        if vfs and rng.random() < 0.2:
+            count = rng.randint(1, 2)
+            vf_list = [VirtualFunction(index=k, name=f"mlx5_{100 + i * 4 + k}") for k in range(count)]
+        link = rng.choice(("infiniband", "infiniband", "ethernet"))
+        speed = rng.choice((100, 200, 400))
+        made[h][1].append(Nic(name=f"mlx5_{i}", link_type=link, speed_gbps=speed, vfs=vf_list))
+    sockets: dict[int, dict[int, dict[int, PcieRoot]]] = {}
+    for s, n, r, w in holders:
+        g_list, n_list = made[(s, n, r, w)]
+        roots = sockets.setdefault(s, {}).setdefault(n, {})
+        if w < 0:
+            roots[r] = PcieRoot(id=f"r{s}{n}{r}", gpus=g_list, nics=n_list)
+        else:
+            roots[r].switches.append(PcieSwitch(id=f"sw{s}{n}{r}{w}", gpus=g_list, nics=n_list))
+    socket_list = [
+        Socket(id=s, numa_nodes=[NumaNode(id=s * 2 + n, roots=list(r.values())) for n, r in numas.items()])
+        for s, numas in sockets.items()
+    ]
+    topo = NodeTopology(name="big", sockets=socket_list)
+    mode = rng.choice(("nvswitch", "pairs", "table", "none"))
+    peers: dict[int, list[int]] = {i: [] for i in range(gpus)}
+    if mode == "nvswitch":
+        peers = {i: [j for j in range(gpus) if j != i] for i in range(gpus)}
+    elif mode == "pairs":
+        order = list(range(gpus))
+        if rng.random() < 0.5:
+            rng.shuffle(order)  # bridges that cross switches
+        for k in range(0, gpus - 1, 2):
+            peers[order[k]].append(order[k + 1])
+            peers[order[k + 1]].append(order[k])
+    for gpu in topo.gpus():
+        gpu.nvlink_peers = peers[gpu.index]
+    if mode == "table":
+        size = 2
+        while size <= gpus:
+            topo.nvlink_partitions += [list(range(k, min(k + size, gpus))) for k in range(0, gpus, size)]
+            size *= 2
+    return topo.validate()
+
+
 def all_device_ids(topo: NodeTopology) -> list[str]:
     out: list[str] = []
     for g in topo.gpus():

@@ -11,6 +11,9 @@ key the cluster index and the decision cache are built on.
 
 Alignment groups (PCIe switches, roots, NUMA nodes, sockets) are *units*: each unit has a mask
 of the slots under it. A pair's scope is the finest level at which both ends share a unit.
+Units form a tree (``unit_parent``: a switch lies in one root, a root in one NUMA node, a NUMA
+node in one socket), which the in-node search decomposes along; a unit is keyed by its whole
+path, so the tree holds even for a file that repeats a root id under two NUMA nodes.
 NVLink partitions are GPU-slot masks too (see :func:`nvlink_partitions`).
 """
 
@@ -157,6 +160,7 @@ class Shape:
     slot_id: list[str]  # slot -> device id
     unit_level: list[int]  # unit id -> PCIe level
     unit_mask: list[int]  # unit id -> slots under it
+    unit_parent: list[int]  # unit id -> the unit one level up (-1 for a socket)
     level_units: list[list[int]]  # level -> unit ids
     gpu_all: int
     pf_all: int
@@ -164,6 +168,7 @@ class Shape:
     vf_parent: dict[int, int]  # vf slot -> pf slot
     pf_vfs: dict[int, int]  # pf slot -> mask of its vf slots
     partitions: list[tuple[int, int]]  # (gpu slot mask, size)
+    maximal_parts: list[int]  # masks of the partitions no other partition contains
     # slot -> where the device sits in any topology of this shape: indices of socket, NUMA
     # node, root, switch (-1: on the root), device in its holder's gpus/nics, VF (-1: the PF)
     paths: list[tuple[int, int, int, int, int, int]]
@@ -260,21 +265,28 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
     unit_mask: list[int] = []
     level_units: list[list[int]] = [[] for _ in range(LEVELS)]
 
-    def unit(level: int, key: tuple[object, ...]) -> int:
+    unit_parent: list[int] = []
+
+    def unit(level: int, key: tuple[object, ...], parent: int) -> int:
         k = (level, *key)
         u = unit_ids.get(k)
         if u is None:
             u = unit_ids[k] = len(unit_level)
             unit_level.append(level)
             unit_mask.append(0)
+            unit_parent.append(parent)
             level_units[level].append(u)
         return u
 
     gpu_rows: list[tuple[Gpu, tuple[int, int, int, int]]] = []
     nic_rows: list[tuple[Nic, tuple[int, int, int, int]]] = []
     for loc in locate(topo):
-        sw = -1 if loc.switch is None else unit(0, (loc.root, loc.switch))
-        where = (sw, unit(1, (loc.root,)), unit(2, (loc.numa,)), unit(3, (loc.socket,)))
+        # Keyed by the whole path, so that units nest (the search relies on the tree).
+        so = unit(3, (loc.socket,), -1)
+        nu = unit(2, (loc.socket, loc.numa), so)
+        rt = unit(1, (loc.socket, loc.numa, loc.root), nu)
+        sw = -1 if loc.switch is None else unit(0, (loc.socket, loc.numa, loc.root, loc.switch), rt)
+        where = (sw, rt, nu, so)
         if isinstance(loc.device, Gpu):
             gpu_rows.append((loc.device, where))
         else:
@@ -332,6 +344,8 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
                 m |= 1 << index_slot[i]
         if m.bit_count() > 1:
             partitions.append((m, m.bit_count()))
+    masks = {m for m, _ in partitions}
+    maximal_parts = sorted(m for m in masks if not any(m != o and m & o == m for o in masks))
     return Shape(
         id=shape_id,
         signature=signature,
@@ -346,6 +360,7 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
         slot_id=slot_id,
         unit_level=unit_level,
         unit_mask=unit_mask,
+        unit_parent=unit_parent,
         level_units=level_units,
         gpu_all=(1 << n_gpus) - 1,
         pf_all=pf_all,
@@ -353,6 +368,7 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
         vf_parent=vf_parent,
         pf_vfs=pf_vfs,
         partitions=partitions,
+        maximal_parts=maximal_parts,
         paths=gpu_paths + nic_paths,
         aligned=sum(
             min((m & ((1 << n_gpus) - 1)).bit_count(), (m & pf_all).bit_count())

@@ -17,22 +17,43 @@ Quality order (a tuple, smaller is better; :class:`Choice` ``key`` then ``frag``
 Why it can be exact without trying every pairing: scope levels nest (a switch lies in one
 root, a root in one NUMA node, ...), so for a GPU set G and a NIC count ``n_u`` in each unit
 ``u``, the most pairs that can lie within level ``k`` is ``sum(min(g_u, n_u) for u at k)``,
-and bottom-up greedy matching reaches that maximum at every level at once. With the free
-NICs ``a_u`` the best G can get is ``sum(min(g_u, a_u))`` per level, so for ``per-gpu``
-pairing the search scores every GPU subset cheaply, keeps the best, and only for those
-enumerates the NIC choices that keep the best pair counts (``n_u >= min(g_u, a_u)`` in every
-unit) to minimise fragmentation. NICs with the same location (same switch, or directly on the
-same root) are interchangeable for every criterion, so NIC choices are count vectors over
-location classes, not subsets. ``shared`` pairing scores every (GPU subset, NIC vector).
+and bottom-up greedy matching reaches that maximum at every level at once. For ``shared``
+pairing the counts are ``g_u`` summed over the units at ``k`` that have a NIC chosen (and
+``n_u`` over those with a GPU).
 
-Property tests check the result against a plain exhaustive search over all device subsets
-and all matchings.
+Why it need not try every GPU subset either (it did until 16-GPU servers made that take
+tens of seconds): every criterion but NVLink is a sum over the units of the PCIe tree of a
+function of ``(g_u, n_u)``, the devices taken under ``u``. So the search is a dynamic program
+over the tree: devices at one location (same switch, or directly on the same root) are
+interchangeable, so a leaf is a count; a unit's table maps ``(a GPUs, b NICs)`` taken below
+it to the best score, built by min-plus merging its children's tables and adding its own
+terms. The quality tuple is packed into one integer whose fields cannot carry into each other
+(see :class:`_Search`), and lexicographic order is compatible with addition, so keeping the
+best score per state is exact. The cost is about (tree size) x (g + 1)^2 x (r + 1)^2 integer
+additions, a millisecond or so on a 16-GPU + 16-NIC server.
+
+NVLink is not a tree sum and is handled around the dynamic program: "inside one partition"
+by one run per inclusion-maximal partition (and one over all GPUs, scored as outside), and
+"whole partitions broken" as a tree term wherever a partition's GPUs are exactly one unit's
+or one leaf's (NVSwitch domains, Hopper pairs and quads, bridge pairs on one switch). Only
+partitions that cut across the PCIe tree (bridges between switches) are enumerated: unions of
+them in increasing size, each a run with the GPUs outside dropped, cut short as soon as no
+larger union can win and skipping unions whose pair counts cannot reach the best.
+
+"Required scope met" comes first but is not a sum; the search first runs with the pairs
+within the scope as a leading field (which finds a placement that meets the scope whenever
+one exists) and, only if none does and the request is ``preferred``, again without it.
+
+Ties break towards the lowest GPU slots, then towards NICs at the first location classes,
+exactly as the subset enumeration did (kept in ``bench/enumeration.py``). Property tests
+check the result against a plain exhaustive search over all device subsets and all matchings
+(``bench/exhaustive.py``), on small nodes and on 16-GPU servers with few devices free, and
+against the subset enumeration on 16-GPU servers with more free.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import combinations
 
 from schemas.topology import SCOPE_NAMES, Scope
 
@@ -145,42 +166,6 @@ _NOUN = {
     Scope.SOCKET: "CPU socket",
 }
 
-_vector_cache: dict[tuple[tuple[int, ...], int], list[tuple[int, ...]]] = {}
-
-
-def _vectors(caps: tuple[int, ...], r: int) -> list[tuple[int, ...]]:
-    """All count vectors ``v`` with ``0 <= v[i] <= caps[i]`` and ``sum(v) == r``, in a fixed order."""
-    key = (caps, r)
-    got = _vector_cache.get(key)
-    if got is not None:
-        return got
-    out: list[tuple[int, ...]] = []
-    n = len(caps)
-    suffix = [0] * (n + 1)
-    for i in range(n - 1, -1, -1):
-        suffix[i] = suffix[i + 1] + caps[i]
-    cur = [0] * n
-
-    def rec(i: int, left: int) -> None:
-        if left == 0:
-            out.append(tuple(cur))
-            return
-        if i == n or suffix[i] < left:
-            return
-        # Larger counts first: concentrating NICs tends to be the better (less fragmenting)
-        # choice, so ties resolve towards it.
-        for take in range(min(caps[i], left), -1, -1):
-            cur[i] = take
-            rec(i + 1, left - take)
-        cur[i] = 0
-
-    rec(0, r)
-    if len(_vector_cache) > 4096:
-        _vector_cache.clear()
-    _vector_cache[key] = out
-    return out
-
-
 def _pair_scope(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> int:
     for k in range(LEVELS):
         if a[k] >= 0 and a[k] == b[k]:
@@ -231,6 +216,388 @@ def precheck(shape: Shape, free: int, spec: Spec) -> Refusal | None:
     return None
 
 
+# ---------------------------------------------------------------------------------------------
+# The exact search (see the module docstring): dynamic programming over the unit tree
+
+# A plan says which devices a table entry stands for, as a tree of picks built while merging:
+# (0, GPU slots of a type, count) / (1, NIC class, count) at the leaves, (plan, plan) above.
+Plan = tuple[object, ...] | None
+# A table: (a GPUs, b NICs) taken in a subtree -> (score, plan) of the best way to take them.
+Table = dict[tuple[int, int], tuple[int, Plan]]
+# A GPU leaf type: location (unit per level) and membership in the partitions that cut across
+# the PCIe tree. GPUs of one type are interchangeable, so a leaf is a count.
+LeafKey = tuple[tuple[int, int, int, int], int]
+
+
+class _Search:
+    """One :func:`evaluate` call: the free devices, the score layout, the tree DP.
+
+    A score is one Python int, smaller is better. From the most significant end: ``lead``
+    (pairs within the requested scope: set only while looking for a placement that meets it),
+    ``c0..c3`` (pairs within each level) and ``d0..d3`` (shared pairing's NICs near a GPU),
+    all as negative counts; then non-negative fields: ``nv`` (the GPU set lies in no NVLink
+    partition), ``nvb`` (sizes of whole partitions broken), the whole sockets, NUMA nodes,
+    roots and switches broken, and two tie-breaks that make the best placement unique: the
+    lowest GPU slots, then the most NICs at the first location classes (what the subset
+    enumeration this search replaced returned). Each field is wider than any partial sum it
+    can hold, so comparing scores compares the tuples lexicographically and a score adds up
+    over the tree: keeping only the best score per (a, b) state is exact."""
+
+    def __init__(self, shape: Shape, free: int, spec: Spec, view: ClassView) -> None:
+        self.shape = shape
+        self.g = g = spec.gpus
+        self.r = r = spec.rdma
+        self.S = int(spec.scope)
+        self.per_gpu = spec.per_gpu
+        self.paired = g > 0 and r > 0
+        self.gpus = free & view.gpu_ok
+        groups = _nic_classes(shape, free, view)
+        self.locs = sorted(groups)
+        self.nic_lists = [groups[loc] for loc in self.locs]
+        self.whole = [m & ~free == 0 for m in shape.unit_mask]
+        self.whole_parts = [(m, size) for m, size in shape.partitions if m & ~free == 0]
+        self.unit_nics = [0] * len(shape.unit_level)
+        for loc, lst in groups.items():
+            for u in loc:
+                if u >= 0:
+                    self.unit_nics[u] += len(lst)
+
+        # Field widths and shifts, least significant first.
+        caps = [min(len(lst), r) for lst in self.nic_lists]
+        base = max(caps, default=0) + 1
+        k = len(caps)
+        ng = shape.n_gpus
+        wn = (max(r, 1) * base**k).bit_length() + 1
+        wg = ng + max(g, 1).bit_length() + 1
+        wu = len(shape.unit_level).bit_length() + 1
+        wv = (sum(s for _, s in self.whole_parts) + 1).bit_length() + 1
+        wc = (g + r + 1).bit_length() + 1
+        self.s_unit = s_unit = wn + wg
+        self.wu = wu
+        self.unit_w = [1 << (s_unit + lvl * wu) for lvl in range(LEVELS)]
+        self.s_nvb = s_unit + LEVELS * wu
+        self.nvb_mask = (1 << wv) - 1
+        self.nvb_w = 1 << self.s_nvb
+        self.s_nv = self.s_nvb + wv
+        self.nv_w = 1 << self.s_nv
+        self.low = self.s_nvb + wv + 2  # width of the non-negative fields
+        self.wc = wc
+        self.d_w = [1 << (self.low + (3 - lvl) * wc) for lvl in range(LEVELS)]
+        self.c_w = [1 << (self.low + (7 - lvl) * wc) for lvl in range(LEVELS)]
+        self.lead_w = 1 << (self.low + 8 * wc)
+        self.gpu_w = [((1 << ng) - (1 << (ng - 1 - s))) << wn for s in range(ng)]
+
+        # NIC leaves, fixed for every run: (unit they hang under, table, NIC count).
+        self.n_total = sum(len(lst) for lst in self.nic_lists)
+        self.nic_leaves: list[tuple[int, Table, int]] = []
+        for c, loc in enumerate(self.locs):
+            w = base**k - base ** (k - 1 - c)
+            table: Table = {(0, 0): (0, None)}
+            for y in range(1, caps[c] + 1):
+                table[(0, y)] = (y * w, (1, c, y))
+            self.nic_leaves.append((loc[0] if loc[0] >= 0 else loc[1], table, len(self.nic_lists[c])))
+
+    # -----------------------------------------------------------------------------------------
+
+    def best(self, *, lead: bool) -> tuple[int, Plan]:
+        """The best score and plan over all GPU restrictions that decide NVLink fit.
+
+        A GPU set has ``nv = 0`` when it lies in some partition; every such set lies in an
+        inclusion-maximal one, so the search runs once per maximal partition (``nv = 0``) and
+        once over all GPUs (scored ``nv = 1``). A set found by the unrestricted run that does
+        fit a partition is also found, scored lower, by that partition's run."""
+        g = self.g
+        every = self.gpus if g else 0  # a NIC-only request touches no GPU (nor partition)
+        runs: list[tuple[int, int]] = [(every, 0)]
+        if g >= 2:
+            maximal = self.shape.maximal_parts
+            if not any(every & ~m == 0 for m in maximal):
+                runs = [(every, 1)]
+                seen = set()
+                for m in maximal:
+                    part = every & m
+                    if part.bit_count() >= g and part not in seen:
+                        seen.add(part)
+                        runs.append((part, 0))
+        best: tuple[int, Plan] | None = None
+        for allowed, nv in runs:
+            v, plan = self._solve(allowed, lead=lead)
+            v += nv * self.nv_w
+            if best is None or v < best[0]:
+                best = (v, plan)
+        assert best is not None
+        return best
+
+    def _solve(self, allowed: int, *, lead: bool) -> tuple[int, Plan]:
+        """Best score with the GPUs restricted to ``allowed`` (at least ``g`` of them).
+
+        Whole NVLink partitions broken (``nvb``) are a term of the tree where a partition's
+        GPUs here are exactly one unit's (touched iff that unit gives a GPU), all of them (a
+        constant), or one leaf type's. The others ("irregular": they cut across the PCIe
+        tree) are enumerated: for each union ``U`` of irregular partitions, in increasing size,
+        the GPUs outside ``U`` are dropped and ``|U|`` is charged; a set that touches fewer
+        than ``U`` is also found, charged less, under the smaller union."""
+        shape = self.shape
+        unit_gpus: dict[int, int] = {}
+        for lvl in range(LEVELS):
+            for u in shape.level_units[lvl]:
+                m = shape.unit_mask[u] & allowed
+                if m and m not in unit_gpus:
+                    unit_gpus[m] = u
+        top = 0
+        unit_nv: dict[int, int] = {}
+        loose: list[tuple[int, int]] = []
+        for m, size in self.whole_parts:
+            e = m & allowed
+            if not e:
+                continue
+            if e == allowed:
+                top += size
+                continue
+            holder = unit_gpus.get(e)
+            if holder is not None:
+                unit_nv[holder] = unit_nv.get(holder, 0) + size
+            else:
+                loose.append((e, size))
+        # GPU leaf types: location and membership in the loose partitions.
+        types: dict[LeafKey, list[int]] = {}
+        gloc = shape.gpu_loc
+        for s in bits(allowed):
+            member = 0
+            for i, (e, _) in enumerate(loose):
+                if e >> s & 1:
+                    member |= 1 << i
+            types.setdefault((gloc[s], member), []).append(s)
+        by_mask: dict[int, LeafKey] = {}
+        for key, slots in types.items():
+            m = 0
+            for s in slots:
+                m |= 1 << s
+            by_mask[m] = key
+        leaf_nv: dict[LeafKey, int] = {}
+        irregular: list[tuple[int, int]] = []
+        for e, size in loose:
+            one = by_mask.get(e)
+            if one is not None:
+                leaf_nv[one] = leaf_nv.get(one, 0) + size
+            else:
+                irregular.append((e, size))
+        sig: dict[LeafKey, int] = {}
+        for key, slots in types.items():
+            m = 0
+            for i, (e, _) in enumerate(irregular):
+                if e >> slots[0] & 1:
+                    m |= 1 << i
+            sig[key] = m
+        constant = top * self.nvb_w if self.g else 0
+        leaves = [(key, slots, leaf_nv.get(key, 0)) for key, slots in types.items()]
+
+        full = 0
+        for m in sig.values():
+            full |= m
+        found = self._dp(leaves, unit_nv, lead=lead)
+        assert found is not None
+        weight = [size for _, size in irregular]
+
+        def charge(union: int) -> int:
+            return sum(weight[i] for i in range(len(weight)) if union >> i & 1)
+
+        best = (found[0] + constant + charge(full) * self.nvb_w, found[1])
+        if not full:
+            return best
+        unions = {0}
+        for m in set(sig.values()):
+            unions |= {x | m for x in unions}
+        for union in sorted(unions, key=charge):
+            w = charge(union)
+            if w + top > (best[0] >> self.s_nvb) & self.nvb_mask:
+                break  # charges only grow from here: no later union can beat the best
+            if union == full:
+                continue
+            subset = [leaf for leaf in leaves if sig[leaf[0]] & ~union == 0]
+            if sum(len(slots) for _, slots, _ in subset) < self.g:
+                continue
+            mask = 0
+            for _, slots, _ in subset:
+                for s in slots:
+                    mask |= 1 << s
+            if self._pairs_bound(mask, lead=lead) >> self.low > best[0] >> self.low:
+                continue  # cannot reach the best pair counts: no need to search
+            got = self._dp(subset, unit_nv, lead=lead)
+            if got is not None:
+                v = got[0] + constant + w * self.nvb_w
+                if v < best[0]:
+                    best = (v, got[1])
+        return best
+
+    def _pairs_bound(self, allowed: int, *, lead: bool) -> int:
+        """A score no placement using only ``allowed`` GPUs can beat in its pair counts: per
+        level, pairs within a unit are at most ``min(GPUs, NICs)`` there (``per-gpu``), GPUs
+        with a NIC beside them at most the GPUs of units that have NICs (``shared``)."""
+        if not self.paired:
+            return 0
+        shape = self.shape
+        g, r = self.g, self.r
+        v = 0
+        for lvl in range(LEVELS):
+            c = d = 0
+            for u in shape.level_units[lvl]:
+                n = self.unit_nics[u]
+                if not n:
+                    continue
+                a = (shape.unit_mask[u] & allowed).bit_count()
+                if self.per_gpu:
+                    c += a if a < n else n
+                elif a:
+                    c += a
+                    d += n
+            c = min(c, g)
+            d = min(d, r) if not self.per_gpu else 0
+            v -= c * self.c_w[lvl] + d * self.d_w[lvl]
+            if lead and lvl == self.S:
+                v -= (c + d) * self.lead_w
+        return v
+
+    def _dp(
+        self,
+        leaves: list[tuple[LeafKey, list[int], int]],
+        unit_nv: dict[int, int],
+        *,
+        lead: bool,
+    ) -> tuple[int, Plan] | None:
+        """Bottom-up over the units that hold a candidate device: merge the children's tables
+        (min-plus over (a, b)), then add the unit's own terms for each state."""
+        shape = self.shape
+        g, r = self.g, self.r
+        parent = shape.unit_parent
+        level = shape.unit_level
+        at: dict[int, list[tuple[Table, int, int]]] = {}
+        gpu_w = self.gpu_w
+        for key, slots, nvb in leaves:
+            loc = key[0]
+            table: Table = {(0, 0): (0, None)}
+            v = nvb * self.nvb_w
+            cap = min(len(slots), g)
+            for x in range(1, cap + 1):
+                v += gpu_w[slots[x - 1]]
+                table[(x, 0)] = (v, (0, slots, x))
+            u = loc[0] if loc[0] >= 0 else loc[1]
+            at.setdefault(u, []).append((table, len(slots), 0))
+        for u, table, n in self.nic_leaves:
+            at.setdefault(u, []).append((table, 0, n))
+        self.g_total = sum(len(slots) for _, slots, _ in leaves)
+        active: set[int] = set()
+        for u in at:
+            while u >= 0 and u not in active:
+                active.add(u)
+                u = parent[u]
+        order = sorted(active, key=lambda x: (level[x], x))
+        done: dict[int, list[tuple[Table, int, int]]] = {}
+        tops: list[tuple[Table, int, int]] = []
+        for u in order:
+            parts = at.get(u, []) + done.pop(u, [])
+            acc = parts[0]
+            for part in parts[1:]:
+                acc = self._merge(acc, part)
+            closed = (self._close(u, acc[0], unit_nv.get(u, 0), lead=lead), acc[1], acc[2])
+            p = parent[u]
+            if p >= 0:
+                done.setdefault(p, []).append(closed)
+            else:
+                tops.append(closed)
+        acc = tops[0]
+        for part in tops[1:]:
+            acc = self._merge(acc, part)
+        return acc[0].get((g, r))
+
+    def _merge(self, x: tuple[Table, int, int], y: tuple[Table, int, int]) -> tuple[Table, int, int]:
+        tx, gx, nx = x
+        ty, gy, ny = y
+        gn, nn = gx + gy, nx + ny
+        g, r = self.g, self.r
+        # States that cannot be completed by the devices outside are dropped.
+        amin = g - (self.g_total - gn)
+        bmin = r - (self.n_total - nn)
+        out: Table = {}
+        items = list(ty.items())
+        for (a1, b1), (v1, p1) in tx.items():
+            for (a2, b2), (v2, p2) in items:
+                a = a1 + a2
+                b = b1 + b2
+                if a > g or b > r or a < amin or b < bmin:
+                    continue
+                v = v1 + v2
+                cur = out.get((a, b))
+                if cur is None or v < cur[0]:
+                    out[(a, b)] = (v, p2 if p1 is None else p1 if p2 is None else (p1, p2))
+        return out, gn, nn
+
+    def _close(self, u: int, table: Table, nvb: int, *, lead: bool) -> Table:
+        """Add unit ``u``'s terms: its pairs (or shared counts), whether a whole unit or a
+        unit-aligned NVLink partition is broken."""
+        lvl = self.shape.unit_level[u]
+        frag = self.unit_w[lvl] if self.whole[u] else 0
+        nvw = nvb * self.nvb_w
+        lw = self.lead_w if lead and lvl == self.S else 0
+        cw = self.c_w[lvl] + lw
+        dw = self.d_w[lvl] + lw
+        paired, per_gpu = self.paired, self.per_gpu
+        out: Table = {}
+        for (a, b), (v, p) in table.items():
+            if a or b:
+                v += frag
+                if a:
+                    v += nvw
+                    if b and paired:
+                        if per_gpu:
+                            v -= (a if a < b else b) * cw
+                        else:
+                            v -= a * cw + b * dw
+            out[(a, b)] = (v, p)
+        return out
+
+    # -----------------------------------------------------------------------------------------
+
+    def decode(self, v: int) -> tuple[list[int], list[int], int, int, list[int]]:
+        """(c0..c3, d0..d3, nv, nvb, broken [switch, root, numa, socket]) of a score."""
+        umask = (1 << self.wu) - 1
+        broken = [(v >> (self.s_unit + lvl * self.wu)) & umask for lvl in range(LEVELS)]
+        nvb = (v >> self.s_nvb) & self.nvb_mask
+        nv = (v >> self.s_nv) & 3
+        hi = v >> self.low
+        size = 1 << self.wc
+        digits = []
+        for _ in range(9):  # d3, d2, d1, d0, c3, c2, c1, c0, lead
+            d = hi & (size - 1)
+            if d >= size // 2:
+                d -= size
+            digits.append(d)
+            hi = (hi - d) >> self.wc
+        d = digits[3::-1]
+        c = digits[7:3:-1]
+        return c, d, nv, nvb, broken
+
+    def slots(self, plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The GPU and NIC slots a plan stands for (GPUs ascending, NICs by class)."""
+        gpus: list[int] = []
+        picks: list[tuple[int, int]] = []
+        stack: list[Plan] = [plan]
+        while stack:
+            p = stack.pop()
+            if p is None:
+                continue
+            if len(p) == 2:
+                stack.extend(p)  # type: ignore[arg-type]
+            elif p[0] == 0:
+                gpus.extend(p[1][: p[2]])  # type: ignore[index]
+            else:
+                picks.append((p[1], p[2]))  # type: ignore[arg-type]
+        nics: list[int] = []
+        for c, y in sorted(picks):
+            nics.extend(self.nic_lists[c][:y])
+        return tuple(sorted(gpus)), tuple(nics)
+
+
 def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
     """The best placement of ``spec`` on a node of ``shape`` with free slots ``free``."""
     refusal = precheck(shape, free, spec)
@@ -238,179 +605,38 @@ def evaluate(shape: Shape, free: int, spec: Spec) -> Choice | Refusal:
         return refusal
     view = shape.view(spec.device_class, spec.dc)
     g, r = spec.gpus, spec.rdma
-    gslots = bits(free & view.gpu_ok)
-    groups = _nic_classes(shape, free, view)
-    locs = sorted(groups)
-    caps = tuple(len(groups[loc]) for loc in locs)
-
-    # Units and their NIC capacity; classes per unit (to get n_u from a count vector).
-    unit_classes: dict[int, list[int]] = {}
-    avail: dict[int, int] = {}
-    for ci, loc in enumerate(locs):
-        for u in loc:
-            if u >= 0:
-                unit_classes.setdefault(u, []).append(ci)
-                avail[u] = avail.get(u, 0) + caps[ci]
-    level = shape.unit_level
     S = int(spec.scope)
-    gloc = shape.gpu_loc
-
-    whole_by_level: list[list[int]] = [[] for _ in range(LEVELS)]
-    for u, m in enumerate(shape.unit_mask):
-        if m & ~free == 0:
-            whole_by_level[level[u]].append(m)
-    whole_parts = [(m, size) for m, size in shape.partitions if m & ~free == 0]
-
-    def nv_key(gm: int) -> int:
-        if g <= 1:
-            return 0
-        for m, _size in shape.partitions:
-            if gm & m == gm:
-                return 0
-        return 1
-
-    def frag(chosen: int) -> tuple[int, int, int, int, int]:
-        nv = 0
-        for m, size in whole_parts:
-            if m & chosen:
-                nv += size
-        sw = sum(1 for m in whole_by_level[0] if m & chosen)
-        rt = sum(1 for m in whole_by_level[1] if m & chosen)
-        nu = sum(1 for m in whole_by_level[2] if m & chosen)
-        so = sum(1 for m in whole_by_level[3] if m & chosen)
-        return (nv, so, nu, rt, sw)
-
-    def nic_slots(vec: tuple[int, ...]) -> tuple[int, ...]:
-        out: list[int] = []
-        for ci, n in enumerate(vec):
-            if n:
-                out.extend(groups[locs[ci]][:n])
-        return tuple(out)
-
-    def gpu_counts(G: tuple[int, ...]) -> dict[int, int]:
-        cnt: dict[int, int] = {}
-        for s in G:
-            for u in gloc[s]:
-                if u >= 0:
-                    cnt[u] = cnt.get(u, 0) + 1
-        return cnt
-
-    def n_counts(vec: tuple[int, ...]) -> dict[int, int]:
-        cnt: dict[int, int] = {}
-        for ci, n in enumerate(vec):
-            if n:
-                for u in locs[ci]:
-                    if u >= 0:
-                        cnt[u] = cnt.get(u, 0) + n
-        return cnt
-
-    vectors = _vectors(caps, r)
-    best_key: tuple[int, ...] | None = None
-    best_frag: tuple[int, ...] = ()
-    best_g: tuple[int, ...] = ()
-    best_v: tuple[int, ...] = ()
-    best_scope_pairs = -1  # for the refusal text: most pairs within the scope anywhere
-
-    if spec.per_gpu and g > 0:
-        # Score every GPU subset by its best reachable pair counts, then refine the winners.
-        scored: list[tuple[tuple[int, ...], tuple[int, ...], dict[int, int]]] = []
-        for G in combinations(gslots, g):
-            cnt = gpu_counts(G)
-            c = [0, 0, 0, 0]
-            for u, gu in cnt.items():
-                au = avail.get(u, 0)
-                c[level[u]] += gu if gu < au else au
-            within = c[S] if S < LEVELS else g
-            if within > best_scope_pairs:
-                best_scope_pairs = within
-            unmet = 1 if within < g else 0
-            if unmet and spec.required:
-                continue
-            gm = 0
-            for s in G:
-                gm |= 1 << s
-            key = (unmet, -c[0], -c[1], -c[2], -c[3], 0, 0, 0, 0, nv_key(gm))
-            if best_key is None or key < best_key:
-                best_key, scored = key, [(G, key, cnt)]
-            elif key == best_key:
-                scored.append((G, key, cnt))
-        if best_key is None:
-            return Refusal("scope", f"{g} GPUs free but only {best_scope_pairs} NICs {_PLURAL[Scope(S)]}")
-        found = False
-        for G, _key, cnt in scored:
-            need = [(u, min(gu, avail.get(u, 0))) for u, gu in cnt.items()]
-            need = [(u, m) for u, m in need if m > 0]
-            gm = 0
-            for s in G:
-                gm |= 1 << s
-            for vec in vectors:
-                ok = True
-                for u, m in need:
-                    if sum(vec[ci] for ci in unit_classes[u]) < m:
-                        ok = False
-                        break
-                if not ok:
-                    continue
-                chosen = gm
-                for s in nic_slots(vec):
-                    chosen |= 1 << s
-                f = frag(chosen)
-                if not found or f < best_frag:
-                    found, best_frag, best_g, best_v = True, f, G, vec
-        assert found  # the greedy bound is always reachable
-    else:
-        # shared pairing (or GPU-only / NIC-only): every GPU subset x every NIC vector.
-        any_met = False
-        for G in combinations(gslots, g):
-            gcnt = gpu_counts(G)
-            gm = 0
-            for s in G:
-                gm |= 1 << s
-            nv = nv_key(gm)
-            for vec in vectors:
-                c = [0, 0, 0, 0]
-                d = [0, 0, 0, 0]
-                unmet = 0
-                if g and r:
-                    ncnt = n_counts(vec)
-                    for u, gu in gcnt.items():
-                        if ncnt.get(u):
-                            c[level[u]] += gu
-                    for u, nu in ncnt.items():
-                        if gcnt.get(u):
-                            d[level[u]] += nu
-                    if S < LEVELS and (c[S] < g or d[S] < r):
-                        unmet = 1
-                if unmet and spec.required:
-                    continue
-                any_met = any_met or not unmet
-                key = (unmet, -c[0], -c[1], -c[2], -c[3], -d[0], -d[1], -d[2], -d[3], nv)
-                if best_key is not None and key > best_key:
-                    continue
-                chosen = gm
-                for s in nic_slots(vec):
-                    chosen |= 1 << s
-                f = frag(chosen)
-                if best_key is None or key < best_key or f < best_frag:
-                    best_key, best_frag, best_g, best_v = key, f, G, vec
-        if best_key is None:
-            return Refusal(
-                "scope",
-                f"{g} GPUs and {r} NICs free but not within one {_NOUN[Scope(S)]} of each other",
-            )
-    assert best_key is not None
-    nics = nic_slots(best_v)
-    pairs = _pairs(shape, best_g, nics, per_gpu=spec.per_gpu)
-    scope = max(p[2] for p in pairs) if pairs else _span(shape, best_g + nics)
+    search = _Search(shape, free, spec, view)
+    scoped = g > 0 and r > 0 and S < LEVELS
+    value, plan = search.best(lead=scoped)
+    unmet = 0
+    if scoped:
+        c, d, _nv, _nvb, _broken = search.decode(value)
+        if -c[S] < g or (not spec.per_gpu and -d[S] < r):
+            if spec.required:
+                if spec.per_gpu:
+                    return Refusal("scope", f"{g} GPUs free but only {-c[S]} NICs {_PLURAL[Scope(S)]}")
+                return Refusal(
+                    "scope",
+                    f"{g} GPUs and {r} NICs free but not within one {_NOUN[Scope(S)]} of each other",
+                )
+            unmet = 1
+            value, plan = search.best(lead=False)
+    c, d, nv, nvb, broken = search.decode(value)
+    key = (unmet, *c, *d, nv)
+    frag = (nvb, broken[3], broken[2], broken[1], broken[0])
+    gpus, nics = search.slots(plan)
+    pairs = _pairs(shape, gpus, nics, per_gpu=spec.per_gpu)
+    scope = max(p[2] for p in pairs) if pairs else _span(shape, gpus + nics)
     return Choice(
-        key=best_key,
-        frag=best_frag,
-        gpus=best_g,
+        key=key,
+        frag=frag,
+        gpus=gpus,
         nics=nics,
         pairs=pairs,
         scope=scope,
-        met=best_key[0] == 0,
-        cross=(*cross_key(best_key, S), one_sided_waste(shape, free, g, r)),
+        met=unmet == 0,
+        cross=(*cross_key(key, S), one_sided_waste(shape, free, g, r)),
     )
 
 
