@@ -61,6 +61,13 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--apply-ms", type=float, default=0.0, help="simulated apply time per allocation")
     p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before the load, measure CPU shares this long with heartbeats only (default: skip)",
+    )
+    p.add_argument(
         "--start-timeout",
         type=float,
         help="seconds for the fleet to register and the allocator to decide (default 60 + 0.02/node)",
@@ -87,6 +94,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         drain_s=args.drain,
         ceiling_msgs=args.ceiling_msgs,
         apply_ms=args.apply_ms,
+        idle_s=args.idle,
         start_timeout=args.start_timeout,
         log_dir=args.log_dir,
         keep_logs=args.keep_logs,

@@ -12,7 +12,8 @@
    harness waits until inventory has registered every node (keys of KV ``tandem-nodes``).
 5. **Ready.** A probe request pinned to the last node registered: ``ready_s`` = ``t0`` → its
    assignment, i.e. until the allocator knows the whole fleet and decides. The probe is then
-   released; it is not part of the figures.
+   released; it is not part of the figures. With ``idle_s``, the CPU share of every process
+   is then measured over that long with heartbeats only (``idle_cpu_pct``).
 6. **Load** (:mod:`services.loadtest.driver`), with KV snapshots checking the invariants
    (:mod:`services.loadtest.invariants`) at a quarter, half and three quarters of the
    requests; then a **drain** until everything is answered and freed (bounded), a final
@@ -47,9 +48,9 @@ from services.loadtest import ceiling, invariants
 from services.loadtest.driver import LoadDriver, Req
 from services.loadtest.errors import LoadtestError
 from services.loadtest.mix import RequestStream, Workload, fleet_gpus, fleet_plan, probe_request
-from services.loadtest.procs import Child, Children, rss_mb
+from services.loadtest.procs import Child, Children, cpu_seconds, rss_mb
 from services.loadtest.publisher import AsyncPublisher
-from services.loadtest.report import CeilingFigures, Report, RssFigures, percentiles
+from services.loadtest.report import CeilingFigures, CpuFigures, Report, RssFigures, percentiles
 from services.runtime.bus import Bus
 from services.runtime.embedded import EmbeddedNats, free_ports
 from services.runtime.errors import EmbeddedServerError
@@ -77,6 +78,7 @@ class LoadConfig:
     drain_s: float = 60.0
     ceiling_msgs: int = 20_000
     apply_ms: float = 0.0
+    idle_s: float = 0.0  # > 0: measure CPU shares over this long with heartbeats only
     start_timeout: float | None = None  # None: 60 s + 20 ms per node
     log_dir: str | None = None
     keep_logs: bool = False
@@ -94,6 +96,7 @@ class LoadConfig:
             (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
             (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
             (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
+            (self.idle_s < 0, f"--idle must not be negative, got {self.idle_s}"),
             (not self.start_services and self.nats_url is None, "--no-services needs --nats URL"),
         ]
         for bad, message in problems:
@@ -112,15 +115,19 @@ class _FleetEvents:
         self.child = child
         self.events: dict[str, dict[str, Any]] = {}
         self.changed = asyncio.Event()
+        self.closed = asyncio.Event()
 
     async def read(self) -> None:
         stdout = self.child.proc.stdout
         assert stdout is not None
-        while line := await stdout.readline():
-            with contextlib.suppress(msgspec.DecodeError):
-                event = msgspec.json.decode(line, type=dict[str, Any])
-                self.events[str(event.get("event"))] = event
-                self.changed.set()
+        try:
+            while line := await stdout.readline():
+                with contextlib.suppress(msgspec.DecodeError):
+                    event = msgspec.json.decode(line, type=dict[str, Any])
+                    self.events[str(event.get("event"))] = event
+                    self.changed.set()
+        finally:
+            self.closed.set()
 
     async def wait(self, name: str, *, deadline: float, alive: Callable[[], None]) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
@@ -154,6 +161,8 @@ class Harness:
         self.plan = fleet_plan(cfg.nodes)
         self.names = [spec.name for spec in self.plan]
         self.failed = True
+        self.fleet_events: _FleetEvents | None = None
+        self._cpu_t0: dict[str, float | None] = {}
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -175,6 +184,7 @@ class Harness:
 
         loop = asyncio.get_running_loop()
         t0 = time.perf_counter()
+        self._cpu_t0 = self._cpu_now()  # nats and the harness already worked for the ceiling
         deadline = loop.time() + cfg.startup_timeout
         if cfg.start_services:
             await self._start_services(url)
@@ -188,7 +198,7 @@ class Harness:
             args=["--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)],
             stdout_pipe=True,
         )
-        events = _FleetEvents(fleet)
+        events = self.fleet_events = _FleetEvents(fleet)
         self.tasks.spawn("fleet-stdout", events.read, restart=False)
         ready = await events.wait("ready", deadline=deadline, alive=self.children.check)
         self.progress(f"fleet: {cfg.nodes} inventories stored in {ready.get('seconds')} s")
@@ -215,7 +225,11 @@ class Harness:
         try:
             ready_s = await self._probe(driver, t0=t0, deadline=deadline)
             self.progress(f"allocator deciding {ready_s:.2f} s after the services started")
-            return await self._load(driver, publisher, ceil=ceil, ready_s=ready_s)
+            idle = await self._idle() if cfg.idle_s > 0 else CpuFigures()
+            report = await self._load(driver, publisher, ceil=ceil, ready_s=ready_s)
+            report.idle_cpu_pct = idle
+            report.wall_s = round(time.perf_counter() - t0, 3)
+            return report
         finally:
             await driver.close()
 
@@ -237,7 +251,60 @@ class Harness:
         placed = invariants.check(await invariants.snapshot(bus.js), self.violations)
         self.children.check()
         self.children.sample_rss()
-        return self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
+        report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
+        now = self._cpu_now()
+        since_t0 = {k: _minus(v, self._cpu_t0.get(k)) for k, v in now.items()}
+        report.cpu_s = self._cpu_figures(since_t0)
+        return report
+
+    async def _idle(self) -> CpuFigures:
+        """CPU share of every process over ``idle_s`` of heartbeats only (no requests)."""
+        self.progress(f"idle for {self.cfg.idle_s:g} s: heartbeats only")
+        before = self._cpu_now()
+        began = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.idle_s
+        while loop.time() < deadline:
+            self.children.check()
+            await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
+        took = time.perf_counter() - began
+        after = self._cpu_now()
+        pct: dict[str, float | None] = {}
+        for key, used_before in before.items():
+            used_after = after.get(key)
+            if used_before is not None and used_after is not None:
+                pct[key] = (used_after - used_before) / took * 100
+        return self._cpu_figures(pct)
+
+    def _cpu_now(self) -> dict[str, float | None]:
+        """CPU seconds used so far: each role (allocator replicas summed), nats, the harness."""
+        out: dict[str, float | None] = {"harness": time.process_time()}
+        for child in self.children.children:
+            used = cpu_seconds(child.proc.pid) if child.alive else None
+            if used is not None:
+                out[child.role] = (out.get(child.role) or 0.0) + used
+        pid = self._nats_pid()
+        out["nats"] = cpu_seconds(pid) if pid is not None else None
+        return out
+
+    @staticmethod
+    def _cpu_figures(values: dict[str, float | None]) -> CpuFigures:
+        def get(key: str) -> float | None:
+            v = values.get(key)
+            return None if v is None else round(v, 2)
+
+        return CpuFigures(
+            allocator=get("allocator"),
+            inventory=get("inventory"),
+            nats=get("nats"),
+            fleet=get("fleet"),
+            harness=get("harness"),
+        )
+
+    def _nats_pid(self) -> int | None:
+        # EmbeddedNats has no public pid (see the report of issue 8's harness).
+        proc = self.server._proc if self.server is not None else None
+        return proc.pid if proc is not None and proc.poll() is None else None
 
     # -- stages -----------------------------------------------------------------------------
 
@@ -367,9 +434,8 @@ class Harness:
         for child in self.children.children:
             if child.peak_rss_mb is not None:
                 by_role.setdefault(child.role, []).append(child.peak_rss_mb)
-        nats_mb = None
-        if self.server is not None and self.server._proc is not None:
-            nats_mb = rss_mb(self.server._proc.pid)
+        pid = self._nats_pid()
+        nats_mb = rss_mb(pid) if pid is not None else None
         return RssFigures(
             allocator=max(by_role["allocator"]) if "allocator" in by_role else None,
             inventory=max(by_role["inventory"]) if "inventory" in by_role else None,
@@ -440,6 +506,13 @@ class Harness:
         fleet = [c for c in self.children.children if c.role == "fleet"]
         services = [c for c in self.children.children if c.role != "fleet"]
         await self.children.stop(fleet, grace=10.0)
+        if self.fleet_events is not None:
+            with contextlib.suppress(TimeoutError):  # its last line, read before EOF
+                await asyncio.wait_for(self.fleet_events.closed.wait(), 2.0)
+            stats = self.fleet_events.events.get("stats")
+            if stats is not None:
+                counts = ", ".join(f"{k} {v}" for k, v in stats.items() if k != "event")
+                self.progress(f"fleet: {counts}")
         await self.children.stop(services, grace=15.0)
         await self.tasks.aclose()
         if self.bus is not None:
@@ -457,6 +530,10 @@ class Harness:
         self.children.kill_now()
         if self.server is not None:
             self.server.stop()
+
+
+def _minus(value: float | None, base: float | None) -> float | None:
+    return None if value is None else value - (base or 0.0)
 
 
 async def run_loadtest(cfg: LoadConfig, settings: Settings, *, progress: Progress) -> Report:

@@ -1,4 +1,4 @@
-"""Child processes of a run: started as the chart runs them, stopped whatever happens.
+"""Child processes of a run: started as the chart runs them, stopped whatever happens, measured.
 
 Each service runs as ``python -m services.<name> --config <file>``: the config file holds the
 keys the chart's ConfigMap holds (``nats_url``, ``ops_port``, ``log_level``...), so the child
@@ -15,7 +15,8 @@ synchronous last resort for the CLI's ``finally``.
 
 A child's stdout and stderr go to ``<run dir>/<name>.log`` (a pipe nobody reads would block
 it); a child that dies during the run raises :class:`~services.loadtest.errors.LoadtestError`
-naming that file and quoting its last line.
+naming that file and quoting its last line. Peak RSS (``VmHWM``) and CPU time (``utime`` +
+``stime``) come from ``/proc/<pid>``.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ import msgspec
 from services.loadtest.errors import LoadtestError
 
 _PR_SET_PDEATHSIG = 1
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 def _die_with_parent() -> None:  # runs in the child between fork and exec
@@ -67,6 +69,17 @@ def rss_mb(pid: int) -> float | None:
     return None
 
 
+def cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time a live process has used so far (``/proc/<pid>/stat``)."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[-1].split()  # after "pid (comm)": state is fields[0]
+    utime, stime = int(fields[11]), int(fields[12])
+    return (utime + stime) / _CLOCK_TICKS
+
+
 @dataclass
 class Child:
     name: str
@@ -76,6 +89,7 @@ class Child:
     ops_port: int | None = None
     stopping: bool = False
     peak_rss_mb: float | None = None
+    cpu_s: float | None = None  # CPU used until the last sample
 
     @property
     def alive(self) -> bool:
@@ -98,6 +112,7 @@ class Child:
             value = rss_mb(self.proc.pid)
             if value is not None:
                 self.peak_rss_mb = max(self.peak_rss_mb or 0.0, value)
+            self.cpu_s = cpu_seconds(self.proc.pid) or self.cpu_s
         return self.peak_rss_mb
 
 

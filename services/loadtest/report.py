@@ -6,8 +6,10 @@ Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``
 ``p99``, ``max``), ``lost``, ``double_held``, ``jetstream_ceiling`` (``publish_per_s``,
 ``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
 ``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
-``freed``, ``rejected``, ``util_target``, ``util_peak``, ``load_s``, ``arrival_wait_s``, ``drained``,
-``snapshots``. A figure that was not measured is ``null``.
+``freed``, ``rejected``, ``util_target``, ``util_peak``, ``load_s``, ``arrival_wait_s``,
+``drained``, ``snapshots``, ``wall_s``, ``cpu_s`` and ``idle_cpu_pct`` (per process:
+``allocator`` — replicas summed —, ``inventory``, ``nats``, ``fleet``, ``harness``). A figure
+that was not measured is ``null``.
 """
 
 from __future__ import annotations
@@ -33,6 +35,16 @@ class RssFigures(msgspec.Struct):
     inventory: float | None = None
     nats: float | None = None
     fleet: float | None = None
+
+
+class CpuFigures(msgspec.Struct):
+    """Per process; ``allocator`` sums the replicas, ``harness`` is this process."""
+
+    allocator: float | None = None
+    inventory: float | None = None
+    nats: float | None = None
+    fleet: float | None = None
+    harness: float | None = None
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -61,6 +73,9 @@ class Report(msgspec.Struct, kw_only=True):
     arrival_wait_s: float = 0.0  # time arrivals waited for room in the fleet (driver gates)
     drained: bool = True  # every request answered and every release freed before the deadline
     snapshots: int = 0  # KV snapshots checked for double_held / double_placed
+    wall_s: float = 0.0  # services started → end of the drain
+    cpu_s: CpuFigures = msgspec.field(default_factory=CpuFigures)  # CPU seconds in wall_s
+    idle_cpu_pct: CpuFigures = msgspec.field(default_factory=CpuFigures)  # % of one core, idle
 
 
 def percentiles(values: list[float]) -> Percentiles:
@@ -89,6 +104,12 @@ def _num(value: float | None, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:g}{unit}"
 
 
+def _cpu(c: CpuFigures, unit: str) -> str:
+    parts = [("allocator", c.allocator), ("inventory", c.inventory), ("nats", c.nats)]
+    parts += [("fleet", c.fleet), ("harness", c.harness)]
+    return ", ".join(f"{name} {_num(v, unit)}" for name, v in parts)
+
+
 def summary(r: Report) -> str:
     """A few lines for a person; the JSON line follows it."""
     load = f"{r.rate:g}/s" if r.rate is not None else "open loop"
@@ -108,5 +129,8 @@ def summary(r: Report) -> str:
         f"pull+ack {_num(r.jetstream_ceiling.pull_ack_per_s, '/s')}",
         f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "
         f"nats {_num(rss.nats)}, fleet {_num(rss.fleet)}",
+        f"  CPU s over {r.wall_s:g} s: {_cpu(r.cpu_s, '')}",
     ]
+    if r.idle_cpu_pct.inventory is not None:
+        lines.append(f"  idle (heartbeats only), % of one core: {_cpu(r.idle_cpu_pct, ' %')}")
     return "\n".join(lines)
