@@ -198,19 +198,27 @@ CLASSES = {
 }
 
 
+HOSTNAME = "kubernetes.io/hostname"
+
+
 def random_cluster(
-    seed: int, n_nodes: int, *, reserve: float | None = None
+    seed: int, n_nodes: int, *, reserve: float | None = None, pinned_max: int | None = None
 ) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]]]:
-    """A cluster of random nodes with random holds and unavailable devices.
+    """A cluster of random nodes with random holds and unavailable devices; every node is
+    labelled with a pool and, as the allocator service does, its hostname.
 
     ``reserve`` overrides the core's default reserve share (which needs 50 large servers to
-    keep one in reserve, so small random clusters never see reserve pressure otherwise)."""
+    keep one in reserve, so small random clusters never see reserve pressure otherwise);
+    ``pinned_max`` the core's limit for deciding a selector on its nodes directly (0: every
+    selector goes through the grouped index, as selectors matching many nodes do)."""
     rng = random.Random(seed)
     policy = rng.choice(("binpack", "spread"))
-    if reserve is None:
-        cluster = Cluster(policy=policy, device_classes=CLASSES)
-    else:
-        cluster = Cluster(policy=policy, device_classes=CLASSES, reserve=reserve)
+    kw: dict[str, float | int] = {}
+    if reserve is not None:
+        kw["reserve"] = reserve
+    if pinned_max is not None:
+        kw["pinned_max"] = pinned_max
+    cluster = Cluster(policy=policy, device_classes=CLASSES, **kw)  # type: ignore[arg-type]
     topos: dict[str, NodeTopology] = {}
     blocked: dict[str, set[str]] = {}
     shared = random_topology(rng)
@@ -220,7 +228,7 @@ def random_cluster(
         name = f"n{i}"
         ids = all_device_ids(topo)
         bad = {d for d in ids if rng.random() < 0.05}
-        cluster.set_node(name, topo, labels={"pool": rng.choice("ab")}, unavailable=bad)
+        cluster.set_node(name, topo, labels={"pool": rng.choice("ab"), HOSTNAME: name}, unavailable=bad)
         held: set[str] = set()
         for h in range(rng.randint(0, 2)):
             devs = {d for d in ids if rng.random() < 0.15}
@@ -244,5 +252,7 @@ def random_request(rng: random.Random, rid: str = "req") -> AllocationRequest:
         policy=rng.choice((None, "required", "preferred")),
         pairing=pairing,
         device_class=rng.choice(("default", "default", *CLASSES)),
-        node_selector=rng.choice(({}, {}, {}, {"pool": "a"})),
+        node_selector=rng.choice(
+            ({}, {}, {}, {"pool": "a"}, {HOSTNAME: f"n{rng.randrange(3)}"}, {HOSTNAME: "n1", "pool": "b"})
+        ),
     )

@@ -86,9 +86,16 @@ def test_single_node_equals_exhaustive(seed: int, rseed: int) -> None:
 
 
 @SETTINGS
-@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1), n=st.integers(2, 4))
-def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> None:
-    cluster, topos, blocked = random_cluster(seed, n)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    rseed=st.integers(0, 2**32 - 1),
+    n=st.integers(2, 4),
+    pinned_max=st.sampled_from([0, None]),
+)
+def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int, pinned_max: int | None) -> None:
+    """Node selectors (pool, hostname, both) are decided on their few nodes directly by
+    default, and through the grouped index with ``pinned_max=0``: both must be the best."""
+    cluster, topos, blocked = random_cluster(seed, n, pinned_max=pinned_max)
     req = random_request(random.Random(rseed))
     spec = cluster.normalise(req)
     refs = {}
@@ -126,10 +133,10 @@ def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int) -> N
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1))
-def test_churn_keeps_invariants_and_matches_fresh_index(seed: int) -> None:
+@given(seed=st.integers(0, 2**32 - 1), pinned_max=st.sampled_from([0, None]))
+def test_churn_keeps_invariants_and_matches_fresh_index(seed: int, pinned_max: int | None) -> None:
     rng = random.Random(seed)
-    cluster, topos, blocked = random_cluster(seed, 4)
+    cluster, topos, blocked = random_cluster(seed, 4, pinned_max=pinned_max)
     base_blocked = {k: set(v) for k, v in blocked.items()}
     live: dict[str, tuple[str, list[str]]] = {}
     for step in range(30):

@@ -6,6 +6,10 @@ Public API::
     cluster.set_node(name, topology, labels=..., unavailable=...)
     cluster.hold(name, request_id, devices) / cluster.release(name, request_id)
     cluster.decide(request) -> Placement | Unschedulable      # does not change holds
+    cluster.cache_stats()                                     # sizes of the (bounded) caches
+
+Labels unique per node (the service's ``kubernetes.io/hostname``) cost nothing: a selector
+that few nodes match is decided on those nodes; see :mod:`.cluster`.
 
 Modules: :mod:`.model` compiles a node topology into a bit-mask *shape*; :mod:`.search` is the
 exact in-node search and its quality order; :mod:`.cluster` is the node index and cache;

@@ -1,8 +1,9 @@
 """The cluster index: which node gets a request, without walking every node.
 
 State is kept per node as ``(hardware id, free mask)``: the hardware id names the compiled
-:class:`~services.allocator.core.model.Shape` plus the node's labels, the free mask the slots
-neither held nor unavailable. Nodes with the same pair form a *group*; the in-node search
+:class:`~services.allocator.core.model.Shape` plus the node's *grouping* labels (see "Labels
+and node selectors" below), the free mask the slots neither held nor unavailable. Nodes
+with the same pair form a *group*; the in-node search
 (:func:`~services.allocator.core.search.evaluate`) runs once per (request key, shape, mask)
 and is cached, so a fleet of identical servers costs one search per distinct free state.
 
@@ -15,7 +16,8 @@ unused for long is rebuilt from the groups instead), then reads the top of the h
 enter the heap after a cheap popcount check with an optimistic key and are searched only
 when they reach the top, so most groups of a large fleet are never searched for most
 requests. A decision costs O(changes since the signature's last decision), not O(nodes); a
-refusal's aggregated reason comes from the counters without a scan.
+refusal's aggregated reason comes from the counters without a scan (per group: its nodes, and
+how many of them have devices out of service).
 
 Node order (the heap key):
 
@@ -56,6 +58,20 @@ reserve; smaller clusters always use the alignment-first order. Each signature k
 heap per order (the pressure flag is part of its key), so switching costs a replay, not a
 rebuild.
 
+Labels and node selectors. A node's labels are indexed by ``(key, value)``; a group is keyed
+only by the labels a selector has needed to *tell groups apart*. A selector that few nodes
+match (at most ``pinned_max``, as a ``kubernetes.io/hostname`` selector matches one) is
+decided on those nodes directly: their in-node results come from the same cache and they are
+ordered by the same key as the heap, so such requests cost O(matching nodes) and create no
+signature state. Only a selector that matches many nodes (``pool: a``) is decided through the
+heap, and its label keys then become grouping keys: every node is re-keyed once (O(nodes), once
+per new key). Labels that are unique per node, like the hostname the allocator service puts on
+every node, therefore never split the fleet into one group per node. Memory does not grow
+with the stream of selectors: signature states are bounded in number and in total size
+(``_SIG_MAX``, ``_SIG_RECORDS``, least recently used dropped), cached in-node results in
+number (``_EVAL_MAX``), grouping keys can only be label keys that many nodes carry, and
+nothing else is kept per selector (:meth:`Cluster.cache_stats` reports the sizes).
+
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
 in-use devices handed out twice). Not thread-safe: one owner calls it.
@@ -85,7 +101,12 @@ GroupKey = tuple[int, int]  # (hardware id, free mask)
 
 _LOG_MAX = 200_000  # change-log entries kept before lagging signatures are rebuilt
 _SIG_MAX = 512  # signature states kept (least recently used dropped)
-_EVAL_MAX = 400_000  # cached in-node results before the cache is cleared
+# Group records (groups seen + heap entries) over all signature states: what bounds their
+# memory when groups are many (a fleet split by labels) or selectors keep changing.
+_SIG_RECORDS = 300_000
+_EVAL_MAX = 50_000  # cached in-node results before the cache is cleared (~1 KB each at most)
+# Selectors matching at most this many nodes are decided on those nodes directly.
+DEFAULT_PINNED_MAX = 32
 # Share of the nodes that can host the largest aligned job which binpack tries to keep able to
 # host it (see Cluster._pressure); measured in docs/benchmarks.md.
 DEFAULT_RESERVE = 0.02
@@ -147,6 +168,11 @@ class _Node:
     port_down: tuple[str, ...]
     mask: int = 0
 
+    @property
+    def impaired(self) -> bool:
+        """Has devices out of service (unhealthy, cordoned, port down)."""
+        return bool(self.unavailable or self.port_down)
+
 
 _PENDING = None  # group status: passed the cheap check, not searched yet
 
@@ -165,7 +191,10 @@ class _SigState:
     in_heap: set[GroupKey] = field(default_factory=set)
     # group -> [nodes in it as replayed, status: Choice | Refusal | _PENDING]
     groups: dict[GroupKey, list[Any]] = field(default_factory=dict)
-    refused: dict[str, int] = field(default_factory=dict)  # refusal text -> nodes
+    # Refusal text -> nodes, and its code. Keyed by the text: a str caches its hash, and this
+    # dict is updated on every replayed change of a refused group.
+    refused: dict[str, int] = field(default_factory=dict)
+    codes: dict[str, str] = field(default_factory=dict)
     feasible: int = 0  # nodes searched and able to take the request
     pending: int = 0  # nodes that passed the cheap check and are not searched yet
     pressure: bool = False  # ordered by the reserve-pressure order (see _entry)
@@ -175,7 +204,9 @@ class Cluster:
     """All nodes' hardware, health and holds; decides placements (see the module docstring).
 
     ``reserve``: the share of the servers able to host the largest aligned job that binpack
-    tries to keep able to host it (0 turns reserve pressure off)."""
+    tries to keep able to host it (0 turns reserve pressure off). ``pinned_max``: a node
+    selector that at most this many nodes match is decided on those nodes directly (0: every
+    selector goes through the groups; for tests of that path)."""
 
     def __init__(
         self,
@@ -183,12 +214,16 @@ class Cluster:
         device_classes: Mapping[str, DeviceClass] | None = None,
         *,
         reserve: float = DEFAULT_RESERVE,
+        pinned_max: int = DEFAULT_PINNED_MAX,
     ) -> None:
         if policy not in ("binpack", "spread"):
             raise InvalidRequest(f"unknown node policy {policy!r}; expected binpack or spread")
         if not 0.0 <= reserve <= 1.0:
             raise InvalidRequest(f"reserve must be a fraction between 0 and 1, got {reserve!r}")
+        if pinned_max < 0:
+            raise InvalidRequest(f"pinned_max must not be negative, got {pinned_max!r}")
         self.reserve = reserve
+        self.pinned_max = pinned_max
         self.policy: NodePolicy = "binpack" if policy == "binpack" else "spread"
         self.device_classes: dict[str, DeviceClass] = dict(
             device_classes if device_classes is not None else default_device_classes()
@@ -197,15 +232,18 @@ class Cluster:
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
-        self._hw: list[tuple[Shape, dict[str, str]]] = []
+        self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
         self._groups: dict[GroupKey, dict[str, None]] = {}
+        self._impaired: dict[GroupKey, int] = {}  # group -> its nodes with devices out of service
         self._log: list[tuple[GroupKey, int]] = []
         self._log_base = 0
         self._sigs: dict[tuple[object, ...], _SigState] = {}
+        self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
-        self._selector_ok: dict[tuple[int, tuple[tuple[str, str], ...]], bool] = {}
+        # Label index, and the label keys groups are split by (see the module docstring).
+        self._labelled: dict[tuple[str, str], dict[str, None]] = {}
+        self._keyed: frozenset[str] = frozenset()
         self._seq = 0
-        self._codes: dict[str, str] = {}  # refusal text -> code
         # Reserve bookkeeping: nodes per shape capability (Shape.aligned) and per current
         # aligned capacity (Shape.aligned_free of the free mask); see _pressure.
         self._capable: dict[int, int] = {}
@@ -229,32 +267,36 @@ class Cluster:
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
         merged = {**topology.labels, **(labels or {})}
-        hw_key = (shape.id, tuple(sorted(merged.items())))
-        hw = self._hw_ids.get(hw_key)
-        if hw is None:
-            hw = self._hw_ids[hw_key] = len(self._hw)
-            self._hw.append((shape, merged))
+        hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
         old = self._nodes.get(name)
         self._nodes[name] = node
+        if old is not None:
+            self._index_labels(old, -1)
+        self._index_labels(node, 1)
         if old is None or old.shape is not shape:
             if old is not None:
                 self._count_capable(old.shape, -1)
             self._count_capable(shape, 1)
-        self._refresh(node, old_key=None if old is None else (old.hw, old.mask))
+        if old is None:
+            self._refresh(node, old_key=None, was_impaired=False)
+        else:
+            self._refresh(node, old_key=(old.hw, old.mask), was_impaired=old.impaired)
 
     def set_unavailable(self, name: str, devices: Iterable[str]) -> None:
         """Replace the set of unhealthy or cordoned device ids of ``name``."""
         node = self._need(name)
+        was = node.impaired
         node.unavailable = tuple(devices)
-        self._refresh(node, old_key=(node.hw, node.mask))
+        self._refresh(node, old_key=(node.hw, node.mask), was_impaired=was)
 
     def remove_node(self, name: str) -> None:
         """Forget the node's hardware (its holds stay until released)."""
         node = self._nodes.pop(name, None)
         if node is not None:
+            self._index_labels(node, -1)
             self._count_capable(node.shape, -1)
-            self._move(name, (node.hw, node.mask), None)
+            self._move(name, (node.hw, node.mask), None, was_impaired=node.impaired, now_impaired=False)
 
     def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
@@ -265,7 +307,7 @@ class Cluster:
         holds[request_id] = devs
         node = self._nodes.get(name)
         if node is not None:
-            self._refresh(node, old_key=(node.hw, node.mask))
+            self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
 
     def release(self, name: str, request_id: str) -> None:
         """Free ``request_id``'s hold on ``name``; releasing an unknown hold does nothing."""
@@ -277,7 +319,7 @@ class Cluster:
             del self._holds[name]
         node = self._nodes.get(name)
         if node is not None:
-            self._refresh(node, old_key=(node.hw, node.mask))
+            self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
 
     # ------------------------------------------------------------------------------------
     # queries
@@ -329,15 +371,37 @@ class Cluster:
         For reports and benchmarks (for example "nodes that can still take an 8-GPU + 8-NIC
         switch-aligned job"), not for the decision path."""
         spec = normalise(request, self.device_classes)
+        if spec.selector:
+            return sum(
+                isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)
+            )
         n = 0
         for (hw, mask), members in self._groups.items():
-            if isinstance(self._eval(spec, hw, mask), Choice):
+            if isinstance(self._eval(spec, self._hw[hw][0], mask), Choice):
                 n += len(members)
         return n
 
     def group_count(self) -> int:
         """Distinct (hardware, free-mask) groups: what a decision's work scales with."""
         return len(self._groups)
+
+    def grouping_labels(self) -> frozenset[str]:
+        """The label keys nodes are grouped by: those of selectors that matched many nodes."""
+        return self._keyed
+
+    def cache_stats(self) -> dict[str, int]:
+        """Sizes of the index and caches, for metrics and benchmarks: every one is bounded
+        (see the module docstring), whatever the stream of requests and selectors."""
+        return {
+            "nodes": len(self._nodes),
+            "groups": len(self._groups),
+            "hardware_ids": len(self._hw),
+            "grouping_labels": len(self._keyed),
+            "signatures": len(self._sigs),
+            "signature_records": self._sig_records,
+            "evaluations": len(self._evals),
+            "change_log": len(self._log),
+        }
 
     # ------------------------------------------------------------------------------------
     # decisions
@@ -349,6 +413,13 @@ class Cluster:
     def decide(self, request: AllocationRequest) -> Placement | Unschedulable:
         """The best node and devices for ``request`` now; changes no hold."""
         spec = normalise(request, self.device_classes)
+        if spec.selector:
+            few = self._few_matching(spec)
+            if few is not None:
+                return self._decide_among(spec, few)
+            keys = frozenset(k for k, _ in spec.selector)
+            if not keys <= self._keyed:
+                self._regroup(self._keyed | keys)
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -363,12 +434,11 @@ class Cluster:
             if status is _PENDING:
                 n = rec[0]
                 hw, mask = gkey
-                status = rec[1] = self._eval(spec, hw, mask)
+                status = rec[1] = self._eval(spec, self._hw[hw][0], mask)
                 st.pending -= n
                 if isinstance(status, Refusal):
-                    if status.text not in st.refused:
-                        self._codes[status.text] = status.code
                     st.refused[status.text] = st.refused.get(status.text, 0) + n
+                    st.codes[status.text] = status.code
                     heapq.heappop(heap)
                     st.in_heap.discard(gkey)
                     continue
@@ -380,7 +450,12 @@ class Cluster:
                 continue
             name = next(iter(self._groups[gkey]))
             return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
-        return self._unschedulable(spec, st)
+        impaired: dict[str, int] = {}
+        for gkey, n in self._impaired.items():
+            rec = st.groups.get(gkey)
+            if rec is not None and isinstance(rec[1], Refusal):
+                impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
+        return self._unschedulable(spec, st.refused, st.codes, impaired)
 
     # ------------------------------------------------------------------------------------
     # internals
@@ -391,7 +466,111 @@ class Cluster:
             raise KeyError(f"unknown node {name!r}")
         return node
 
-    def _refresh(self, node: _Node, *, old_key: GroupKey | None) -> None:
+    def _hw_id(self, shape: Shape, labels: Mapping[str, str]) -> int:
+        """The hardware id of a shape with these labels: only grouping keys count."""
+        keyed = self._keyed
+        grouping = tuple(sorted((k, v) for k, v in labels.items() if k in keyed)) if keyed else ()
+        hw_key = (shape.id, grouping)
+        hw = self._hw_ids.get(hw_key)
+        if hw is None:
+            hw = self._hw_ids[hw_key] = len(self._hw)
+            self._hw.append((shape, dict(grouping)))
+        return hw
+
+    def _index_labels(self, node: _Node, delta: int) -> None:
+        index = self._labelled
+        for pair in node.labels.items():
+            names = index.get(pair)
+            if delta > 0:
+                if names is None:
+                    names = index[pair] = {}
+                names[node.name] = None
+            elif names is not None:
+                names.pop(node.name, None)
+                if not names:
+                    del index[pair]
+
+    def _few_matching(self, spec: Spec) -> list[_Node] | None:
+        """The nodes matching the selector when its rarest label has at most ``pinned_max``
+        nodes; None when it has more (decide through the groups)."""
+        smallest: dict[str, None] | None = None
+        for pair in spec.selector:
+            names = self._labelled.get(pair)
+            if not names:
+                return []
+            if smallest is None or len(names) < len(smallest):
+                smallest = names
+        assert smallest is not None
+        if len(smallest) > self.pinned_max:
+            return None
+        nodes = self._nodes
+        return [
+            node
+            for node in (nodes[name] for name in smallest)
+            if all(node.labels.get(k) == v for k, v in spec.selector)
+        ]
+
+    def _matching(self, spec: Spec) -> list[_Node]:
+        """Every node matching the selector (reports only)."""
+        few = self._few_matching(spec)
+        if few is not None:
+            return few
+        return [n for n in self._nodes.values() if all(n.labels.get(k) == v for k, v in spec.selector)]
+
+    def _decide_among(self, spec: Spec, nodes: list[_Node]) -> Placement | Unschedulable:
+        """Decide on a few nodes (a pinned request): the same cached in-node results and the
+        same node order as the heap, without a signature state; O(len(nodes))."""
+        pressure = self.policy == "binpack" and self._pressure()
+        refused: dict[str, int] = {}
+        codes: dict[str, str] = {}
+        impaired: dict[str, int] = {}
+        best: tuple[tuple[tuple[int, ...], ...], _Node, Choice] | None = None
+        feasible = 0
+        for node in nodes:
+            res = self._eval(spec, node.shape, node.mask)
+            if isinstance(res, Refusal):
+                refused[res.text] = refused.get(res.text, 0) + 1
+                codes[res.text] = res.code
+                if node.impaired:
+                    impaired[res.text] = impaired.get(res.text, 0) + 1
+                continue
+            feasible += 1
+            order = self._order(spec, (node.hw, node.mask), res, pressure=pressure)
+            if best is None or order < best[0]:
+                best = (order, node, res)
+        if best is not None:
+            return self._placement(best[1], best[2], candidates=feasible)
+        others = len(self._nodes) - len(nodes)
+        if others:
+            text = _SELECTOR_REFUSAL.text
+            refused[text] = refused.get(text, 0) + others
+            codes[text] = _SELECTOR_REFUSAL.code
+        return self._unschedulable(spec, refused, codes, impaired)
+
+    def _regroup(self, keyed: frozenset[str]) -> None:
+        """Group nodes by ``keyed`` label keys from now on: every node gets a new hardware id,
+        so the groups, the change log and every signature state start over (O(nodes), once
+        per new grouping key)."""
+        self._keyed = keyed
+        self._hw_ids.clear()
+        self._hw.clear()
+        self._groups.clear()
+        self._impaired.clear()
+        self._sigs.clear()
+        self._sig_records = 0
+        self._log_base += len(self._log)
+        self._log.clear()
+        for node in self._nodes.values():
+            node.hw = self._hw_id(node.shape, node.labels)
+            gkey = (node.hw, node.mask)
+            members = self._groups.get(gkey)
+            if members is None:
+                members = self._groups[gkey] = {}
+            members[node.name] = None
+            if node.impaired:
+                self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
+
+    def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
         blocked = 0
         slot_of = shape.slot_of
@@ -405,10 +584,22 @@ class Cluster:
                 if s is not None:
                     blocked |= 1 << s
         node.mask = shape.effective_free(blocked)
-        self._move(node.name, old_key, (node.hw, node.mask))
+        self._move(
+            node.name, old_key, (node.hw, node.mask), was_impaired=was_impaired, now_impaired=node.impaired
+        )
 
-    def _move(self, name: str, old: GroupKey | None, new: GroupKey | None) -> None:
+    def _move(
+        self,
+        name: str,
+        old: GroupKey | None,
+        new: GroupKey | None,
+        *,
+        was_impaired: bool,
+        now_impaired: bool,
+    ) -> None:
         if old == new:
+            if old is not None and was_impaired != now_impaired:
+                self._count_impaired(old, 1 if now_impaired else -1)
             return
         log = self._log
         if old is not None:
@@ -419,6 +610,8 @@ class Cluster:
                     del self._groups[old]
                 log.append((old, -1))
                 self._count_capacity(old, -1)
+                if was_impaired:
+                    self._count_impaired(old, -1)
         if new is not None:
             members = self._groups.get(new)
             if members is None:
@@ -426,23 +619,29 @@ class Cluster:
             members[name] = None
             log.append((new, 1))
             self._count_capacity(new, 1)
+            if now_impaired:
+                self._count_impaired(new, 1)
         if len(log) > _LOG_MAX:
             self._compact()
+
+    def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
+        left = self._impaired.get(gkey, 0) + delta
+        if left:
+            self._impaired[gkey] = left
+        else:
+            del self._impaired[gkey]
 
     def _compact(self) -> None:
         end = self._log_base + len(self._log)
         keep_from = end - _LOG_MAX // 2
         for k in [k for k, st in self._sigs.items() if st.cursor < keep_from]:
-            del self._sigs[k]
+            self._drop_sig(k)
         new_base = min((st.cursor for st in self._sigs.values()), default=end)
         del self._log[: new_base - self._log_base]
         self._log_base = new_base
 
-    def _eval(self, spec: Spec, hw: int, mask: int) -> Choice | Refusal:
-        """The cached in-node search for group ``(hw, mask)``."""
-        shape = self._hw[hw][0]
-        if spec.selector and not self._selector_matches(hw, spec.selector):
-            return _SELECTOR_REFUSAL
+    def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
+        """The cached in-node search (the caller has checked the node selector)."""
         key = (spec.key, shape.id, mask)
         res = self._evals.get(key)
         if res is None:
@@ -450,14 +649,6 @@ class Cluster:
                 self._evals.clear()
             res = self._evals[key] = evaluate(shape, mask, spec)
         return res
-
-    def _selector_matches(self, hw: int, selector: tuple[tuple[str, str], ...]) -> bool:
-        sk = (hw, selector)
-        ok = self._selector_ok.get(sk)
-        if ok is None:
-            labels = self._hw[hw][1]
-            ok = self._selector_ok[sk] = all(labels.get(k) == v for k, v in selector)
-        return ok
 
     def _state(self, spec: Spec) -> _SigState:
         pressure = self.policy == "binpack" and self._pressure()
@@ -471,6 +662,7 @@ class Cluster:
             if backlog == 0:
                 return st
             if backlog <= 2 * len(self._groups) + 256:
+                before = len(st.groups) + len(st.heap)
                 changes = self._log[st.cursor - self._log_base :]
                 if backlog > 32:
                     # Under churn most groups come and go; replay only the net change.
@@ -481,15 +673,36 @@ class Cluster:
                 else:
                     self._replay(st, changes)
                 st.cursor = end
+                if len(st.heap) > 4 * len(st.groups) + 64:
+                    # Entries of groups that are gone pile up under churn: drop them.
+                    st.heap = [e for e in st.heap if e[5] in st.groups]
+                    heapq.heapify(st.heap)
+                    st.in_heap = {e[5] for e in st.heap}
+                self._sig_records += len(st.groups) + len(st.heap) - before
+                self._trim_sigs(keep=sk)
                 return st
             # A long-unused signature: rebuilding from the groups is cheaper than replaying.
-            del self._sigs[sk]
+            self._drop_sig(sk)
         st = _SigState(spec=spec, cursor=end, pressure=pressure)
         self._replay(st, [(gkey, len(members)) for gkey, members in self._groups.items()])
         if len(self._sigs) >= _SIG_MAX:
-            del self._sigs[next(iter(self._sigs))]
+            self._drop_sig(next(iter(self._sigs)))
         self._sigs[sk] = st
+        self._sig_records += len(st.groups) + len(st.heap)
+        self._trim_sigs(keep=sk)
         return st
+
+    def _drop_sig(self, sk: tuple[object, ...]) -> None:
+        st = self._sigs.pop(sk)
+        self._sig_records -= len(st.groups) + len(st.heap)
+
+    def _trim_sigs(self, *, keep: tuple[object, ...]) -> None:
+        """Drop the least recently used signature states while their records exceed the budget."""
+        while self._sig_records > _SIG_RECORDS and len(self._sigs) > 1:
+            oldest = next(iter(self._sigs))
+            if oldest == keep:
+                break
+            self._drop_sig(oldest)
 
     def _replay(self, st: _SigState, changes: Iterable[tuple[GroupKey, int]]) -> None:
         """Replay group membership changes into a signature's state (hot path; kept flat)."""
@@ -518,7 +731,7 @@ class Cluster:
                 left = refused.get(text, 0) + delta
                 if left:
                     if text not in refused:
-                        self._codes[text] = status.code
+                        st.codes[text] = status.code
                     refused[text] = left
                 else:
                     del refused[text]
@@ -531,27 +744,33 @@ class Cluster:
         st.in_heap.add(gkey)
 
     def _entry(self, st: _SigState, gkey: GroupKey, status: Choice | Refusal | None, seq: int) -> HeapEntry:
-        """Heap order (see the module docstring). For binpack: alignment, then the less capable
-        server, fragmentation before fullness (packing that breaks no whole switch / partition
-        first); under reserve pressure capacity cost before alignment, then fullness. For
-        spread: alignment, emptiness, fragmentation.
+        """A heap entry: the node order of :meth:`_order`, then ``seq`` (first pushed first).
 
         A bound entry (group not searched yet) must sort no later than the group's exact entry:
         its key is a prefix of, or smaller than, the exact one."""
-        spec = st.spec
+        a, b, c, d = self._order(st.spec, gkey, status, pressure=st.pressure)
+        return (a, b, c, d, seq, gkey, isinstance(status, Choice))
+
+    def _order(
+        self, spec: Spec, gkey: GroupKey, status: Choice | Refusal | None, *, pressure: bool
+    ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+        """Node order (see the module docstring). For binpack: alignment, then the less capable
+        server, fragmentation before fullness (packing that breaks no whole switch / partition
+        first); under reserve pressure capacity cost before alignment, then fullness. For
+        spread: alignment, emptiness, fragmentation. ``status`` not a Choice: a lower bound."""
         hw, mask = gkey
         shape = self._hw[hw][0]
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
         exact = isinstance(status, Choice)
-        if st.pressure:
+        if pressure:
             # Reserve pressure: capacity cost, then alignment, then fullness and a fixed
             # hardware order (first-fit: the same kinds of server absorb the small jobs).
             if isinstance(status, Choice):
                 cost = capacity_cost(shape, mask, status)
                 key = (cost, *status.cross, free_g, free_n, hw, *status.frag)
-                return (key, (), (), status.key, seq, gkey, True)
-            return ((0, *cross_bound(spec)), (), (), (), seq, gkey, False)
+                return (key, (), (), status.key)
+            return ((0, *cross_bound(spec)), (), (), ())
         if isinstance(status, Choice):
             key, frag, full = status.cross, status.frag, status.key
         else:
@@ -562,8 +781,8 @@ class Cluster:
             # with a NIC on their own switch, then fewer GPUs): the servers that can host the
             # big aligned jobs stay whole for them.
             size_frag = (shape.aligned, shape.n_gpus, *frag) if exact else (shape.aligned, shape.n_gpus)
-            return (key, size_frag, (free_g, free_n, hw), full, seq, gkey, exact)
-        return (key, (-free_g, -free_n), frag, full, seq, gkey, exact)
+            return (key, size_frag, (free_g, free_n, hw), full)
+        return (key, (-free_g, -free_n), frag, full)
 
     def _count_capable(self, shape: Shape, delta: int) -> None:
         """A node of ``shape`` joins (+1) or leaves (-1) the fleet: the reserve level changes."""
@@ -621,10 +840,11 @@ class Cluster:
         return True
 
     def _first_status(self, spec: Spec, gkey: GroupKey) -> Choice | Refusal | None:
-        """A group's status without searching: a cheap refusal, a cached result, or pending."""
+        """A group's status without searching: a cheap refusal, a cached result, or pending.
+        A selector here has only grouping keys (see :meth:`decide`), so the group's labels say."""
         hw, mask = gkey
-        shape, _labels = self._hw[hw]
-        if spec.selector and not self._selector_matches(hw, spec.selector):
+        shape, labels = self._hw[hw]
+        if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
         cached = self._evals.get((spec.key, shape.id, mask))
         if cached is not None:
@@ -667,15 +887,27 @@ class Cluster:
             quality=res.key + res.frag,
         )
 
-    def _unschedulable(self, spec: Spec, st: _SigState) -> Unschedulable:
+    def _unschedulable(
+        self,
+        spec: Spec,
+        refused: Mapping[str, int],
+        codes: Mapping[str, str],
+        impaired: Mapping[str, int],
+    ) -> Unschedulable:
+        """The aggregated reason. ``impaired``: per refusal text, how many of its nodes hold
+        devices out of service (from per-group counters, not a walk over nodes), so that a
+        person reading "fewer than 4 free GPUs" learns that a failed GPU is part of why."""
         if not self._nodes:
             return Unschedulable(reason="no nodes", counts={}, reasons=[])
-        items = sorted(st.refused.items(), key=lambda kv: (-kv[1], kv[0]))
-        reasons = [NodeReason(self._codes.get(t, ""), t, n) for t, n in items]
-        impaired = self._impaired_by_refusal(st)
+        items = sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))
+        reasons = [NodeReason(codes.get(t, ""), t, n) for t, n in items]
+
+        def sick(text: str) -> int:
+            return impaired.get(text, 0) if codes.get(text) in ("gpus", "nics", "scope") else 0
+
         text = "; ".join(
             f"{n} node{'' if n == 1 else 's'}: {t}"
-            + (f" ({impaired[t]} of them with unhealthy or cordoned devices)" if impaired.get(t) else "")
+            + (f" ({sick(t)} of them with unhealthy or cordoned devices)" if sick(t) else "")
             for t, n in items
         )
         what = f"{spec.gpus} GPUs + {spec.rdma} NICs"
@@ -684,21 +916,6 @@ class Cluster:
             counts=dict(items),
             reasons=reasons,
         )
-
-    def _impaired_by_refusal(self, st: _SigState) -> dict[str, int]:
-        """Per refusal text, how many of its nodes hold devices out of service: a person
-        reading "fewer than 4 free GPUs" should learn that a failed GPU is part of why.
-        Walks the refused groups only, on the refusal path only (never per decision)."""
-        out: dict[str, int] = {}
-        for gkey, rec in st.groups.items():
-            status = rec[1]
-            if not isinstance(status, Refusal) or status.code not in ("gpus", "nics", "scope"):
-                continue
-            for name in self._groups.get(gkey, ()):
-                node = self._nodes[name]
-                if node.unavailable or node.port_down:
-                    out[status.text] = out.get(status.text, 0) + 1
-        return out
 
 
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
