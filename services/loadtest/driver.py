@@ -13,13 +13,14 @@ Utilisation: ``target = util * fleet GPUs``. *Placed* GPUs are those of requests
 frees); *in flight* are those of requests not answered yet. The fill: requests go out while
 placed + in flight stays below the target (so an open loop does not overshoot it). Once placed
 reaches the target the fill is over, and from then on every new request is preceded by the
-release of a random held one (a second one too if that was not enough) whenever placed + in
-flight is at or above the target — so the
-fleet stays near the target and the allocator keeps deciding on a full fleet, with frees in
-the mix. After the fill, requests wait only when placed + in flight reaches the whole fleet
-(more work than the fleet can hold would only turn into a storm of unschedulable answers). The
-time arrivals spent waiting at these gates is reported (``arrival_wait_s``); a system slower
-than the offered rate shows there, and in ``decisions_per_s``.
+release of a random held one (a second one too if that was not enough) whenever placed is at
+or above the target — so the fleet stays at the target, the requests in flight land on top of
+it, and the allocator keeps deciding on a full fleet, with frees in the mix. After the fill,
+requests wait only when placed + in flight reaches the whole fleet (more work than the fleet
+can hold would only turn into a storm of unschedulable answers), so at most the free share of
+the fleet (``1 - util``) is in flight. The time arrivals spent waiting at these gates is
+reported (``arrival_wait_s``); a system slower than the offered rate shows there, and in
+``decisions_per_s``.
 
 Pacing: with ``rate`` the i-th request is due at ``start + i / rate`` (an open-loop arrival
 schedule: a slow system does not slow the arrivals, short of the gates above); without it,
@@ -295,7 +296,7 @@ class LoadDriver:
             await self._gate(alive)
             self.filled = self.filled or self.placed_gpus >= self.target
             for _ in range(RELEASES_PER_ARRIVAL if self.filled else 0):
-                if not self._held or self.placed_gpus + self.in_flight_gpus < self.target:
+                if not self._held or self.placed_gpus < self.target:
                     break
                 self.release(self._held[self.rng.randrange(len(self._held))])
             self.submit(self.stream.next())

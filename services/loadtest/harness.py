@@ -424,7 +424,9 @@ class Harness:
             self.children.sample_rss()
             self.progress(
                 f"  submitted {len(driver.reqs)}/{driver.total}, answered {driver.first_outcomes}, "
-                f"held {driver.held_gpus / max(1, driver.fleet_gpus):.0%} of the GPUs"
+                f"GPUs held {driver.held_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"pending {driver.pending_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"in flight {driver.in_flight_gpus / max(1, driver.fleet_gpus):.0%}"
             )
 
     # -- result -----------------------------------------------------------------------------
