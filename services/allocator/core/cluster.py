@@ -243,6 +243,7 @@ class Cluster:
         # Label index, and the label keys groups are split by (see the module docstring).
         self._labelled: dict[tuple[str, str], dict[str, None]] = {}
         self._keyed: frozenset[str] = frozenset()
+        self._keyed_order: tuple[str, ...] = ()  # the same, sorted
         self._seq = 0
         # Reserve bookkeeping: nodes per shape capability (Shape.aligned) and per current
         # aligned capacity (Shape.aligned_free of the free mask); see _pressure.
@@ -468,8 +469,7 @@ class Cluster:
 
     def _hw_id(self, shape: Shape, labels: Mapping[str, str]) -> int:
         """The hardware id of a shape with these labels: only grouping keys count."""
-        keyed = self._keyed
-        grouping = tuple(sorted((k, v) for k, v in labels.items() if k in keyed)) if keyed else ()
+        grouping = tuple((k, labels[k]) for k in self._keyed_order if k in labels)
         hw_key = (shape.id, grouping)
         hw = self._hw_ids.get(hw_key)
         if hw is None:
@@ -552,6 +552,7 @@ class Cluster:
         so the groups, the change log and every signature state start over (O(nodes), once
         per new grouping key)."""
         self._keyed = keyed
+        self._keyed_order = tuple(sorted(keyed))
         self._hw_ids.clear()
         self._hw.clear()
         self._groups.clear()
@@ -560,14 +561,16 @@ class Cluster:
         self._sig_records = 0
         self._log_base += len(self._log)
         self._log.clear()
+        groups = self._groups
+        hw_id = self._hw_id
         for node in self._nodes.values():
-            node.hw = self._hw_id(node.shape, node.labels)
-            gkey = (node.hw, node.mask)
-            members = self._groups.get(gkey)
+            node.hw = hw = hw_id(node.shape, node.labels)
+            gkey = (hw, node.mask)
+            members = groups.get(gkey)
             if members is None:
-                members = self._groups[gkey] = {}
+                members = groups[gkey] = {}
             members[node.name] = None
-            if node.impaired:
+            if node.unavailable or node.port_down:
                 self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
