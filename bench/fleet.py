@@ -104,19 +104,33 @@ class Workload:
     per_gpu: float = 0.70  # rdma == gpus
     gpu_only: float = 0.20  # rdma == 0; the rest asks half as many NICs (shared)
     required: float = 0.20  # share with policy=required (scope from the class: pcie-switch)
+    # Share pinned to one node by a kubernetes.io/hostname node selector (a random node of
+    # ``pin_to``), as the allocator service labels every node.
+    pinned: float = 0.0
 
 
-def requests(seed: int, workload: Workload = Workload()) -> RequestStream:
-    return RequestStream(random.Random(seed), workload)
+HOSTNAME_LABEL = "kubernetes.io/hostname"
+
+
+def requests(seed: int, workload: Workload = Workload(), *, pin_to: list[str] | None = None) -> RequestStream:
+    # The pinning draws from its own generator, so the rest of the stream is the same with or
+    # without pinned requests.
+    return RequestStream(random.Random(seed), workload, pin_to=pin_to or [], pin_rng=random.Random(-seed - 1))
 
 
 class RequestStream:
-    def __init__(self, rng: random.Random, workload: Workload) -> None:
+    def __init__(
+        self, rng: random.Random, workload: Workload, *, pin_to: list[str], pin_rng: random.Random
+    ) -> None:
+        if workload.pinned and not pin_to:
+            raise ValueError("a workload with pinned requests needs the node names to pin to")
         self.rng = rng
         self.w = workload
         self.n = 0
+        self.pin_to = pin_to
         self._sizes = [s for s, _ in workload.sizes]
         self._weights = [p for _, p in workload.sizes]
+        self._pin_rng = pin_rng
 
     def next(self) -> AllocationRequest:
         rng = self.rng
@@ -130,11 +144,16 @@ class RequestStream:
         else:
             r = max(1, g // 2)
         rid = f"req-{self.n}"
+        policy = "required" if rng.random() < self.w.required else None
+        selector = {}
+        if self.w.pinned and self._pin_rng.random() < self.w.pinned:
+            selector = {HOSTNAME_LABEL: self._pin_rng.choice(self.pin_to)}
         return AllocationRequest(
             request_id=rid,
             pod=PodRef("bench", rid, rid),
             gpus=g,
             rdma=r,
-            policy="required" if rng.random() < self.w.required else None,
+            policy=policy,
             created_at=0.0,
+            node_selector=selector,
         )

@@ -15,6 +15,13 @@ Three parts, each printed as a Markdown table and written to ``bench/results.jso
    although the cluster had enough free GPUs and NICs in total (fragmentation).
 3. **optimality** — random small clusters (:mod:`bench.randtopo`): Tandem's decision against
    the exhaustive search of :mod:`bench.exhaustive` on every node.
+4. **16-GPU servers** — uncached decisions on one HGX-2 / DGX-2 class server (16 GPUs with 16
+   or 8 NICs, :func:`bench.fleet.sixteen_gpu`): latency, and the choice checked against the
+   previous exact search (:mod:`bench.enumeration`) where that finishes in reasonable time.
+
+Speed runs twice per size: *plain* (nodes labelled only with their topology's labels, no node
+selectors) and *service* (the allocator service's configuration: every node labelled with
+``kubernetes.io/hostname``, 10 % of requests pinned to a random node by a hostname selector).
 
 Options: ``--quick`` for a smoke run (small sizes), ``--sizes``, ``--decisions``.
 """
@@ -35,15 +42,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench import exhaustive
+from bench import enumeration, exhaustive
 from bench.baselines import BASELINES, Baseline, Pick
-from bench.fleet import MIX, MIXES, REAL_MIX, fleet, requests
-from bench.randtopo import random_cluster, random_request
+from bench.fleet import HOSTNAME_LABEL, MIX, MIXES, REAL_MIX, Workload, fleet, requests, sixteen_gpu
+from bench.randtopo import all_device_ids, random_cluster, random_request
 from schemas.config import default_device_classes
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import SCOPES, NodeTopology
 from services.allocator.core import Cluster, Placement, Unschedulable, normalise
-from services.allocator.core.search import cross_key
+from services.allocator.core.model import compile_shape, shape_signature
+from services.allocator.core.search import Refusal, cross_key
 
 ROOT = Path(__file__).resolve().parent
 UTILS = (0.50, 0.85)  # speed and quality
@@ -70,10 +78,14 @@ class TandemAdapter:
     name = "tandem"
     label = "Tandem: joint exact search, (shape, free-mask) index"
 
-    def __init__(self, nodes: list[tuple[str, NodeTopology]], *, policy: str = "binpack") -> None:
+    def __init__(
+        self, nodes: list[tuple[str, NodeTopology]], *, policy: str = "binpack", hostname: bool = False
+    ) -> None:
         self.cluster = Cluster(policy=policy)
         for name, topo in nodes:
-            self.cluster.set_node(name, topo)
+            # hostname: label every node as the allocator service does (_sync_node).
+            labels = {**topo.labels, HOSTNAME_LABEL: name} if hostname else None
+            self.cluster.set_node(name, topo, labels=labels)
 
     def decide(self, req: AllocationRequest) -> Outcome | None:
         res = self.cluster.decide(req)
@@ -137,6 +149,8 @@ class ChurnStats:
     required: int = 0
     required_met: int = 0
     latencies_ns: list[int] = field(default_factory=list)
+    pinned_ns: list[int] = field(default_factory=list)  # the pinned decisions among them
+    pinned_placed: int = 0
     allocator_s: float = 0.0
     util: float = 0.0
     # Aligned capacity left, averaged over samples taken during the measured decisions: nodes
@@ -156,6 +170,7 @@ class Churn:
         *,
         seed: int,
         probe_every: int = 0,
+        pinned: float = 0.0,
     ) -> None:
         self.alloc = alloc
         # A probe: a second Tandem index mirroring this allocator's holds, used only to count
@@ -171,7 +186,7 @@ class Churn:
         self.total_nics = sum(len(t.nics()) for _, t in nodes)
         self.used_gpus = 0
         self.used_nics = 0
-        self.stream = requests(seed)
+        self.stream = requests(seed, Workload(pinned=pinned), pin_to=[name for name, _ in nodes])
         self.rng = random.Random(seed + 1)
         self.live: list[tuple[str, str, int, int]] = []
 
@@ -216,6 +231,9 @@ class Churn:
             stats.cap_4x4 += self.probe.fit_count(_PROBE_4X4)
         stats.latencies_ns.append(t1 - t0)
         stats.allocator_s += (t2 - t0) / 1e9
+        if req.node_selector:
+            stats.pinned_ns.append(t1 - t0)
+            stats.pinned_placed += out is not None
         required = req.policy == "required"
         stats.required += required
         if out is None:
@@ -275,20 +293,27 @@ def _pct(values: list[int], q: float) -> float:
 # 1. speed (one subprocess per size)
 
 
-def speed_child(n_nodes: int, decisions: int, seed: int, *, freeze: bool = True) -> dict[str, Any]:
+# The service's configuration: every node labelled with its hostname, this share of requests
+# pinned to one (random) node by a hostname node selector.
+SERVICE_PINNED = 0.10
+
+
+def speed_child(
+    n_nodes: int, decisions: int, seed: int, *, freeze: bool = True, service: bool = False
+) -> dict[str, Any]:
     t0 = time.perf_counter()
     nodes = fleet(n_nodes)
     t_fleet = time.perf_counter() - t0
     rss_fleet = _rss_now_mb()
     t0 = time.perf_counter()
-    adapter = TandemAdapter(nodes)
+    adapter = TandemAdapter(nodes, hostname=service)
     t_build = time.perf_counter() - t0
     if freeze:
         # What a long-running allocator does once its inventory is loaded: the ~90 tracked
         # objects per node topology never form cycles, and without this every full
         # collection walks all of them (about 0.7 s at 10,000 nodes) inside some decision.
         gc.freeze()
-    churn = Churn(adapter, nodes, seed=seed)
+    churn = Churn(adapter, nodes, seed=seed, pinned=SERVICE_PINNED if service else 0.0)
     del nodes
     rows = []
     for target in UTILS:
@@ -309,12 +334,18 @@ def speed_child(n_nodes: int, decisions: int, seed: int, *, freeze: bool = True)
                 "p50_us": round(_pct(st.latencies_ns, 0.50), 1),
                 "p99_us": round(_pct(st.latencies_ns, 0.99), 1),
                 "max_us": round(_pct(st.latencies_ns, 1.0), 1),
+                "pinned": len(st.pinned_ns),
+                "pinned_placed": st.pinned_placed,
+                "pinned_p50_us": round(_pct(st.pinned_ns, 0.50), 1),
+                "pinned_p99_us": round(_pct(st.pinned_ns, 0.99), 1),
                 "groups": adapter.cluster.group_count(),
+                "caches": adapter.cluster.cache_stats(),
             }
         )
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {
         "nodes": n_nodes,
+        "config": "service" if service else "plain",
         "gc_freeze": freeze,
         "fleet_decode_s": round(t_fleet, 2),
         "build_s": round(t_build, 2),
@@ -332,15 +363,19 @@ def _rss_now_mb() -> float:
 
 def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
     out = []
-    # The largest size once more without gc.freeze(), to show what a full collection costs.
-    for n, freeze in [*((n, True) for n in sizes), (sizes[-1], False)]:
+    # Each size plain and in the service's configuration (hostname labels, pinned requests);
+    # the largest once more without gc.freeze(), to show what a full collection costs.
+    runs = [(n, True, service) for service in (False, True) for n in sizes]
+    for n, freeze, service in [*runs, (sizes[-1], False, False)]:
         cmd = [sys.executable, "-m", "bench.run", "--speed-child", str(n), "--decisions", str(decisions)]
         cmd += ["--seed", str(seed), *([] if freeze else ["--no-gc-freeze"])]
+        cmd += ["--service"] if service else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT.parent)
         if res.returncode != 0:
             raise SystemExit(f"speed child for {n} nodes failed:\n{res.stderr}")
         out.append(json.loads(res.stdout.strip().splitlines()[-1]))
-        print(f"  speed {n} nodes (gc.freeze {freeze}) done", file=sys.stderr)
+        config = "service" if service else "plain"
+        print(f"  speed {n} nodes ({config}, gc.freeze {freeze}) done", file=sys.stderr)
     return out
 
 
@@ -451,6 +486,89 @@ def optimality(cases: int, seed: int) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# 4. 16-GPU servers
+
+BIG_SERVERS = ((2, "16 GPUs + 16 NICs (HGX-2 class, 2 NICs per switch)"), (1, "16 GPUs + 8 NICs (DGX-2)"))
+BIG_HELD = (0.0, 0.1, 0.25, 0.5)  # share of devices held before the decision
+BIG_CHECK_HELD = 0.5  # the previous search is checked where at least this share is held
+
+
+def big_nodes(samples: int, seed: int) -> list[dict[str, Any]]:
+    """Uncached decisions on one 16-GPU server: every decision on a fresh index (nothing cached:
+    class views and in-node search run each time), with a random share of the devices held and
+    a request of 1 / 2 / 4 / 8 / 16 GPUs, one NIC per GPU, half as many (shared) or none, scope
+    and policy at random. Latency is ``Cluster.decide`` alone (cyclic GC off during the call:
+    the driver's fresh indexes are its garbage, not the core's). Where half the devices are held
+    the choice is also compared with the previous exact search (too slow on emptier servers:
+    an 8 + 8 on a free 16 + 16 server took it ~14-30 s)."""
+    rows = []
+    for per_switch, label in BIG_SERVERS:
+        topo = sixteen_gpu(per_switch)
+        shape = compile_shape(topo, shape_id=0, signature=shape_signature(topo))
+        ids = all_device_ids(topo)
+        rng = random.Random(seed)
+        lat: list[int] = []
+        by_size: dict[str, list[int]] = {}
+        placed = checked = equal = 0
+        for i in range(samples):
+            share = rng.choice(BIG_HELD)
+            held = [d for d in ids if rng.random() < share]
+            g = rng.choice((1, 2, 4, 8, 8, 16))
+            r = rng.choice((g, g, 0, max(1, g // 2)))
+            rid = f"big-{i}"
+            req = AllocationRequest(
+                request_id=rid,
+                pod=PodRef("bench", rid, rid),
+                gpus=g,
+                rdma=r,
+                scope=rng.choice((None, "pcie-switch", "pcie-root", "numa")),
+                policy=rng.choice((None, "required")),
+            )
+            cluster = Cluster()
+            cluster.set_node(topo.name, topo)
+            if held:
+                cluster.hold(topo.name, "held", held)
+            # The driver makes a fresh index per decision; collect its garbage outside the
+            # timed call, not in the middle of some decision.
+            gc.collect()
+            gc.disable()
+            t0 = time.perf_counter_ns()
+            got = cluster.decide(req)
+            dt = time.perf_counter_ns() - t0
+            gc.enable()
+            lat.append(dt)
+            by_size.setdefault(f"{g}+{r}", []).append(dt)
+            placed += isinstance(got, Placement)
+            if share >= BIG_CHECK_HELD:
+                blocked = 0
+                for d in held:
+                    blocked |= 1 << shape.slot_of[d]
+                ref = enumeration.evaluate(shape, shape.effective_free(blocked), cluster.normalise(req))
+                checked += 1
+                if isinstance(ref, Refusal):
+                    equal += isinstance(got, Unschedulable)
+                elif isinstance(got, Placement):
+                    mine = sorted(got.devices())
+                    theirs = sorted(shape.slot_id[s] for s in (*ref.gpus, *ref.nics))
+                    equal += got.quality == ref.key + ref.frag and mine == theirs
+        rows.append(
+            {
+                "server": label,
+                "samples": samples,
+                "placed": placed,
+                "p50_us": round(_pct(lat, 0.50), 1),
+                "p99_us": round(_pct(lat, 0.99), 1),
+                "max_us": round(_pct(lat, 1.0), 1),
+                "p99_us_by_request": {k: round(_pct(v, 0.99), 1) for k, v in sorted(by_size.items())},
+                "checked": checked,
+                "equal": equal,
+            }
+        )
+        print(f"  16-GPU server ({label}) done", file=sys.stderr)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------
 # report
 
 
@@ -476,17 +594,19 @@ def markdown(results: dict[str, Any]) -> str:
     lines = [f"Machine: {results['machine']}", ""]
     lines += ["### Speed (Tandem core)", ""]
     lines += [
-        "| nodes | gc.freeze | target util | util | decisions | decisions/s | p50 µs | p99 µs | max µs "
-        "| refused | groups | peak RSS MB |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| config | nodes | gc.freeze | target util | util | decisions | decisions/s | p50 µs | p99 µs "
+        "| max µs | refused | pinned (placed) | pinned p50 / p99 µs | groups | peak RSS MB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for s in results["speed"]:
         for r in s["runs"]:
+            pinned = f"{r['pinned']:,} ({r['pinned_placed']:,})" if r["pinned"] else "-"
+            pinned_us = f"{r['pinned_p50_us']} / {r['pinned_p99_us']}" if r["pinned"] else "-"
             lines.append(
-                f"| {s['nodes']:,} | {'yes' if s['gc_freeze'] else 'no'} | {r['target_util']:.0%} "
-                f"| {r['util']:.1%} | {r['decisions']:,} "
+                f"| {s['config']} | {s['nodes']:,} | {'yes' if s['gc_freeze'] else 'no'} "
+                f"| {r['target_util']:.0%} | {r['util']:.1%} | {r['decisions']:,} "
                 f"| {r['decisions_per_s']:,} | {r['p50_us']} | {r['p99_us']} | {r['max_us']} "
-                f"| {r['refused']} | {r['groups']} | {s['peak_rss_mb']} |"
+                f"| {r['refused']:,} | {pinned} | {pinned_us} | {r['groups']} | {s['peak_rss_mb']} |"
             )
     lines += [
         "",
@@ -494,6 +614,14 @@ def markdown(results: dict[str, Any]) -> str:
         + "; ".join(
             f"{s['nodes']:,} nodes: fleet decode {s['fleet_decode_s']} s (RSS {s['rss_after_fleet_mb']} MB), "
             f"cluster build {s['build_s']} s"
+            for s in results["speed"]
+            if s["gc_freeze"] and s["config"] == "plain"
+        ),
+        "",
+        "Index and cache sizes at the end of each 85 % run (`Cluster.cache_stats()`): "
+        + "; ".join(
+            f"{s['config']} {s['nodes']:,}: "
+            + ", ".join(f"{k} {v:,}" for k, v in s["runs"][-1]["caches"].items() if k != "nodes")
             for s in results["speed"]
             if s["gc_freeze"]
         ),
@@ -526,7 +654,19 @@ def markdown(results: dict[str, Any]) -> str:
         "",
         f"{o['equal']}/{o['cases']} decisions equal to the exhaustive search ({o['equal_pct']}%): "
         f"{o['placed']} placements, {o['refused']} refusals.",
+        "",
+        "### 16-GPU servers (uncached decisions, one server, fresh index per decision)",
+        "",
+        "| server | decisions | placed | p50 µs | p99 µs | max µs | slowest request (p99 µs) "
+        "| equal to the previous search |",
+        "|---|---:|---:|---:|---:|---:|---|---:|",
     ]
+    for b in results["big_nodes"]:
+        worst = max(b["p99_us_by_request"].items(), key=lambda kv: kv[1])
+        lines.append(
+            f"| {b['server']} | {b['samples']:,} | {b['placed']:,} | {b['p50_us']} | {b['p99_us']} "
+            f"| {b['max_us']} | {worst[0]} ({worst[1]}) | {b['equal']}/{b['checked']} |"
+        )
     return "\n".join(lines)
 
 
@@ -537,20 +677,24 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quality-nodes", type=int, default=1000)
     ap.add_argument("--quality-decisions", type=int, default=3000)
     ap.add_argument("--optimality-cases", type=int, default=500)
+    ap.add_argument("--big-samples", type=int, default=1000, help="decisions per 16-GPU server")
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", type=Path, default=ROOT / "results.json")
     ap.add_argument("--speed-child", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--no-gc-freeze", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--service", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.speed_child is not None:
-        print(
-            json.dumps(speed_child(args.speed_child, args.decisions, args.seed, freeze=not args.no_gc_freeze))
+        child = speed_child(
+            args.speed_child, args.decisions, args.seed, freeze=not args.no_gc_freeze, service=args.service
         )
+        print(json.dumps(child))
         return 0
     if args.quick:
         args.sizes, args.decisions = "300", 2000
         args.quality_nodes, args.quality_decisions, args.optimality_cases = 200, 500, 60
+        args.big_samples = 100
     started = time.time()
     sizes = [int(x) for x in args.sizes.split(",")]
     results: dict[str, Any] = {
@@ -568,6 +712,8 @@ def main(argv: list[str] | None = None) -> int:
     results["quality_real"] = quality(args.quality_nodes, args.quality_decisions, args.seed, mix="real")
     print("optimality ...", file=sys.stderr)
     results["optimality"] = optimality(args.optimality_cases, args.seed)
+    print("16-GPU servers ...", file=sys.stderr)
+    results["big_nodes"] = big_nodes(args.big_samples, args.seed)
     results["wall_s"] = round(time.time() - started, 1)
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(markdown(results))
