@@ -1,6 +1,9 @@
 """``python -m bench.run`` (``make bench``): speed, quality and optimality of the allocator core.
 
-Three parts, each printed as a Markdown table and written to ``bench/results.json``:
+These are figures of the *core* (``services.allocator.core``) in one process, not of the
+running system: no NATS, no service, no node agents (``tandem loadtest`` measures that).
+
+Four parts, each printed as a Markdown table and written to ``bench/results.json``:
 
 1. **speed** — for each fleet size a *fresh Python process* (so its peak RSS is the
    allocator's own: interpreter + per-node topologies + core index and caches + this driver)
@@ -23,7 +26,8 @@ Speed runs twice per size: *plain* (nodes labelled only with their topology's la
 selectors) and *service* (the allocator service's configuration: every node labelled with
 ``kubernetes.io/hostname``, 10 % of requests pinned to a random node by a hostname selector).
 
-Options: ``--quick`` for a smoke run (small sizes), ``--sizes``, ``--decisions``.
+Options: ``--quick`` for a smoke run (small sizes), ``--sizes``, ``--decisions``,
+``--big-samples`` (decisions per 16-GPU server).
 """
 
 from __future__ import annotations
