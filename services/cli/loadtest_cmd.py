@@ -46,10 +46,16 @@ def register(sub: Any) -> None:
     p.add_argument(
         "--max-in-flight",
         type=int,
-        default=512,
-        help="open loop: requests awaiting their first answer at most (default 512)",
+        help="open loop: requests awaiting their first answer at most (default: 5%% of the fleet's GPUs)",
     )
     p.add_argument("--util", type=float, default=0.85, help="share of fleet GPUs kept held (default 0.85)")
+    p.add_argument(
+        "--give-up",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="cancel a request still pending after this long, as a user would (0: never; default 5)",
+    )
     p.add_argument("--pinned", type=float, default=0.0, help="share of requests pinned to one node")
     p.add_argument("--seed", type=int, default=1, help="seed of the request stream (default 1)")
     p.add_argument("--drain", type=float, default=60.0, help="seconds to wait for the last answers")
@@ -88,6 +94,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         util=args.util,
         seed=args.seed,
         max_in_flight=args.max_in_flight,
+        give_up_s=args.give_up,
         pinned=args.pinned,
         nats_url=args.nats,
         start_services=not args.no_services,

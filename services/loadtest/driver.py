@@ -8,22 +8,30 @@ ordinary NATS message too, so no consumer is created): ``Assignment``, ``Allocat
 process: *submit* just before the publish is queued, an outcome when its message is handled
 here.
 
-Utilisation: ``target = util * fleet GPUs``. *Placed* GPUs are those of requests held
-(assigned, not released) or pending (answered unschedulable, to be placed when capacity
-frees); *in flight* are those of requests not answered yet. The fill: requests go out while
-placed + in flight stays below the target (so an open loop does not overshoot it). Once placed
-reaches the target the fill is over, and from then on every new request is preceded by the
-release of a random held one (a second one too if that was not enough) whenever placed is at
-or above the target — so the fleet stays at the target, the requests in flight land on top of
-it, and the allocator keeps deciding on a full fleet, with frees in the mix. After the fill,
-requests wait only when placed + in flight reaches the whole fleet (more work than the fleet
-can hold would only turn into a storm of unschedulable answers), so at most the free share of
-the fleet (``1 - util``) is in flight. The time arrivals spent waiting at these gates is
-reported (``arrival_wait_s``); a system slower than the offered rate shows there, and in
-``decisions_per_s``.
+Utilisation: ``target = util * fleet GPUs``. The *demand* is the GPUs of every request held
+(assigned, not released), pending (answered unschedulable, to be placed when capacity frees)
+or in flight (not answered yet) — what the fleet holds once everything is answered. While
+the demand is below the target, a new request just adds load (the fill; while the requests in
+flight already make up the target, the driver waits for them). From then on every
+new request is preceded by the release of a random held one whenever the demand is at the
+target (and of a second one when held + pending alone is, after big requests replaced small
+ones). A released request's devices are freed only when the node has cleaned up and the
+allocator has dropped the allocation, so until its ``Freed`` it still takes room: new
+requests wait while held + being freed + in flight would exceed the whole fleet. So the
+allocator sees a fleet at the target plus what is still being freed — never more than the
+fleet — and keeps deciding on a full fleet with frees in the mix. Requests in flight are part of the
+demand, so a long queue (a system slower than the arrivals) leaves the fleet emptier: that
+is what a slow scheduler does to a cluster, and ``util_mean`` (the held share at each arrival
+after the fill) shows it. Hence the open loop's default in-flight bound is 5 % of the fleet's
+GPUs in requests. The time arrivals spent waiting is ``arrival_wait_s``.
+
+Pending requests are given up after ``give_up`` seconds, as a user deletes a pod that does not
+start: a ``Release`` without a node (``tandem.alloc.release._unplaced``), which the allocator
+turns into a cancel. Without that, the mix's 8-GPU requests (a whole free server each) pile up
+at 85 % and crowd out everything else — the core benchmark drops a refused request at once.
 
 Pacing: with ``rate`` the i-th request is due at ``start + i / rate`` (an open-loop arrival
-schedule: a slow system does not slow the arrivals, short of the gates above); without it,
+schedule: a slow system does not slow the arrivals, short of the fill's wait); without it,
 requests go out as fast as they can with at most ``max_in_flight`` awaiting their first
 answer.
 
@@ -38,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,9 +70,8 @@ from services.loadtest.publisher import AsyncPublisher
 # Subscriptions see every outcome of the run; never drop one for being slow.
 SUB_PENDING_MSGS = 4_000_000
 SUB_PENDING_BYTES = 1024 * 1024 * 1024
-# Releases before one arrival at most: one keeps the count level, a second pulls the fleet back
-# to its target when big requests replaced small ones.
-RELEASES_PER_ARRIVAL = 2
+# Longest wait of one arrival for room in the fleet.
+STALL_S = 30.0
 
 
 @dataclass(slots=True)
@@ -79,6 +87,9 @@ class Req:
     rejected: bool = False
     released: float | None = None
     freed: float | None = None
+    pending: bool = False  # answered unschedulable, not placed yet, not given up
+    releasing: bool = False  # released while held, Freed not seen yet
+    cancelled: bool = False  # given up while pending: released unplaced
     held_at: int = -1  # index in LoadDriver._held, -1 when not held
 
 
@@ -95,6 +106,7 @@ class LoadDriver:
         rate: float | None,
         max_in_flight: int,
         seed: int,
+        give_up: float = 0.0,
     ) -> None:
         self.nc = nc
         self.publisher = publisher
@@ -104,14 +116,19 @@ class LoadDriver:
         self.total = requests
         self.rate = rate
         self.max_in_flight = max_in_flight
+        self.give_up = give_up
         self.rng = random.Random(seed ^ 0x5EED)
         self.reqs: dict[str, Req] = {}  # the measured requests
         self.extra_placements: set[str] = set()  # assignments of one request to two nodes
         self.held_gpus = 0
         self.in_flight_gpus = 0
         self.pending_gpus = 0
+        self.releasing_gpus = 0
         self.peak_held_gpus = 0
         self.filled = False
+        self.util_sum = 0.0  # held share at each arrival after the fill
+        self.util_samples = 0
+        self.cancelled = 0
         self.arrival_wait_s = 0.0
         self.first_outcomes = 0
         self.last_first: float | None = None
@@ -121,6 +138,7 @@ class LoadDriver:
         self._progress = asyncio.Event()
         self._subs: list[Subscription] = []
         self._probes: dict[str, Req] = {}
+        self._pending: deque[tuple[float, str]] = deque()  # (answered unschedulable at, id)
 
     # -- observation --------------------------------------------------------------------------
 
@@ -166,23 +184,26 @@ class LoadDriver:
                 self.extra_placements.add(rid)
             if req.assigned is None:
                 req.assigned, req.node = now, event.node
-                if req.measured and req.first is not None:  # placed after waiting as pending
-                    self.pending_gpus -= req.gpus
+                self._unpend(req)  # placed after waiting as pending
                 self._first(req, now)
                 if req.measured and req.released is None:
                     self._hold(rid, req)
         elif isinstance(event, AllocationFailed):
-            was_pending = req.failed and not req.rejected and req.assigned is None
             req.rejected = req.rejected or not event.retrying
+            if req.rejected:
+                self._unpend(req)  # refused for good: nothing will be placed
+            elif not req.failed and req.assigned is None and req.released is None and req.measured:
+                req.pending = True
+                self.pending_gpus += req.gpus
+                self._pending.append((now, rid))
             if not req.failed and req.assigned is None:
                 req.failed = True
                 self._first(req, now)
-                if req.measured and not req.rejected:
-                    self.pending_gpus += req.gpus
-            elif was_pending and req.rejected and req.measured:  # given up for good
-                self.pending_gpus -= req.gpus
         elif req.freed is None:
             req.freed = now
+            if req.releasing:
+                req.releasing = False
+                self.releasing_gpus -= req.gpus
             if req.measured and req.first is None:  # cancelled before any other answer
                 self._first(req, now)
 
@@ -206,6 +227,11 @@ class LoadDriver:
             self.last_first = now
             self.in_flight_gpus -= req.gpus
         self._progress.set()
+
+    def _unpend(self, req: Req) -> None:
+        if req.pending:
+            req.pending = False
+            self.pending_gpus -= req.gpus
 
     def _hold(self, rid: str, req: Req) -> None:
         req.held_at = len(self._held)
@@ -231,8 +257,9 @@ class LoadDriver:
         return len(self.reqs) - self.first_outcomes
 
     @property
-    def placed_gpus(self) -> int:
-        return self.held_gpus + self.pending_gpus
+    def demand(self) -> int:
+        """GPUs held, pending or in flight: what the fleet has to hold once all is answered."""
+        return self.held_gpus + self.pending_gpus + self.in_flight_gpus
 
     def submit(self, request: AllocationRequest, *, measured: bool = True) -> Req:
         """Publish ``request``; ``measured=False`` tracks it outside the load (the probe)."""
@@ -249,11 +276,18 @@ class LoadDriver:
         return req
 
     def release(self, rid: str) -> None:
+        """Release a placed request on its node's subject, or cancel a pending one on the
+        unplaced subject (the allocator cancels it, or forwards it if it was placed since)."""
         req = self._req(rid)
-        if req is None or req.node is None or req.released is not None:
+        if req is None or req.released is not None or (req.node is None and not req.pending):
             return
         if req.held_at >= 0:
             self._unhold(req)
+            req.releasing = True
+            self.releasing_gpus += req.gpus
+        if req.pending:
+            req.cancelled = True
+            self._unpend(req)
         req.released = time.perf_counter()
         subject = subjects.alloc_release(req.node)
         pod = PodRef(namespace=NAMESPACE, name=rid, uid=rid)
@@ -293,33 +327,64 @@ class LoadDriver:
                     await self._wait_progress(alive)
                 if i % 64 == 0:
                     await asyncio.sleep(0)
-            await self._gate(alive)
-            self.filled = self.filled or self.placed_gpus >= self.target
-            for _ in range(RELEASES_PER_ARRIVAL if self.filled else 0):
-                if not self._held or self.placed_gpus < self.target:
-                    break
-                self.release(self._held[self.rng.randrange(len(self._held))])
+            self._give_up_pending()
+            await self._make_room(alive)
+            if self.filled:
+                self.util_sum += self.held_gpus / max(1, self.fleet_gpus)
+                self.util_samples += 1
             self.submit(self.stream.next())
             hook = hooks.get(i + 1)
             if hook is not None:
                 hook()
         self.submit_done = time.perf_counter()
 
-    async def _gate(self, alive: Callable[[], None] | None) -> None:
-        """Wait while the work in the fleet is at its limit: the target during the fill, the
-        whole fleet afterwards (see the module docstring)."""
+    def _give_up_pending(self) -> None:
+        """Cancel requests pending longer than ``give_up`` (a user deleting a pod that waits)."""
+        if self.give_up <= 0:
+            return
+        horizon = time.perf_counter() - self.give_up
+        while self._pending and self._pending[0][0] < horizon:
+            _, rid = self._pending.popleft()
+            req = self.reqs[rid]
+            if req.pending:
+                self.release(rid)
+                self.cancelled += 1
+
+    async def _make_room(self, alive: Callable[[], None] | None) -> None:
+        """Before an arrival. During the fill: wait while the requests in flight already make
+        up the target. After it: release a random held request when the demand is at the
+        target, and a second one when held + pending alone is (big requests replaced small
+        ones) — never more, so a long queue never makes the driver empty the fleet at once.
+        Then wait while held + being freed + in flight fill the whole fleet (at most
+        ``STALL_S``, so a ``Freed`` that never comes cannot stop the run)."""
         began = time.perf_counter()
-        while self.in_flight_gpus > 0:
-            limit = self.fleet_gpus if self.filled else self.target
-            if self.placed_gpus + self.in_flight_gpus < limit:
-                break
+        while not self.filled:
+            if self.held_gpus + self.pending_gpus >= self.target:
+                self.filled = True
+            elif self.demand >= self.target and self.in_flight_gpus > 0:
+                await self._wait_progress(alive)
+                continue
+            break
+        if self.filled and self._held and self.demand >= self.target:
+            self._release_random()
+            if self._held and self.held_gpus + self.pending_gpus >= self.target:
+                self._release_random()
+        # Devices being freed are still taken: never more work than the whole fleet holds.
+        while (
+            self.held_gpus + self.releasing_gpus + self.in_flight_gpus >= self.fleet_gpus
+            and (self.in_flight_gpus > 0 or self.releasing_gpus > 0)
+            and time.perf_counter() - began < STALL_S
+        ):
             await self._wait_progress(alive)
         self.arrival_wait_s += time.perf_counter() - began
+
+    def _release_random(self) -> None:
+        self.release(self._held[self.rng.randrange(len(self._held))])
 
     def settled(self) -> bool:
         """Every request has an answer and every release its ``Freed``."""
         return self.outstanding == 0 and all(
-            r.freed is not None for r in self.reqs.values() if r.released is not None
+            r.freed is not None for r in self.reqs.values() if r.released is not None and not r.cancelled
         )
 
     async def drain(self, *, timeout: float, alive: Callable[[], None] | None = None) -> bool:

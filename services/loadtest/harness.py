@@ -71,7 +71,8 @@ class LoadConfig:
     rate: float | None = None  # None: open loop
     util: float = 0.85
     seed: int = 1
-    max_in_flight: int = 512
+    max_in_flight: int | None = None  # None: 5 % of the fleet's GPUs in requests (8 to 1024)
+    give_up_s: float = 5.0  # cancel requests pending this long (<= 0: never)
     pinned: float = 0.0
     nats_url: str | None = None  # None: start an embedded nats-server
     start_services: bool = True  # False: inventory and allocators already run on nats_url
@@ -91,7 +92,10 @@ class LoadConfig:
             (self.requests < 1, f"--requests must be at least 1, got {self.requests}"),
             (self.rate is not None and not self.rate > 0, f"--rate must be above 0, got {self.rate}"),
             (not 0 < self.util <= 1, f"--util must be in (0, 1], got {self.util}"),
-            (self.max_in_flight < 1, f"--max-in-flight must be at least 1, got {self.max_in_flight}"),
+            (
+                self.max_in_flight is not None and self.max_in_flight < 1,
+                f"--max-in-flight must be at least 1, got {self.max_in_flight}",
+            ),
             (not 0 <= self.pinned <= 1, f"--pinned must be in [0, 1], got {self.pinned}"),
             (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
             (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
@@ -208,18 +212,19 @@ class Harness:
         publisher = AsyncPublisher(bus.js, window=1024)
         self.tasks.spawn("publish", publisher.run)
         self.tasks.spawn("reap", publisher.reap)
+        workload = Workload(pinned=cfg.pinned)
+        gpus = fleet_gpus(self.plan)
         driver = LoadDriver(
             bus.nc,
             publisher,
-            stream=RequestStream(
-                seed=cfg.seed, run=self.run_id, nodes=self.names, workload=Workload(pinned=cfg.pinned)
-            ),
-            fleet_gpus=fleet_gpus(self.plan),
+            stream=RequestStream(seed=cfg.seed, run=self.run_id, nodes=self.names, workload=workload),
+            fleet_gpus=gpus,
             util=cfg.util,
             requests=cfg.requests,
             rate=cfg.rate,
-            max_in_flight=cfg.max_in_flight,
+            max_in_flight=cfg.max_in_flight or auto_in_flight(gpus, workload),
             seed=cfg.seed,
+            give_up=cfg.give_up_s,
         )
         await driver.observe()
         try:
@@ -239,7 +244,7 @@ class Harness:
         cfg = self.cfg
         bus = self.bus
         assert bus is not None
-        load = "open loop" if cfg.rate is None else f"{cfg.rate:g}/s"
+        load = f"open loop, {driver.max_in_flight} in flight" if cfg.rate is None else f"{cfg.rate:g}/s"
         self.progress(f"load: {cfg.requests} requests, {load}, fleet kept at {cfg.util:.0%} of its GPUs")
         checkpoints = {max(1, cfg.requests * k // 4): self._snapshot_hook(f"snapshot-{k}") for k in (1, 2, 3)}
         self.tasks.spawn("progress", lambda: self._report_progress(driver), restart=False)
@@ -425,6 +430,7 @@ class Harness:
             self.progress(
                 f"  submitted {len(driver.reqs)}/{driver.total}, answered {driver.first_outcomes}, "
                 f"GPUs held {driver.held_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"being freed {driver.releasing_gpus / max(1, driver.fleet_gpus):.0%}, "
                 f"pending {driver.pending_gpus / max(1, driver.fleet_gpus):.0%}, "
                 f"in flight {driver.in_flight_gpus / max(1, driver.fleet_gpus):.0%}"
             )
@@ -494,8 +500,10 @@ class Harness:
             released=sum(1 for r in reqs.values() if r.released is not None),
             freed=sum(1 for r in reqs.values() if r.freed is not None),
             rejected=sum(1 for r in reqs.values() if r.rejected),
+            cancelled=driver.cancelled,
             util_target=cfg.util,
             util_peak=round(driver.peak_held_gpus / max(1, driver.fleet_gpus), 3),
+            util_mean=round(driver.util_sum / driver.util_samples, 3) if driver.util_samples else None,
             load_s=round(load_s, 3),
             arrival_wait_s=round(driver.arrival_wait_s, 3),
             drained=drained,
@@ -532,6 +540,12 @@ class Harness:
         self.children.kill_now()
         if self.server is not None:
             self.server.stop()
+
+
+def auto_in_flight(fleet_gpus: int, workload: Workload) -> int:
+    """The open loop's default bound: requests worth 5 % of the fleet's GPUs (8 to 1024), so
+    the queue does not empty a fleet kept at its target (see services.loadtest.driver)."""
+    return max(8, min(1024, round(0.05 * fleet_gpus / workload.mean_gpus())))
 
 
 def _minus(value: float | None, base: float | None) -> float | None:

@@ -99,6 +99,9 @@ class Workload:
     required: float = 0.20  # policy=required, scope from REQUIRED_SCOPES
     pinned: float = 0.0  # node_selector kubernetes.io/hostname=<a random node>
 
+    def mean_gpus(self) -> float:
+        return sum(size * share for size, share in self.sizes) / sum(share for _, share in self.sizes)
+
 
 class RequestStream:
     """Seeded requests ``<run>-<n>``; ``run`` keeps ids unique across runs on one server."""

@@ -6,10 +6,10 @@ Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``
 ``p99``, ``max``), ``lost``, ``double_held``, ``jetstream_ceiling`` (``publish_per_s``,
 ``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
 ``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
-``freed``, ``rejected``, ``util_target``, ``util_peak``, ``load_s``, ``arrival_wait_s``,
-``drained``, ``snapshots``, ``wall_s``, ``cpu_s`` and ``idle_cpu_pct`` (per process:
-``allocator`` — replicas summed —, ``inventory``, ``nats``, ``fleet``, ``harness``). A figure
-that was not measured is ``null``.
+``freed``, ``rejected``, ``cancelled``, ``util_target``, ``util_peak``, ``util_mean``,
+``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``wall_s``, ``cpu_s`` and
+``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats``,
+``fleet``, ``harness``). A figure that was not measured is ``null``.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ class Report(msgspec.Struct, kw_only=True):
     released: int = 0
     freed: int = 0
     rejected: int = 0  # AllocationFailed(retrying=False): never to be placed
+    cancelled: int = 0  # pending longer than --give-up: released unplaced by the harness
     util_target: float = 0.0
     util_peak: float = 0.0  # largest share of fleet GPUs held by observed assignments
+    util_mean: float | None = None  # held share at each arrival after the fill, averaged
     load_s: float = 0.0  # first submit → last submit
     arrival_wait_s: float = 0.0  # time arrivals waited for room in the fleet (driver gates)
     drained: bool = True  # every request answered and every release freed before the deadline
@@ -104,6 +106,10 @@ def _num(value: float | None, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:g}{unit}"
 
 
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
 def _cpu(c: CpuFigures, unit: str) -> str:
     parts = [("allocator", c.allocator), ("inventory", c.inventory), ("nats", c.nats)]
     parts += [("fleet", c.fleet), ("harness", c.harness)]
@@ -119,8 +125,10 @@ def summary(r: Report) -> str:
         f"{r.nodes} nodes, {r.replicas} allocator(s), {r.requests} requests ({load}), "
         f"ready after {_num(r.ready_s, ' s')}",
         f"  decided {_num(r.decisions_per_s, '/s')}: {r.assigned} assigned, {r.unschedulable} "
-        f"unschedulable ({r.rejected} rejected); {r.released} released, {r.freed} freed; "
-        f"fleet held up to {r.util_peak:.0%} of its GPUs (target {r.util_target:.0%})",
+        f"unschedulable ({r.rejected} rejected, {r.cancelled} given up); {r.released} released, "
+        f"{r.freed} freed; "
+        f"fleet held {_pct(r.util_mean)} of its GPUs on average, {r.util_peak:.0%} at most "
+        f"(target {r.util_target:.0%})",
         f"  submit→assigned {_ms(r.submit_to_assigned_ms)}",
         f"  submit→applied  {_ms(r.submit_to_applied_ms)}",
         f"  invariants {ok}: lost {r.lost}, double-held devices {r.double_held}, requests on two "
