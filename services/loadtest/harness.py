@@ -194,6 +194,7 @@ class Harness:
             await self._start_services(url)
             took = time.perf_counter() - t0
             self.progress(f"inventory + {cfg.replicas} allocator(s) ready after {took:.1f} s")
+        await self._check_provisioned()
         fleet = await self.children.spawn(
             "fleet",
             role="fleet",
@@ -367,16 +368,24 @@ class Harness:
             )
         await asyncio.gather(*(self.children.wait_ready(c, timeout=SERVICE_READY_S) for c in started))
 
+    async def _check_provisioned(self) -> None:
+        """The buckets the fleet and the checks read exist (the services create them)."""
+        assert self.bus is not None
+        for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS):
+            try:
+                await self.bus.js.key_value(bucket)
+            except BucketNotFoundError as exc:
+                raise LoadtestError(
+                    f"no KV bucket {bucket} on the server: are inventory and the allocators running there?"
+                ) from exc
+
     async def _wait_registered(self, *, deadline: float) -> None:
         """Until every fleet node has a record in KV ``tandem-nodes`` (written by inventory)."""
         assert self.bus is not None
         loop = asyncio.get_running_loop()
         wanted = set(self.names)
         seen: set[str] = set()
-        try:
-            kv = await self.bus.js.key_value(subjects.KV_NODES)
-        except BucketNotFoundError as exc:
-            raise LoadtestError(f"no KV bucket {subjects.KV_NODES}: is inventory running?") from exc
+        kv = await self.bus.js.key_value(subjects.KV_NODES)
         watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
         try:
             while not wanted <= seen:
