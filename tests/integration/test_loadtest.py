@@ -74,7 +74,8 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     assert result["double_placed"] == 0
     assert result["assigned"] > 0
     assert result["assigned"] + result["unschedulable"] == 200
-    assert result["released"] > 0 and result["freed"] == result["released"]
+    # Every release of a held request was freed (cancels of pending ones need not be).
+    assert result["released"] > 0 and result["freed"] >= result["released"] - result["cancelled"]
     assert result["drained"] is True
     assert result["snapshots"] >= 2
     assert result["decisions_per_s"] > 0 and result["ready_s"] > 0
