@@ -471,13 +471,16 @@ class Harness:
     ) -> Report:
         cfg = self.cfg
         reqs = driver.reqs
-        lost = 0
+        lost: list[str] = []
         for rid, r in reqs.items():
             held_now = rid in placed
             if r.released is not None:
-                lost += r.freed is None and held_now  # the release never completed
-            else:
-                lost += r.first is None and not held_now  # never answered, not placed either
+                if r.freed is None and held_now:  # the release never completed
+                    lost.append(f"{rid} (released, still on {placed[rid]})")
+            elif r.first is None and not held_now:  # never answered, not placed either
+                lost.append(f"{rid} (no answer)")
+        if lost:
+            self.progress(f"lost: {', '.join(lost[:10])}{' ...' if len(lost) > 10 else ''}")
         assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
         unschedulable = sum(
             1 for rid, r in reqs.items() if r.failed and r.assigned is None and rid not in placed
@@ -500,7 +503,7 @@ class Harness:
             decisions_per_s=decisions_per_s,
             submit_to_assigned_ms=percentiles(to_assigned),
             submit_to_applied_ms=percentiles(to_applied),
-            lost=int(lost),
+            lost=len(lost),
             double_held=len(self.violations.double_held),
             jetstream_ceiling=CeilingFigures(ceil.publish_per_s, ceil.pull_ack_per_s),
             rss_mb=self._rss(),
