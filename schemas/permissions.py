@@ -136,8 +136,8 @@ def _durable(stream: str, durable: str, filters: str | list[str]) -> list[str]:
     """A durable pull consumer as ``Bus.consume`` runs it (publish side). The server names
     one filter subject in the create subject; a consumer with several has none there."""
     create = f"{JS_API}.CONSUMER.CREATE.{stream}.{durable}"
-    if isinstance(filters, str):
-        create = f"{create}.{filters}"
+    if isinstance(filters, str) or len(filters) == 1:
+        create = f"{create}.{filters if isinstance(filters, str) else filters[0]}"
     return [
         f"{JS_API}.CONSUMER.INFO.{stream}.{durable}",
         create,

@@ -54,9 +54,10 @@ NODE_HEALTH_ALL = f"{ROOT}.node.*.health"
 NODE_APPLIED_ALL = f"{ROOT}.node.*.applied"
 NODE_CLEANED_ALL = f"{ROOT}.node.*.cleaned"
 # What each durable consumer of TANDEM_NODE reads: the inventory the node's hardware and
-# health, the allocator the outcomes of its allocations (neither wades through the other's).
+# health, the allocator the cleanups that free devices (neither wades through the other's).
+# ``applied`` is an event for observers (bridge, CLI, load harness), not a record change.
 INVENTORY_NODE_FILTERS = [NODE_INVENTORY_ALL, NODE_HEALTH_ALL]
-ALLOCATOR_NODE_FILTERS = [NODE_APPLIED_ALL, NODE_CLEANED_ALL]
+ALLOCATOR_NODE_FILTERS = [NODE_CLEANED_ALL]
 NODE_HEARTBEAT_ALL = f"{ROOT}.node.*.heartbeat"
 DLQ_ALL = f"{ROOT}.dlq.*"
 

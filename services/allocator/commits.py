@@ -10,14 +10,20 @@ device it wants is held in the fresh record — that is what keeps two replicas 
 handing out one device.
 
 Request records (``RequestRecord``, KV ``tandem-requests``) say where a request stands. The
-*claim* (``deciding``, owner = this replica) is the only compare-and-set that guards a request
-rather than a device: two replicas retrying one pending request would otherwise place it on
-two different nodes.
+*claim* is the only compare-and-set that guards a request rather than a device: two replicas
+retrying one pending request would otherwise place it on two different nodes. It is written
+after the decision and before the commit, already as the outcome (``assigned`` to the chosen
+node, owner = this replica), so a placed request costs one request-record write. Until the
+node's record holds the request, an ``assigned`` record is only a claim: another replica
+waits ``claim_timeout`` for it and then, if no node holds the request, takes it over (its
+owner died between claim and commit). ``deciding`` is the claim state of older versions and is
+read the same way.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Literal
 
 import msgspec
@@ -28,7 +34,9 @@ from services.runtime.records import Conflict, Mutation
 
 AllocState = Literal["assigned", "applied", "releasing"]
 RequestState = Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected"]
-DONE_STATES = frozenset({"assigned", "releasing", "freed", "cancelled", "rejected"})
+# Outcomes a request record keeps for good, and the states of a request in some replica's hand.
+TERMINAL_STATES = frozenset({"releasing", "freed", "cancelled", "rejected"})
+CLAIMED_STATES = frozenset({"deciding", "assigned"})
 
 
 class AlreadyDone(Exception):
@@ -88,21 +96,33 @@ def drop_allocation(request_id: str, *, only_from: frozenset[str] | None = None)
 
 
 def claim(
-    req: AllocationRequest, *, instance: str, claim_timeout: float, now: float
+    req: AllocationRequest,
+    *,
+    node: str,
+    instance: str,
+    claim_timeout: float,
+    now: float,
+    placed: Callable[[str], bool],
 ) -> Mutation[RequestRecord]:
-    """Take the request for ``instance``: raises :class:`AlreadyDone` when it has an outcome,
-    :class:`Retry` while another live replica decides it."""
+    """Take the request for ``instance``, to be committed on ``node``: the record says
+    ``assigned`` to that node before the node's record does (see the module docstring).
+    Raises :class:`AlreadyDone` when the request has an outcome (``placed`` says whether a
+    node record holds it), :class:`Retry` while another live replica has it in hand."""
 
     def mutate(current: RequestRecord | None) -> RequestRecord | None:
         if current is not None:
-            if current.state in DONE_STATES:
+            if current.state in TERMINAL_STATES:
                 raise AlreadyDone(current.state)
-            busy = current.state == "deciding" and current.owner != instance
-            if busy and now - current.updated_at < claim_timeout:
-                raise Retry(f"request {req.request_id} is being decided by {current.owner}")
+            if current.state in CLAIMED_STATES and current.owner != instance:
+                if placed(req.request_id):
+                    raise AlreadyDone(current.state)
+                if now - current.updated_at < claim_timeout:
+                    raise Retry(f"request {req.request_id} is being placed by {current.owner}")
+                # A claim older than claim_timeout that no node holds: its replica died.
         return RequestRecord(
             request=req,
-            state="deciding",
+            state="assigned",
+            node=node,
             owner=instance,
             reason=current.reason if current else "",
             updated_at=now,

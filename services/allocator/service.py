@@ -55,7 +55,6 @@ from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     AllocRecord,
-    Applied,
     AssignedNic,
     Assignment,
     Cleaned,
@@ -86,7 +85,18 @@ MAX_COMMIT_ATTEMPTS = 8
 # commits, claims and publishes of that many requests are in flight together.
 REQUEST_CONCURRENCY = 256
 EVENT_CONCURRENCY = 64
-LIVE_REQUEST_STATES = frozenset({"pending", "deciding"})
+# Request records kept in memory: those a later write of this replica will change.
+LIVE_REQUEST_STATES = frozenset({"pending", "deciding", "assigned"})
+# A pending request's reason, when only its numbers changed, is rewritten at most this often.
+REASON_REFRESH_S = 30.0
+# Capacity events within this long are answered by one pass over the pending requests.
+RETRY_COALESCE_S = 0.1
+
+
+def reason_key(reason: str) -> str:
+    """What a refusal says at its head ("no node can take 8 GPUs + 8 NICs"), without the
+    per-node breakdown whose counts move with every free and every placement."""
+    return reason.split(":", 1)[0]
 
 
 def build_assignment(req: AllocationRequest, placement: Placement, *, instance: str) -> Assignment:
@@ -266,23 +276,27 @@ class Allocator(Service):
     def _on_request_record(self, key: str, record: RequestRecord | None, _: int) -> None:
         self.pending.pop(key, None)
         self.deciding.pop(key, None)
-        if record is not None and record.state == "pending":
+        if record is None:
+            return
+        if record.state == "pending":
             self.pending[key] = record.request
-        elif record is not None and record.state == "deciding":
-            self.deciding[key] = record
+        elif record.state in commits.CLAIMED_STATES and key not in self.model.placed:
+            self.deciding[key] = record  # a claim until a node record holds the request
 
     def _abandoned_claims(self) -> list[AllocationRequest]:
-        """Requests a replica claimed and then never finished (it crashed mid-decision).
+        """Requests a replica claimed and then never committed (it crashed in between).
 
         A claim is only taken while a message is being handled or a pending request retried;
         the pending path has no message left to redeliver, so without this such a request
         would wait forever."""
         cutoff = time.time() - self.claim_timeout
-        return [
-            r.request
-            for rid, r in self.deciding.items()
-            if r.updated_at < cutoff and rid not in self._inflight
-        ]
+        abandoned = []
+        for rid, r in list(self.deciding.items()):
+            if rid in self.model.placed:
+                del self.deciding[rid]  # committed: not a claim any more
+            elif r.updated_at < cutoff and rid not in self._inflight:
+                abandoned.append(r.request)
+        return abandoned
 
     async def _request_record(self, request_id: str) -> RequestRecord | None:
         cached = self.requests.cached(request_id)
@@ -309,9 +323,9 @@ class Allocator(Service):
         if claimed is None and request_id in self.deciding:
             claimed = self.deciding[request_id].request
         if claimed is not None:
-            # Committed, but the request record still says "deciding": the write that marks it
-            # assigned was lost (its KV stream had no leader for a moment). Finish it now, or
-            # the record would stay half-done and be "recovered" again and again.
+            # Committed, but the request record may not say so (its write was lost, or it
+            # names the node of an earlier attempt): make it match the node record, or it
+            # would be "recovered" again and again.
             await self.requests.update(
                 request_id,
                 commits.put_request(
@@ -324,9 +338,15 @@ class Allocator(Service):
             msg_id=subjects.msg_id(request_id, "assigned"),
         )
 
-    async def handle_request(self, req: AllocationRequest, *, context: Context | None = None) -> str:
+    async def handle_request(
+        self,
+        req: AllocationRequest,
+        *,
+        context: Context | None = None,
+        first: Placement | Unschedulable | None = None,
+    ) -> str:
         """Place one request; returns the outcome (``assigned``, ``pending``, ``rejected``,
-        ``duplicate``)."""
+        ``duplicate``). ``first``: a decision just taken for it (the pending retries')."""
         rid = req.request_id
         if rid in self.model.placed:
             await self._republish(rid)
@@ -338,7 +358,7 @@ class Allocator(Service):
         outcome: asyncio.Future[str] = asyncio.get_running_loop().create_future()
         self._inflight[rid] = outcome
         try:
-            result = await self._place(req, context=context)
+            result = await self._place(req, context=context, first=first)
         except BaseException as exc:
             outcome.set_exception(exc)
             outcome.exception()  # retrieved: waiters re-raise it, nobody else must
@@ -349,15 +369,18 @@ class Allocator(Service):
         finally:
             del self._inflight[rid]
 
-    async def _place(self, req: AllocationRequest, *, context: Context | None) -> str:
+    async def _place(
+        self, req: AllocationRequest, *, context: Context | None, first: Placement | Unschedulable | None
+    ) -> str:
         rid = req.request_id
-        claimed = False
+        claimed: str | None = None  # the node the request record says, once claimed
         for _ in range(MAX_COMMIT_ATTEMPTS):
             with _tracer.start_as_current_span("allocator.decide", context=context) as span:
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
                 try:
-                    decision = self.cluster.decide(req)
+                    decision = first if first is not None else self.cluster.decide(req)
+                    first = None
                 except InvalidRequest as exc:
                     # Retrying cannot help (e.g. a device class removed from the config after
                     # admission): say so once and stop, instead of redelivering forever.
@@ -391,13 +414,13 @@ class Allocator(Service):
                         self.model.drop_tentative(node, rid)
                         await self._republish(rid, claimed=req)
                         return "duplicate"
-                    if not claimed:
-                        if not await self._claim(req):
+                    if claimed != node:
+                        if not await self._claim(req, node=node):
                             self.model.drop_tentative(node, rid)
                             if rid in self.model.placed:
                                 await self._republish(rid)
                             return "duplicate"
-                        claimed = True
+                        claimed = node
                     committed = await self._commit(req, assignment)
                 except BaseException:
                     self.model.drop_tentative(node, rid)
@@ -411,13 +434,9 @@ class Allocator(Service):
             for pair in assignment.pairs:
                 metrics.PAIRS.labels(pair.scope).inc()
             self.pending.pop(rid, None)
-            # The node record is the commit; the request record and the event follow it.
-            self.requests.submit(
-                rid,
-                commits.put_request(
-                    RequestRecord(request=req, state="assigned", node=node, owner=self.instance)
-                ),
-            )
+            self.deciding.pop(rid, None)
+            # The claim said "assigned" to this node and the node record now holds it; the
+            # event follows.
             self._publish_later(
                 subjects.alloc_assigned(node), assignment, msg_id=subjects.msg_id(rid, "assigned")
             )
@@ -425,11 +444,16 @@ class Allocator(Service):
             return "assigned"
         raise Retry(f"request {rid}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
 
-    async def _claim(self, req: AllocationRequest) -> bool:
-        """Take the request for this instance; False when it has an outcome already. Raises
-        Retry while another live replica decides it."""
+    async def _claim(self, req: AllocationRequest, *, node: str) -> bool:
+        """Take the request for this instance, to be committed on ``node``; False when it has
+        an outcome already. Raises Retry while another live replica has it in hand."""
         mutate = commits.claim(
-            req, instance=self.instance, claim_timeout=self.claim_timeout, now=time.time()
+            req,
+            node=node,
+            instance=self.instance,
+            claim_timeout=self.claim_timeout,
+            now=time.time(),
+            placed=self.model.placed.__contains__,
         )
         try:
             # A request never seen is created without reading it first (the common case).
@@ -475,23 +499,23 @@ class Allocator(Service):
         log.info("rejected", request_id=req.request_id, reason=reason)
 
     async def _unschedulable(self, req: AllocationRequest, why: Unschedulable) -> str:
+        """Record the request ``pending`` with its reason and announce it (``AllocationFailed``).
+        The per-node breakdown of a refusal ("993 nodes: fewer than 2 free GPUs; ...") moves
+        with every free and placement; with the same head (:func:`reason_key`) the record is
+        rewritten, and the reason announced, at most every ``REASON_REFRESH_S``."""
         rid = req.request_id
-        known = self.requests.cached(rid)
-        was = known[0] if known is not None else None
-        if was is not None and (was.state, was.reason) == ("pending", why.reason):
+        if not self._reason_due(rid, why):
             return "pending"  # nothing new to say: no write
         said: list[str] = []
 
         def record_pending(current: RequestRecord | None) -> RequestRecord | None:
-            if current is not None and current.state in commits.DONE_STATES:
+            if current is not None and current.state in commits.TERMINAL_STATES:
                 raise commits.AlreadyDone(current.state)
-            if (
-                current is not None
-                and current.state == "deciding"
-                and current.owner != self.instance
-                and time.time() - current.updated_at < self.claim_timeout
-            ):
-                raise Retry(f"request {rid} is being decided by {current.owner}")
+            if current is not None and current.state in commits.CLAIMED_STATES:
+                if rid in self.model.placed:
+                    raise commits.AlreadyDone(current.state)
+                if current.owner != self.instance and time.time() - current.updated_at < self.claim_timeout:
+                    raise Retry(f"request {rid} is being placed by {current.owner}")
             said[:] = [current.reason if current is not None else ""]
             if current is not None and current.state == "pending" and current.reason == why.reason:
                 return None
@@ -521,21 +545,65 @@ class Allocator(Service):
         )
 
     async def retry_pending(self) -> int:
-        """Decide every pending request again, highest priority (then oldest) first."""
-        placed = 0
+        """Decide every pending request again, highest priority (then oldest) first.
+
+        Each decision is taken here, in priority order, before anything waits; only one that
+        finds a place (or has something new to say) goes on, as a task, to claim and commit,
+        so a pass over thousands of still-unschedulable requests writes nothing and their
+        commits overlap."""
         candidates = {r.request_id: r for r in [*self._abandoned_claims(), *self.pending.values()]}
         order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
-        for req in order:
-            if req.request_id not in self.pending and req.request_id not in self.deciding:
-                continue
-            if req.request_id in self._inflight:
-                continue
+        gate = asyncio.Semaphore(self.concurrency)
+
+        async def retry(req: AllocationRequest, first: Placement | Unschedulable | None) -> bool:
+            outcome = ""
             try:
-                if await self.handle_request(req) == "assigned":
-                    placed += 1
+                outcome = await self.handle_request(req, first=first)
+                return outcome == "assigned"
             except Retry as r:
                 log.info("retry_deferred", request_id=req.request_id, reason=str(r))
-        return placed
+                return False
+            finally:
+                gate.release()
+                if isinstance(first, Placement) and outcome != "assigned":
+                    self.model.drop_tentative(first.node, req.request_id)
+
+        tasks: list[asyncio.Task[bool]] = []
+        for req in order:
+            rid = req.request_id
+            if rid not in self.pending and rid not in self.deciding:
+                continue
+            if rid in self._inflight or rid in self.model.placed:
+                continue
+            await gate.acquire()
+            try:
+                decision = self.cluster.decide(req)
+            except InvalidRequest:
+                decision = None  # handle_request rejects it, with the reason
+            if isinstance(decision, Unschedulable) and not self._reason_due(rid, decision):
+                gate.release()
+                continue
+            if isinstance(decision, Placement):
+                # Held now, before the next decision (the task holds it again, idempotently).
+                self.model.hold_tentative(decision.node, rid, decision.devices())
+            # Held in ``tasks`` and gathered below: not a bare task.
+            tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
+                log.warning("retry_failed", error=repr(res))
+        return sum(1 for res in results if res is True)
+
+    def _reason_due(self, request_id: str, why: Unschedulable) -> bool:
+        """Whether an unschedulable request's record needs writing (see _unschedulable)."""
+        known = self.requests.cached(request_id)
+        was = known[0] if known is not None else None
+        return not (
+            was is not None
+            and was.state == "pending"
+            and reason_key(was.reason) == reason_key(why.reason)
+            and time.time() - was.updated_at < REASON_REFRESH_S
+        )
 
     def update_gauges(self) -> None:
         totals = self.cluster.totals()
@@ -556,6 +624,8 @@ class Allocator(Service):
                 last_gauges = now
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)
+                # Frees come in bursts: answer a burst with one pass, not one pass per free.
+                await asyncio.sleep(RETRY_COALESCE_S)
             self.model.capacity.clear()
             if self.pending or self.deciding:
                 await self.retry_pending()
@@ -590,10 +660,11 @@ class Allocator(Service):
             node = await self._placement_of(rid)
             if node is None:
                 raise Retry(f"release of {rid}: its placement is not visible yet")
+        # The node's record says "releasing" (its agent cleans up on seeing it); the request
+        # record keeps "assigned" until the devices are freed.
         await self.node_allocs.update(
             node, commits.set_state(rid, "releasing", only_from=frozenset({"assigned", "applied"}))
         )
-        self.requests.submit(rid, commits.request_state("releasing", only_from=frozenset({"assigned"})))
 
     async def _cancel(self, release: Release) -> bool:
         """Cancel a request that is not placed (pending, or the release overtook it); False
@@ -602,7 +673,16 @@ class Allocator(Service):
         outcome: list[str] = []
 
         def cancel(current: RequestRecord | None) -> RequestRecord | None:
-            if current is not None and current.state in ("assigned", "releasing"):
+            if current is not None and current.state in commits.CLAIMED_STATES:
+                # No decision of ours is in flight (awaited before): placed, being placed by
+                # another replica, or a claim whose commit never happened.
+                if rid in self.model.placed:
+                    outcome.append("placed")
+                    return None
+                fresh = time.time() - current.updated_at < self.claim_timeout
+                if current.owner != self.instance and fresh:
+                    raise Retry(f"release of {rid}: {current.owner} is placing it")
+            if current is not None and current.state == "releasing":
                 outcome.append("placed")
                 return None
             if current is not None and current.state in ("freed", "cancelled", "rejected"):
@@ -625,18 +705,10 @@ class Allocator(Service):
         return True
 
     async def _on_node_report(self, event: object, delivery: Delivery) -> None:
-        if isinstance(event, Applied):
-            await self._on_applied(event)
-        elif isinstance(event, Cleaned):
+        if isinstance(event, Cleaned):
             await self._on_cleaned(event, delivery)
-
-    async def _on_applied(self, applied: Applied) -> None:
-        if not applied.ok:
-            log.warning("apply_failed", request_id=applied.request_id, node=applied.node, error=applied.error)
-            return
-        await self.node_allocs.update(
-            applied.node, commits.set_state(applied.request_id, "applied", only_from=frozenset({"assigned"}))
-        )
+        else:
+            log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
 
     async def _on_cleaned(self, cleaned: Cleaned, delivery: Delivery) -> None:
         rid = cleaned.request_id

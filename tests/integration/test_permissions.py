@@ -190,19 +190,19 @@ async def test_flow_runs_with_least_privilege_and_no_violation(
                 await asyncio.sleep(0.05)
         assert stack.outcomes[0][0] == subjects.alloc_assigned(node)
 
-        # applied: the agent applied it and the allocator marked the record (read as cli).
+        # applied: the agent (following its record on the republish subject) applied it;
+        # the record is readable as cli.
         async with asyncio.timeout(5):
-            while True:
-                record = (await stack.client.allocations([node]))[0].allocations.get(req.request_id)
-                if record is not None and record.state == "applied":
-                    break
+            while req.request_id not in stack.appliers[node].applied:
                 await asyncio.sleep(0.05)
         assert stack.appliers[node].applied[req.request_id] == assigned
+        record = (await stack.client.allocations([node]))[0].allocations.get(req.request_id)
+        assert record is not None and record.assignment == assigned
         bridge_view = await stack.admission.kv(subjects.KV_REQUESTS)
         assert req.request_id in await bridge_view.keys()
 
-        # The agent forgets the assignment (as after a restart): cleanup must read its own
-        # allocation record from KV, which is the one direct get its user may make.
+        # The agent forgets the assignment (as after a restart): cleanup must come from its
+        # own allocation record (republished, or read with the one direct get its user may make).
         stack.agents[node].assignments.clear()
         release_subject = subjects.alloc_release(node)
         release = Release(request_id=req.request_id, pod=req.pod, node=node)
