@@ -204,6 +204,7 @@ class LoadDriver:
             if req.releasing:
                 req.releasing = False
                 self.releasing_gpus -= req.gpus
+                self._progress.set()  # room in the fleet for a waiting arrival
             if req.measured and req.first is None:  # cancelled before any other answer
                 self._first(req, now)
 
