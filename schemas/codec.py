@@ -14,6 +14,7 @@ import msgspec
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
+    AllocatorHeartbeat,
     Applied,
     Assignment,
     Cleaned,
@@ -50,6 +51,7 @@ REPLY = msgspec.msgpack.Decoder(InventoryReply)
 NODE_RECORD = msgspec.msgpack.Decoder(NodeRecord)
 NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)
+ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)
 

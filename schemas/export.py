@@ -13,6 +13,7 @@ EXPORTED: tuple[type[msgspec.Struct], ...] = (
     messages.NodeInventory,
     messages.HealthEvent,
     messages.Heartbeat,
+    messages.AllocatorHeartbeat,
     messages.DeviceCommand,
     messages.AllocationRequest,
     messages.Assignment,

@@ -29,6 +29,7 @@ __all__ = [
     "AllocRecord",
     "AllocationFailed",
     "AllocationRequest",
+    "AllocatorHeartbeat",
     "Applied",
     "AssignedGpu",
     "AssignedNic",
@@ -239,6 +240,14 @@ class Freed(_Msg, tag="alloc.freed"):
     request_id: RequestId
     node: NodeName | None = None
     devices: list[str] = []
+    ts: float = msgspec.field(default_factory=now)
+
+
+class AllocatorHeartbeat(_Msg, tag="allocator.heartbeat"):
+    """An allocator replica saying it is alive (core NATS). The replicas seen alive split the
+    nodes between them, so that they rarely decide on the same node."""
+
+    instance: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     ts: float = msgspec.field(default_factory=now)
 
 

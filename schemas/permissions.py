@@ -182,7 +182,7 @@ def allocator() -> Permissions:
         subjects.ALLOC_ASSIGNED_ALL,
         subjects.ALLOC_FAILED,
         subjects.ALLOC_FREED,
-        subjects.ALLOC_RELEASE_ALL,  # re-routes an unplaced release to the node's subject
+        subjects.ALLOCATOR_HEARTBEAT,
         subjects.dlq("allocator"),
         *_provision(),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST),
@@ -192,7 +192,8 @@ def allocator() -> Permissions:
         *_kv_writer(subjects.KV_ALLOCS),
         *_kv_writer(subjects.KV_REQUESTS),
     ]
-    return Permissions(publish=_dedup(pub), subscribe=(_inbox("allocator"),))
+    sub = [subjects.ALLOCATOR_HEARTBEAT, _inbox("allocator")]
+    return Permissions(publish=_dedup(pub), subscribe=_dedup(sub))
 
 
 def inventory() -> Permissions:

@@ -11,6 +11,7 @@ Subject tree (``<node>`` is a node token, see :func:`node_token`)::
     tandem.alloc.release.<node>  (``_unplaced`` when unknown)   stream ALLOC_STREAM
     tandem.dlq.<service>                                        stream DLQ_STREAM
     tandem.query.inventory                                      core NATS request/reply
+    tandem.allocator.heartbeat                                  core NATS (replica membership)
     tandem.allocs.<node name>                                   core NATS, republished by the
                                                                 server from KV ``tandem-allocs``
 
@@ -45,6 +46,7 @@ ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
 ALLOC_RELEASE_ALL = f"{ROOT}.alloc.release.*"
 UNPLACED = "_unplaced"
 QUERY_INVENTORY = f"{ROOT}.query.inventory"
+ALLOCATOR_HEARTBEAT = f"{ROOT}.allocator.heartbeat"
 ALLOCS_REPUBLISH_PREFIX = f"{ROOT}.allocs"
 NODE_ALLOCS_ALL = f"{ALLOCS_REPUBLISH_PREFIX}.>"
 

@@ -15,16 +15,28 @@
 Decisions never read NATS. :attr:`ReadModel.capacity` is set whenever capacity may have grown
 (a node joined or recovered, a device recovered, an allocation was dropped) so the placement
 loop retries pending requests then, not on every change.
+
+Every node carries two labels of the allocator's own besides its own ones: its name under
+``kubernetes.io/hostname`` (as kubelet sets it, for pinned pods) and its *shard*
+(``tandem.io/allocator-shard``: a hash of the name modulo the number of live replicas), which
+lets each replica try its own share of the nodes first (services.allocator.service).
 """
 
 from __future__ import annotations
 
 import asyncio
+import zlib
 
 from schemas.messages import NodeAllocations, NodeRecord
 from services.allocator.core import Cluster
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
+# Which allocator replica decides on the node first (see ReadModel.set_shards).
+SHARD_LABEL = "tandem.io/allocator-shard"
+
+
+def shard_of(node: str, shards: int) -> str:
+    return str(zlib.crc32(node.encode()) % shards)
 
 
 class ReadModel:
@@ -33,6 +45,7 @@ class ReadModel:
         self.nodes: dict[str, NodeRecord] = {}
         self.placed: dict[str, str] = {}  # request id → node, from the allocation records
         self.capacity = asyncio.Event()
+        self.shards = 1
         self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
         self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
 
@@ -55,12 +68,24 @@ class ReadModel:
             and before.unavailable() == record.unavailable()
         ):
             return  # a change the core does not see (heartbeat time, reasons)
+        self._set_node(node, record)
+        self.capacity.set()
+
+    def _set_node(self, node: str, record: NodeRecord) -> None:
         topo = record.topology
         # Like kubelet, every node carries its own name as a label selectors can use.
-        labels = {**topo.labels, HOSTNAME_LABEL: node}
+        labels = {**topo.labels, HOSTNAME_LABEL: node, SHARD_LABEL: shard_of(node, self.shards)}
         # Holds are kept per node name across set_node / remove_node (the core's contract).
         self.cluster.set_node(node, topo, labels=labels, unavailable=record.unavailable())
-        self.capacity.set()
+
+    def set_shards(self, shards: int) -> None:
+        """Split the nodes into ``shards`` (the live replicas): relabels every ready node."""
+        if shards == self.shards:
+            return
+        self.shards = shards
+        for node, record in self.nodes.items():
+            if record.status == "ready":
+                self._set_node(node, record)
 
     # -- allocation records -----------------------------------------------------------------
 

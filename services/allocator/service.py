@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
+from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 
@@ -54,6 +55,7 @@ from schemas.config import DeviceClass
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
+    AllocatorHeartbeat,
     AllocRecord,
     AssignedNic,
     Assignment,
@@ -66,7 +68,7 @@ from schemas.messages import (
 )
 from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
-from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
+from services.allocator.readmodel import HOSTNAME_LABEL, SHARD_LABEL, ReadModel
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket, watch_raw
 from services.runtime.logging import get_logger
@@ -85,6 +87,9 @@ MAX_COMMIT_ATTEMPTS = 8
 # commits, claims and publishes of that many requests are in flight together.
 REQUEST_CONCURRENCY = 256
 EVENT_CONCURRENCY = 64
+# Replica membership: a heartbeat this often; a replica silent for MEMBER_LOST_S is gone.
+MEMBER_INTERVAL_S = 1.0
+MEMBER_LOST_S = 3.5
 # Request records kept in memory: those a later write of this replica will change.
 LIVE_REQUEST_STATES = frozenset({"pending", "deciding", "assigned"})
 # A pending request's reason, when only its numbers changed, is rewritten at most this often.
@@ -173,6 +178,8 @@ class Allocator(Service):
         self.pending: dict[str, AllocationRequest] = {}
         self.deciding: dict[str, RequestRecord] = {}  # claimed records, to recover abandoned ones
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
+        self._members: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
+        self._shard: str | None = None  # this replica's shard while there are several
         self._tasks = Supervisor("allocator")
         self._kv: dict[str, KeyValue] = {}
 
@@ -193,6 +200,7 @@ class Allocator(Service):
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
+        began = time.monotonic()
         for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS):
             self._kv[bucket] = await self.bus.kv(bucket)
         watches: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
@@ -263,13 +271,64 @@ class Allocator(Service):
                     )
                 ),
             )
+        self._members_sub = await self.bus.nc.subscribe(subjects.ALLOCATOR_HEARTBEAT, cb=self._on_member)
+        self._tasks.spawn("members", self._members_loop)
         self._tasks.spawn("retry-pending", self._retry_loop)
-        log.info("allocator_started", instance=self.instance, nodes=len(self.model.nodes))
+        log.info(
+            "allocator_started",
+            instance=self.instance,
+            nodes=len(self.model.nodes),
+            allocations=len(self.model.placed),
+            pending=len(self.pending),
+            seconds=round(time.monotonic() - began, 3),
+        )
 
     async def stop(self) -> None:
+        if getattr(self, "_members_sub", None) is not None:
+            with contextlib.suppress(Exception):
+                await self._members_sub.unsubscribe()
         await self._tasks.aclose()
         await self.node_allocs.aclose()
         await self.requests.aclose()
+
+    # -- replicas ---------------------------------------------------------------------------
+
+    async def _on_member(self, msg: Msg) -> None:
+        try:
+            beat = codec.ALLOCATOR_HEARTBEAT.decode(msg.data)
+        except codec.DecodeErrors:
+            return  # not a heartbeat; membership only steers which nodes come first
+        if beat.instance != self.instance:
+            self._members[beat.instance] = time.monotonic()
+
+    async def _members_loop(self) -> None:
+        """Say we are alive; split the nodes among the replicas alive (sorted by name, each
+        takes the shard of its position), so replicas rarely decide on the same node."""
+        while True:
+            beat = AllocatorHeartbeat(instance=self.instance)
+            await self.bus.publish_core(subjects.ALLOCATOR_HEARTBEAT, beat)
+            cutoff = time.monotonic() - MEMBER_LOST_S
+            for name in [n for n, seen in self._members.items() if seen < cutoff]:
+                del self._members[name]
+            live = sorted([*self._members, self.instance])
+            self.model.set_shards(len(live))
+            self._shard = str(live.index(self.instance)) if len(live) > 1 else None
+            await asyncio.sleep(MEMBER_INTERVAL_S)
+
+    def _decide(self, req: AllocationRequest) -> Placement | Unschedulable:
+        """The core's decision, this replica's shard of the nodes first: with several
+        replicas, each fills its own nodes and their commits seldom meet on one node. Only
+        when no node of the shard can take the request are all nodes asked (so a request is
+        unschedulable only when no node at all can take it). A pinned request goes straight
+        to its node."""
+        shard = self._shard
+        if shard is None or HOSTNAME_LABEL in req.node_selector or SHARD_LABEL in req.node_selector:
+            return self.cluster.decide(req)
+        mine = msgspec.structs.replace(req, node_selector={**req.node_selector, SHARD_LABEL: shard})
+        decision = self.cluster.decide(mine)
+        if isinstance(decision, Placement):
+            return decision
+        return self.cluster.decide(req)
 
     # -- request records --------------------------------------------------------------------
 
@@ -379,7 +438,7 @@ class Allocator(Service):
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
                 try:
-                    decision = first if first is not None else self.cluster.decide(req)
+                    decision = first if first is not None else self._decide(req)
                     first = None
                 except InvalidRequest as exc:
                     # Retrying cannot help (e.g. a device class removed from the config after
@@ -577,7 +636,7 @@ class Allocator(Service):
                 continue
             await gate.acquire()
             try:
-                decision = self.cluster.decide(req)
+                decision = self._decide(req)
             except InvalidRequest:
                 decision = None  # handle_request rejects it, with the reason
             if isinstance(decision, Unschedulable) and not self._reason_due(rid, decision):
@@ -729,6 +788,11 @@ class Allocator(Service):
                 return new
 
             await self.node_allocs.update(cleaned.node, drop_released)
+            if not any(dropped):
+                # This replica's copy of the record may not show yet that another replica
+                # marked the allocation releasing: read it before deciding there is nothing.
+                await self.node_allocs.fetch(cleaned.node)
+                await self.node_allocs.update(cleaned.node, drop_released)
             if not any(dropped):
                 # Not being released on that node (a redelivery after the free, or a report
                 # about an allocation nobody released): nothing to free.

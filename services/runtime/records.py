@@ -85,6 +85,9 @@ class RecordStore(Generic[T]):
         self.retain = retain
         self.cache: dict[str, tuple[T | None, int]] = {}  # key → (value or None = absent, revision)
         self._queues: dict[str, list[_Pending[T]]] = {}
+        # The write in flight per key, as bytes and value: a watch often shows it before its
+        # acknowledgement arrives, and then it need not be decoded.
+        self._writing: dict[str, tuple[bytes, T]] = {}
         self._tasks = Supervisor(f"records:{bucket}")
 
     async def aclose(self) -> None:
@@ -103,7 +106,11 @@ class RecordStore(Generic[T]):
         if known is not None and known[1] >= revision:
             return False
         value: T | None = None
-        if data:
+        writing = self._writing.get(key)
+        if data and writing is not None and writing[0] == data:
+            # Our own write, seen before its acknowledgement: no need to decode it.
+            value = writing[1]
+        elif data:
             try:
                 value = self.decoder.decode(data)
             except codec.DecodeErrors as exc:
@@ -235,12 +242,16 @@ class RecordStore(Generic[T]):
             "Nats-Msg-Id": f"{self.bucket}:{key}:{expected}:{uuid.uuid4().hex[:12]}",
         }
         subject = subjects.kv_subject(self.bucket, subjects.kv_key(key))
+        data = codec.encode(value)
+        self._writing[key] = (data, value)
         try:
-            ack = await self.bus.publish_raw(subject, codec.encode(value), headers=headers)
+            ack = await self.bus.publish_raw(subject, data, headers=headers)
         except APIError as exc:
             if exc.err_code in WRONG_LAST_SEQUENCE:
                 raise _WrongRevision from exc
             raise
+        finally:
+            self._writing.pop(key, None)
         return ack.seq
 
 
