@@ -21,6 +21,7 @@ from typing import Any
 from services.cli.errors import CliError
 from services.loadtest import Harness, LoadConfig, LoadtestError, Report, summary, to_json_line
 from services.runtime.errors import SettingsError
+from services.runtime.lifecycle import run_loop
 from services.runtime.settings import load_settings
 
 
@@ -122,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
 
     harness = Harness(cfg, settings, progress=progress)
     try:
-        report = asyncio.run(_main(harness))
+        report = run_loop(_main(harness))  # uvloop, as the services run: the harness shares the cores
     except LoadtestError as exc:
         raise CliError(str(exc)) from exc
     finally:

@@ -11,8 +11,8 @@ import argparse
 import asyncio
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
 
 from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
@@ -20,6 +20,8 @@ from services.runtime.logging import setup_logging
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tracing import setup_tracing, shutdown_tracing
+
+T = TypeVar("T")
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:
@@ -38,9 +40,20 @@ def run(main: Callable[[asyncio.Event], Awaitable[None]], settings: Settings) ->
         await main(stop)
 
     try:
-        asyncio.run(_runner())
+        run_loop(_runner())
     finally:
         shutdown_tracing()
+
+
+def run_loop(coro: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run`` on uvloop: its event loop and socket I/O are written in C, and a
+    service's time goes mostly to the event loop and nats-py's socket traffic (measured with
+    ``tandem loadtest``: docs/benchmarks.md). Plain asyncio where uvloop is not installed."""
+    try:
+        import uvloop
+    except ImportError:  # e.g. on Windows, where uvloop does not exist
+        return asyncio.run(coro)
+    return uvloop.run(coro)
 
 
 class Runnable(Protocol):
