@@ -32,7 +32,8 @@ Node order (the heap key):
    count), so that small jobs use the aligned slots of weaker servers and the servers that
    can host large aligned jobs stay whole; then fragmentation (the whole switches / NUMA
    nodes / NVLink partitions the placement breaks) and the fullest node (fewest free GPUs,
-   then NICs), then the hardware registered first;
+   then NICs), then the hardware (shape) registered first — not the labels, so that grouping
+   by a label never reorders nodes;
    ``spread``: the emptiest node, then fragmentation;
 3. the full in-node quality (finer pairs win ties), then first registered.
 
@@ -771,7 +772,7 @@ class Cluster:
             # hardware order (first-fit: the same kinds of server absorb the small jobs).
             if isinstance(status, Choice):
                 cost = capacity_cost(shape, mask, status)
-                key = (cost, *status.cross, free_g, free_n, hw, *status.frag)
+                key = (cost, *status.cross, free_g, free_n, shape.id, *status.frag)
                 return (key, (), (), status.key)
             return ((0, *cross_bound(spec)), (), (), ())
         if isinstance(status, Choice):
@@ -784,7 +785,7 @@ class Cluster:
             # with a NIC on their own switch, then fewer GPUs): the servers that can host the
             # big aligned jobs stay whole for them.
             size_frag = (shape.aligned, shape.n_gpus, *frag) if exact else (shape.aligned, shape.n_gpus)
-            return (key, size_frag, (free_g, free_n, hw), full)
+            return (key, size_frag, (free_g, free_n, shape.id), full)
         return (key, (-free_g, -free_n), frag, full)
 
     def _count_capable(self, shape: Shape, delta: int) -> None:
