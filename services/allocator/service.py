@@ -180,6 +180,7 @@ class Allocator(Service):
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
         self._members: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
         self._shard: str | None = None  # this replica's shard while there are several
+        self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("allocator")
         self._kv: dict[str, KeyValue] = {}
 
@@ -230,6 +231,7 @@ class Allocator(Service):
         # of the collector's generations keeps full collections out of decision latency
         # (docs/benchmarks.md, "gc.freeze").
         gc.freeze()
+        self._frozen_at = len(self.model.nodes)
         consumers: list[tuple[str, str, str | list[str], Any, int]] = [
             (
                 subjects.ALLOC_STREAM,
@@ -681,6 +683,7 @@ class Allocator(Service):
             if now - last_gauges >= self.retry_interval:
                 self.update_gauges()  # walks every group: not on every capacity change
                 last_gauges = now
+                self._refreeze()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)
                 # Frees come in bursts: answer a burst with one pass, not one pass per free.
@@ -688,6 +691,15 @@ class Allocator(Service):
             self.model.capacity.clear()
             if self.pending or self.deciding:
                 await self.retry_pending()
+
+    def _refreeze(self) -> None:
+        """``gc.freeze`` again once the fleet grew by a tenth since the last time: nodes that
+        joined after the start are long-lived objects too, and a full collection over them
+        (0.7 s at 10,000 nodes) would otherwise land inside some decision."""
+        nodes = len(self.model.nodes)
+        if nodes > self._frozen_at * 1.1 + 10:
+            gc.freeze()
+            self._frozen_at = nodes
 
     # -- release, apply, cleanup ------------------------------------------------------------
 
