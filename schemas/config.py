@@ -15,7 +15,7 @@ import msgspec
 from schemas.topology import LinkType, ScopeName
 
 
-class DeviceClass(msgspec.Struct, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
+class DeviceClass(msgspec.Struct, gc=False, omit_defaults=True, forbid_unknown_fields=True, kw_only=True):
     gpu_models: list[str] = []
     """GPU model substrings that qualify (case-insensitive); empty means any model."""
     gpu_min_memory_mib: int = 0

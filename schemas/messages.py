@@ -69,11 +69,11 @@ def now() -> float:
     return time.time()
 
 
-class _Msg(msgspec.Struct, tag_field="kind", omit_defaults=True, kw_only=True):
+class _Msg(msgspec.Struct, gc=False, tag_field="kind", omit_defaults=True, kw_only=True):
     """Base of every wire message: tagged on ``kind``, unknown fields ignored."""
 
 
-class PodRef(msgspec.Struct, omit_defaults=True):
+class PodRef(msgspec.Struct, gc=False, omit_defaults=True):
     namespace: str
     name: str
     uid: str = ""
@@ -83,7 +83,7 @@ class PodRef(msgspec.Struct, omit_defaults=True):
 # node → inventory
 
 
-class DeviceHealth(msgspec.Struct, omit_defaults=True):
+class DeviceHealth(msgspec.Struct, gc=False, omit_defaults=True):
     healthy: bool = True
     cordoned: bool = False
     reason: str = ""
@@ -130,7 +130,7 @@ class DeviceCommand(_Msg, tag="node.command"):
 # allocation flow
 
 
-class NetworkSpec(msgspec.Struct, omit_defaults=True):
+class NetworkSpec(msgspec.Struct, gc=False, omit_defaults=True):
     """How the pod wants its RDMA netdevs: interface names ``<prefix><n>``, MTU, addresses.
 
     ``addresses`` are CIDRs assigned in NIC order (one per NIC; fewer leaves the rest bare).
@@ -156,13 +156,13 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     created_at: float = msgspec.field(default_factory=now)
 
 
-class AssignedGpu(msgspec.Struct, omit_defaults=True):
+class AssignedGpu(msgspec.Struct, gc=False, omit_defaults=True):
     index: int
     uuid: str
     pci_bus_id: BusId | None = None
 
 
-class AssignedNic(msgspec.Struct, omit_defaults=True):
+class AssignedNic(msgspec.Struct, gc=False, omit_defaults=True):
     """One NIC handed to the pod. ``pf`` is the physical NIC; ``vf`` set when a VF is used."""
 
     name: DeviceName
@@ -176,7 +176,7 @@ class AssignedNic(msgspec.Struct, omit_defaults=True):
     addresses: list[str] = []
 
 
-class Pair(msgspec.Struct):
+class Pair(msgspec.Struct, gc=False):
     gpu: int
     nic: DeviceName
     scope: ScopeName
@@ -277,7 +277,7 @@ class InventoryReply(_Msg, tag="reply.inventory"):
 # KV records
 
 
-class NodeRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+class NodeRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     """Inventory's view of a node (bucket ``KV_NODES``, key = node name)."""
 
     node: str
@@ -292,7 +292,7 @@ class NodeRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
         return {d for d, h in self.health.items() if not h.healthy or h.cordoned}
 
 
-class AllocRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     """One allocation in its node's record. ``traceparent`` is the W3C trace context of the
     allocation: the record is what the node agent acts on (one write may carry several
     allocations), so the apply and cleanup spans join the allocation's trace through it."""
@@ -304,7 +304,7 @@ class AllocRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
     updated_at: float = msgspec.field(default_factory=now)
 
 
-class NodeAllocations(msgspec.Struct, omit_defaults=True, kw_only=True):
+class NodeAllocations(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     """The unit of atomicity (bucket ``KV_ALLOCS``, key = node): every device held on a node.
 
     Written only with compare-and-set on the KV revision, so two allocators can never both
@@ -318,7 +318,7 @@ class NodeAllocations(msgspec.Struct, omit_defaults=True, kw_only=True):
         return {d for rec in self.allocations.values() for d in rec.assignment.device_ids()}
 
 
-class RequestRecord(msgspec.Struct, omit_defaults=True, kw_only=True):
+class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     """Where one request stands (bucket ``KV_REQUESTS``, key = request id)."""
 
     request: AllocationRequest

@@ -84,7 +84,7 @@ class TopologyError(ValueError):
     """A topology tree that parses but is inconsistent (duplicate ids, bad NVLink peers)."""
 
 
-class Gpu(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
+class Gpu(msgspec.Struct, gc=False, forbid_unknown_fields=False, omit_defaults=True):
     index: Annotated[int, msgspec.Meta(ge=0)]
     uuid: str
     model: str = "unknown"
@@ -98,7 +98,7 @@ class Gpu(msgspec.Struct, forbid_unknown_fields=False, omit_defaults=True):
         return f"gpu{self.index}"
 
 
-class VirtualFunction(msgspec.Struct, omit_defaults=True):
+class VirtualFunction(msgspec.Struct, gc=False, omit_defaults=True):
     """An SR-IOV VF of an RDMA NIC. ``name`` is its own RDMA device name (e.g. ``mlx5_12``)."""
 
     index: Annotated[int, msgspec.Meta(ge=0)]
@@ -107,7 +107,7 @@ class VirtualFunction(msgspec.Struct, omit_defaults=True):
     netdev: str | None = None
 
 
-class Nic(msgspec.Struct, omit_defaults=True):
+class Nic(msgspec.Struct, gc=False, omit_defaults=True):
     """An RDMA NIC (physical function). ``name`` is the RDMA device name (``mlx5_0``)."""
 
     name: DeviceName
@@ -123,30 +123,30 @@ class Nic(msgspec.Struct, omit_defaults=True):
         return self.name
 
 
-class PcieSwitch(msgspec.Struct, omit_defaults=True):
+class PcieSwitch(msgspec.Struct, gc=False, omit_defaults=True):
     id: DeviceName
     gpus: list[Gpu] = []
     nics: list[Nic] = []
 
 
-class PcieRoot(msgspec.Struct, omit_defaults=True):
+class PcieRoot(msgspec.Struct, gc=False, omit_defaults=True):
     id: DeviceName
     switches: list[PcieSwitch] = []
     gpus: list[Gpu] = []
     nics: list[Nic] = []
 
 
-class NumaNode(msgspec.Struct, omit_defaults=True):
+class NumaNode(msgspec.Struct, gc=False, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=0)]
     roots: list[PcieRoot] = []
 
 
-class Socket(msgspec.Struct, omit_defaults=True):
+class Socket(msgspec.Struct, gc=False, omit_defaults=True):
     id: Annotated[int, msgspec.Meta(ge=0)]
     numa_nodes: list[NumaNode] = []
 
 
-class NodeTopology(msgspec.Struct, omit_defaults=True):
+class NodeTopology(msgspec.Struct, gc=False, omit_defaults=True):
     """One node's hardware tree; also the topology file format.
 
     ``nvlink_partitions`` lists GPU index sets that form NVLink domains or partitions the
@@ -192,7 +192,7 @@ class NodeTopology(msgspec.Struct, omit_defaults=True):
         return self
 
 
-class DeviceLocation(msgspec.Struct, frozen=True):
+class DeviceLocation(msgspec.Struct, gc=False, frozen=True):
     """Where a device sits: the ids of its ancestors. ``switch`` is None when on the root."""
 
     device: Gpu | Nic

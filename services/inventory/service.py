@@ -21,6 +21,7 @@ KV.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from collections.abc import Callable
 from typing import Literal
@@ -106,6 +107,7 @@ class Inventory(Service):
             bus, subjects.KV_NODES, codec.NODE_RECORD, on_change=self._on_record
         )
         self._kv: KeyValue | None = None
+        self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("inventory")
 
     @property
@@ -219,6 +221,11 @@ class Inventory(Service):
             await asyncio.sleep(self.check_interval)
             await self.check_liveness()
             self._count_nodes()
+            if len(self.status) > self._frozen_at * 1.1 + 10:
+                # The node records of a fleet that joined are long-lived: out of the
+                # collector's way (see services.runtime.lifecycle.GC_THRESHOLDS).
+                gc.freeze()
+                self._frozen_at = len(self.status)
 
     async def _on_query(self, query: InventoryQuery, _: Delivery) -> InventoryReply:
         keys = [query.node] if query.node else await self._keys()
