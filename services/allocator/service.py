@@ -8,6 +8,8 @@ parts, one module each:
 * :mod:`.commits` holds the writes as pure mutations; :class:`~services.runtime.records.RecordStore`
   writes them with compare-and-set, one write in flight per record, the mutations that
   arrive meanwhile folded into the next one (group commit);
+* :mod:`.requestbook` keeps the request records: claims, pending reasons, outcomes;
+* :mod:`.replicas` says which replicas are alive and which nodes this one decides on first;
 * this module is the placement loop: requests, releases and node reports come from durable
   pull consumers that hand over up to ``concurrency`` messages at once.
 
@@ -16,23 +18,25 @@ One request, start to finish (each step idempotent, keyed by ``request_id``):
 1. already placed (a node record holds the request id) → publish the assignment again (same
    ``Nats-Msg-Id``) and stop: a redelivery never allocates twice; the same request already
    in hand (a redelivery while it is decided) waits for that outcome;
-2. ``allocator.decide``: the core picks node + devices jointly; the devices are held
-   tentatively, so the decisions taken while this one commits see them as used;
-3. *claim* the request record with compare-and-set (``deciding``, owner = this instance), so
-   two replicas never place one request on two nodes;
+2. ``allocator.decide``: the core picks node + devices jointly (this replica's shard first);
+   the devices are held tentatively, so the decisions taken while this one commits see them
+   as used;
+3. *claim*: the request record is written with compare-and-set, already as the outcome
+   (``assigned`` to the node, owner = this instance), so two replicas never place one request
+   on two nodes;
 4. ``allocator.commit``: add the allocation to the node's record with compare-and-set. That
    one write is the commit and the node agent's event (the server republishes it on
    ``tandem.allocs.<node>``). If another replica wrote the record first and took a device,
    the write fails for this request only, which is decided again;
-5. ack the request; in the background mark the request record ``assigned`` and publish
-   ``Assignment`` on the node's subject (for the pod bridge and the CLI).
+5. ack the request; publish ``Assignment`` on the node's subject (for the pod bridge and the
+   CLI) in the background.
 
-Unschedulable: the request record says ``pending`` with the reason (one ``AllocationFailed``
-per distinct reason) before the request is acked; pending requests are decided again,
-highest priority first, when capacity may have grown and every ``retry_interval``, and only
-a decision that finds a place writes anything. A release marks the allocation ``releasing``
-in the node's record (the agent sees it there and cleans up); a verified ``Cleaned`` drops
-it. ``Applied`` marks it ``applied``.
+Unschedulable: the request record says ``pending`` with the reason before the request is
+acked (rewritten and announced with ``AllocationFailed`` only when the reason says something
+new); pending requests are decided again, highest priority first, when capacity may have
+grown and every ``retry_interval``, and only a decision that finds a place writes anything.
+A release marks the allocation ``releasing`` in the node's record (the agent sees it there
+and cleans up); a verified ``Cleaned`` drops it and the request record says ``freed``.
 """
 
 from __future__ import annotations
@@ -46,7 +50,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 
@@ -55,7 +58,6 @@ from schemas.config import DeviceClass
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
-    AllocatorHeartbeat,
     AllocRecord,
     AssignedNic,
     Assignment,
@@ -64,11 +66,12 @@ from schemas.messages import (
     NodeAllocations,
     NodeRecord,
     Release,
-    RequestRecord,
 )
 from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
-from services.allocator.readmodel import HOSTNAME_LABEL, SHARD_LABEL, ReadModel
+from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
+from services.allocator.replicas import Replicas
+from services.allocator.requestbook import RequestBook
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket, watch_raw
 from services.runtime.logging import get_logger
@@ -87,21 +90,8 @@ MAX_COMMIT_ATTEMPTS = 8
 # commits, claims and publishes of that many requests are in flight together.
 REQUEST_CONCURRENCY = 256
 EVENT_CONCURRENCY = 64
-# Replica membership: a heartbeat this often; a replica silent for MEMBER_LOST_S is gone.
-MEMBER_INTERVAL_S = 1.0
-MEMBER_LOST_S = 3.5
-# Request records kept in memory: those a later write of this replica will change.
-LIVE_REQUEST_STATES = frozenset({"pending", "deciding", "assigned"})
-# A pending request's reason, when only its numbers changed, is rewritten at most this often.
-REASON_REFRESH_S = 30.0
 # Capacity events within this long are answered by one pass over the pending requests.
 RETRY_COALESCE_S = 0.1
-
-
-def reason_key(reason: str) -> str:
-    """What a refusal says at its head ("no node can take 8 GPUs + 8 NICs"), without the
-    per-node breakdown whose counts move with every free and every placement."""
-    return reason.split(":", 1)[0]
 
 
 def build_assignment(req: AllocationRequest, placement: Placement, *, instance: str) -> Assignment:
@@ -160,7 +150,6 @@ class Allocator(Service):
         self.model = ReadModel(Cluster(policy=policy, device_classes=device_classes))
         self.cluster = self.model.cluster
         self.retry_interval = retry_interval
-        self.claim_timeout = claim_timeout
         self.concurrency = concurrency
         # Test seam: awaited between decide and commit so a test can force two replicas to
         # race on one node with the same stale view.
@@ -168,18 +157,11 @@ class Allocator(Service):
         self.node_allocs: RecordStore[NodeAllocations] = RecordStore(
             bus, subjects.KV_ALLOCS, codec.NODE_ALLOCS, on_change=self.model.on_allocs
         )
-        self.requests: RecordStore[RequestRecord] = RecordStore(
-            bus,
-            subjects.KV_REQUESTS,
-            codec.REQUEST_RECORD,
-            on_change=self._on_request_record,
-            retain=lambda r: r.state in LIVE_REQUEST_STATES,
+        self.book = RequestBook(
+            bus, instance=instance, claim_timeout=claim_timeout, placed=self.model.placed
         )
-        self.pending: dict[str, AllocationRequest] = {}
-        self.deciding: dict[str, RequestRecord] = {}  # claimed records, to recover abandoned ones
+        self.replicas = Replicas(bus, instance=instance, model=self.model)
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
-        self._members: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
-        self._shard: str | None = None  # this replica's shard while there are several
         self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("allocator")
         self._kv: dict[str, KeyValue] = {}
@@ -197,6 +179,18 @@ class Allocator(Service):
     @property
     def allocs(self) -> dict[str, tuple[NodeAllocations | None, int]]:
         return self.node_allocs.cache
+
+    @property
+    def pending(self) -> dict[str, AllocationRequest]:
+        return self.book.pending
+
+    @property
+    def claim_timeout(self) -> float:
+        return self.book.claim_timeout
+
+    @claim_timeout.setter
+    def claim_timeout(self, seconds: float) -> None:
+        self.book.claim_timeout = seconds
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -220,7 +214,7 @@ class Allocator(Service):
             ),
             (
                 subjects.KV_REQUESTS,
-                lambda r: watch_raw(self._kv[subjects.KV_REQUESTS], self.requests.observe, ready=r),
+                lambda r: watch_raw(self._kv[subjects.KV_REQUESTS], self.book.store.observe, ready=r),
             ),
         ]
         for bucket, watch in watches:
@@ -273,8 +267,7 @@ class Allocator(Service):
                     )
                 ),
             )
-        self._members_sub = await self.bus.nc.subscribe(subjects.ALLOCATOR_HEARTBEAT, cb=self._on_member)
-        self._tasks.spawn("members", self._members_loop)
+        await self.replicas.start(self._tasks)
         self._tasks.spawn("retry-pending", self._retry_loop)
         log.info(
             "allocator_started",
@@ -286,85 +279,10 @@ class Allocator(Service):
         )
 
     async def stop(self) -> None:
-        if getattr(self, "_members_sub", None) is not None:
-            with contextlib.suppress(Exception):
-                await self._members_sub.unsubscribe()
+        await self.replicas.stop()
         await self._tasks.aclose()
         await self.node_allocs.aclose()
-        await self.requests.aclose()
-
-    # -- replicas ---------------------------------------------------------------------------
-
-    async def _on_member(self, msg: Msg) -> None:
-        try:
-            beat = codec.ALLOCATOR_HEARTBEAT.decode(msg.data)
-        except codec.DecodeErrors:
-            return  # not a heartbeat; membership only steers which nodes come first
-        if beat.instance != self.instance:
-            self._members[beat.instance] = time.monotonic()
-
-    async def _members_loop(self) -> None:
-        """Say we are alive; split the nodes among the replicas alive (sorted by name, each
-        takes the shard of its position), so replicas rarely decide on the same node."""
-        while True:
-            beat = AllocatorHeartbeat(instance=self.instance)
-            await self.bus.publish_core(subjects.ALLOCATOR_HEARTBEAT, beat)
-            cutoff = time.monotonic() - MEMBER_LOST_S
-            for name in [n for n, seen in self._members.items() if seen < cutoff]:
-                del self._members[name]
-            live = sorted([*self._members, self.instance])
-            self.model.set_shards(len(live))
-            self._shard = str(live.index(self.instance)) if len(live) > 1 else None
-            await asyncio.sleep(MEMBER_INTERVAL_S)
-
-    def _decide(self, req: AllocationRequest) -> Placement | Unschedulable:
-        """The core's decision, this replica's shard of the nodes first: with several
-        replicas, each fills its own nodes and their commits seldom meet on one node. Only
-        when no node of the shard can take the request are all nodes asked (so a request is
-        unschedulable only when no node at all can take it). A pinned request goes straight
-        to its node."""
-        shard = self._shard
-        if shard is None or HOSTNAME_LABEL in req.node_selector or SHARD_LABEL in req.node_selector:
-            return self.cluster.decide(req)
-        mine = msgspec.structs.replace(req, node_selector={**req.node_selector, SHARD_LABEL: shard})
-        decision = self.cluster.decide(mine)
-        if isinstance(decision, Placement):
-            return decision
-        return self.cluster.decide(req)
-
-    # -- request records --------------------------------------------------------------------
-
-    def _on_request_record(self, key: str, record: RequestRecord | None, _: int) -> None:
-        self.pending.pop(key, None)
-        self.deciding.pop(key, None)
-        if record is None:
-            return
-        if record.state == "pending":
-            self.pending[key] = record.request
-        elif record.state in commits.CLAIMED_STATES and key not in self.model.placed:
-            self.deciding[key] = record  # a claim until a node record holds the request
-
-    def _abandoned_claims(self) -> list[AllocationRequest]:
-        """Requests a replica claimed and then never committed (it crashed in between).
-
-        A claim is only taken while a message is being handled or a pending request retried;
-        the pending path has no message left to redeliver, so without this such a request
-        would wait forever."""
-        cutoff = time.time() - self.claim_timeout
-        abandoned = []
-        for rid, r in list(self.deciding.items()):
-            if rid in self.model.placed:
-                del self.deciding[rid]  # committed: not a claim any more
-            elif r.updated_at < cutoff and rid not in self._inflight:
-                abandoned.append(r.request)
-        return abandoned
-
-    async def _request_record(self, request_id: str) -> RequestRecord | None:
-        cached = self.requests.cached(request_id)
-        if cached is not None:
-            return cached[0]
-        record, _ = await self.requests.fetch(request_id)
-        return record
+        await self.book.aclose()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -381,18 +299,13 @@ class Allocator(Service):
         rec = record[0].allocations.get(request_id) if record and record[0] else None
         if rec is None:
             return  # freed meanwhile
-        if claimed is None and request_id in self.deciding:
-            claimed = self.deciding[request_id].request
+        if claimed is None and request_id in self.book.claims:
+            claimed = self.book.claims[request_id].request
         if claimed is not None:
             # Committed, but the request record may not say so (its write was lost, or it
             # names the node of an earlier attempt): make it match the node record, or it
             # would be "recovered" again and again.
-            await self.requests.update(
-                request_id,
-                commits.put_request(
-                    RequestRecord(request=claimed, state="assigned", node=node, owner=self.instance)
-                ),
-            )
+            await self.book.mark_assigned(claimed, node=node)
         await self.bus.publish(
             subjects.alloc_assigned(node),
             rec.assignment,
@@ -440,7 +353,7 @@ class Allocator(Service):
                 span.set_attributes(_pod_attributes(req))
                 t0 = time.perf_counter()
                 try:
-                    decision = first if first is not None else self._decide(req)
+                    decision = first if first is not None else self.replicas.decide(req)
                     first = None
                 except InvalidRequest as exc:
                     # Retrying cannot help (e.g. a device class removed from the config after
@@ -476,7 +389,7 @@ class Allocator(Service):
                         await self._republish(rid, claimed=req)
                         return "duplicate"
                     if claimed != node:
-                        if not await self._claim(req, node=node):
+                        if not await self.book.claim(req, node=node):
                             self.model.drop_tentative(node, rid)
                             if rid in self.model.placed:
                                 await self._republish(rid)
@@ -494,8 +407,7 @@ class Allocator(Service):
             metrics.REQUEST_TO_ASSIGNMENT_SECONDS.observe(max(0.0, assignment.decided_at - req.created_at))
             for pair in assignment.pairs:
                 metrics.PAIRS.labels(pair.scope).inc()
-            self.pending.pop(rid, None)
-            self.deciding.pop(rid, None)
+            self.book.placed_now(rid)
             # The claim said "assigned" to this node and the node record now holds it; the
             # event follows.
             self._publish_later(
@@ -504,24 +416,6 @@ class Allocator(Service):
             log.debug("assigned", request_id=rid, node=node, scope=decision.scope)
             return "assigned"
         raise Retry(f"request {rid}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
-
-    async def _claim(self, req: AllocationRequest, *, node: str) -> bool:
-        """Take the request for this instance, to be committed on ``node``; False when it has
-        an outcome already. Raises Retry while another live replica has it in hand."""
-        mutate = commits.claim(
-            req,
-            node=node,
-            instance=self.instance,
-            claim_timeout=self.claim_timeout,
-            now=time.time(),
-            placed=self.model.placed.__contains__,
-        )
-        try:
-            # A request never seen is created without reading it first (the common case).
-            await self.requests.update(req.request_id, mutate, assume_absent=True)
-        except commits.AlreadyDone:
-            return False
-        return True
 
     async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
         """Add the allocation to the node's record; False when a device went to another."""
@@ -547,11 +441,7 @@ class Allocator(Service):
             return True
 
     async def _reject(self, req: AllocationRequest, reason: str) -> None:
-        await self.requests.update(
-            req.request_id,
-            commits.put_request(RequestRecord(request=req, state="rejected", reason=reason)),
-        )
-        self.pending.pop(req.request_id, None)
+        await self.book.reject(req, reason)
         self._publish_later(
             subjects.ALLOC_FAILED,
             AllocationFailed(request_id=req.request_id, pod=req.pod, reason=reason, retrying=False),
@@ -560,40 +450,19 @@ class Allocator(Service):
         log.info("rejected", request_id=req.request_id, reason=reason)
 
     async def _unschedulable(self, req: AllocationRequest, why: Unschedulable) -> str:
-        """Record the request ``pending`` with its reason and announce it (``AllocationFailed``).
-        The per-node breakdown of a refusal ("993 nodes: fewer than 2 free GPUs; ...") moves
-        with every free and placement; with the same head (:func:`reason_key`) the record is
-        rewritten, and the reason announced, at most every ``REASON_REFRESH_S``."""
-        rid = req.request_id
-        if not self._reason_due(rid, why):
-            return "pending"  # nothing new to say: no write
-        said: list[str] = []
-
-        def record_pending(current: RequestRecord | None) -> RequestRecord | None:
-            if current is not None and current.state in commits.TERMINAL_STATES:
-                raise commits.AlreadyDone(current.state)
-            if current is not None and current.state in commits.CLAIMED_STATES:
-                if rid in self.model.placed:
-                    raise commits.AlreadyDone(current.state)
-                if current.owner != self.instance and time.time() - current.updated_at < self.claim_timeout:
-                    raise Retry(f"request {rid} is being placed by {current.owner}")
-            said[:] = [current.reason if current is not None else ""]
-            if current is not None and current.state == "pending" and current.reason == why.reason:
-                return None
-            return RequestRecord(request=req, state="pending", owner="", reason=why.reason)
-
+        """Record the request ``pending`` with its reason and announce a new reason
+        (``AllocationFailed``); see :mod:`.requestbook` for how often."""
         try:
-            await self.requests.update(rid, record_pending, assume_absent=True)
+            said = await self.book.record_pending(req, why)
         except commits.AlreadyDone:
             return "duplicate"
-        self.pending[rid] = req
-        if said and said[0] != why.reason:
+        if said is not None and said != why.reason:
             self._publish_later(
                 subjects.ALLOC_FAILED,
-                AllocationFailed(request_id=rid, pod=req.pod, reason=why.reason),
-                msg_id=subjects.msg_id(rid, "failed", zlib.crc32(why.reason.encode())),
+                AllocationFailed(request_id=req.request_id, pod=req.pod, reason=why.reason),
+                msg_id=subjects.msg_id(req.request_id, "failed", zlib.crc32(why.reason.encode())),
             )
-            log.info("unschedulable", request_id=rid, reason=why.reason)
+            log.info("unschedulable", request_id=req.request_id, reason=why.reason)
         return "pending"
 
     def _publish_later(self, subject: str, message: msgspec.Struct, *, msg_id: str) -> None:
@@ -612,7 +481,8 @@ class Allocator(Service):
         finds a place (or has something new to say) goes on, as a task, to claim and commit,
         so a pass over thousands of still-unschedulable requests writes nothing and their
         commits overlap."""
-        candidates = {r.request_id: r for r in [*self._abandoned_claims(), *self.pending.values()]}
+        abandoned = self.book.abandoned(busy=self._inflight)
+        candidates = {r.request_id: r for r in [*abandoned, *self.book.pending.values()]}
         order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
         gate = asyncio.Semaphore(self.concurrency)
 
@@ -632,16 +502,16 @@ class Allocator(Service):
         tasks: list[asyncio.Task[bool]] = []
         for req in order:
             rid = req.request_id
-            if rid not in self.pending and rid not in self.deciding:
+            if rid not in self.book.pending and rid not in self.book.claims:
                 continue
             if rid in self._inflight or rid in self.model.placed:
                 continue
             await gate.acquire()
             try:
-                decision = self._decide(req)
+                decision = self.replicas.decide(req)
             except InvalidRequest:
                 decision = None  # handle_request rejects it, with the reason
-            if isinstance(decision, Unschedulable) and not self._reason_due(rid, decision):
+            if isinstance(decision, Unschedulable) and not self.book.reason_due(rid, decision):
                 gate.release()
                 continue
             if isinstance(decision, Placement):
@@ -655,24 +525,13 @@ class Allocator(Service):
                 log.warning("retry_failed", error=repr(res))
         return sum(1 for res in results if res is True)
 
-    def _reason_due(self, request_id: str, why: Unschedulable) -> bool:
-        """Whether an unschedulable request's record needs writing (see _unschedulable)."""
-        known = self.requests.cached(request_id)
-        was = known[0] if known is not None else None
-        return not (
-            was is not None
-            and was.state == "pending"
-            and reason_key(was.reason) == reason_key(why.reason)
-            and time.time() - was.updated_at < REASON_REFRESH_S
-        )
-
     def update_gauges(self) -> None:
         totals = self.cluster.totals()
         metrics.DEVICES.labels("gpu", "total").set(totals["gpus"])
         metrics.DEVICES.labels("gpu", "free").set(totals["free_gpus"])
         metrics.DEVICES.labels("nic", "total").set(totals["nics"])
         metrics.DEVICES.labels("nic", "free").set(totals["free_nics"])
-        metrics.PENDING.set(len(self.pending))
+        metrics.PENDING.set(len(self.book.pending))
         for status in ("ready", "lost"):
             metrics.NODES.labels(status).set(sum(1 for r in self.model.nodes.values() if r.status == status))
 
@@ -689,7 +548,7 @@ class Allocator(Service):
                 # Frees come in bursts: answer a burst with one pass, not one pass per free.
                 await asyncio.sleep(RETRY_COALESCE_S)
             self.model.capacity.clear()
-            if self.pending or self.deciding:
+            if self.book.pending or self.book.claims:
                 await self.retry_pending()
 
     def _refreeze(self) -> None:
@@ -712,7 +571,7 @@ class Allocator(Service):
         node = self.model.placed.get(request_id)
         if node is not None:
             return node
-        record = await self._request_record(request_id)
+        record = await self.book.record(request_id)
         if record is not None and record.node and record.state in ("assigned", "releasing"):
             # Placed by another replica whose write this one's watch has not shown yet.
             await self.node_allocs.fetch(record.node)
@@ -725,7 +584,12 @@ class Allocator(Service):
         rid = release.request_id
         node = await self._placement_of(rid)
         if node is None:
-            if await self._cancel(release):
+            outcome = await self.book.cancel(rid, pod=release.pod)
+            if outcome == "cancelled":
+                self._publish_later(
+                    subjects.ALLOC_FREED, Freed(request_id=rid), msg_id=subjects.msg_id(rid, "freed")
+                )
+            if outcome != "placed":
                 return
             # Placed by now (its decision was in flight on another replica): release it.
             node = await self._placement_of(rid)
@@ -736,44 +600,6 @@ class Allocator(Service):
         await self.node_allocs.update(
             node, commits.set_state(rid, "releasing", only_from=frozenset({"assigned", "applied"}))
         )
-
-    async def _cancel(self, release: Release) -> bool:
-        """Cancel a request that is not placed (pending, or the release overtook it); False
-        when it turned out to be placed after all."""
-        rid = release.request_id
-        outcome: list[str] = []
-
-        def cancel(current: RequestRecord | None) -> RequestRecord | None:
-            if current is not None and current.state in commits.CLAIMED_STATES:
-                # No decision of ours is in flight (awaited before): placed, being placed by
-                # another replica, or a claim whose commit never happened.
-                if rid in self.model.placed:
-                    outcome.append("placed")
-                    return None
-                fresh = time.time() - current.updated_at < self.claim_timeout
-                if current.owner != self.instance and fresh:
-                    raise Retry(f"release of {rid}: {current.owner} is placing it")
-            if current is not None and current.state == "releasing":
-                outcome.append("placed")
-                return None
-            if current is not None and current.state in ("freed", "cancelled", "rejected"):
-                outcome.append("done")
-                return None
-            request = (
-                current.request if current else AllocationRequest(request_id=rid, pod=release.pod, gpus=0)
-            )
-            outcome.append("cancelled")
-            return RequestRecord(request=request, state="cancelled", reason="released")
-
-        await self.requests.update(rid, cancel)
-        if outcome == ["placed"]:
-            return False
-        if outcome == ["cancelled"]:
-            self.pending.pop(rid, None)
-            self._publish_later(
-                subjects.ALLOC_FREED, Freed(request_id=rid), msg_id=subjects.msg_id(rid, "freed")
-            )
-        return True
 
     async def _on_node_report(self, event: object, delivery: Delivery) -> None:
         if isinstance(event, Cleaned):
@@ -787,7 +613,7 @@ class Allocator(Service):
             # Never free devices whose cleanup was not verified; the agent has marked them
             # unhealthy and a later verified cleanup frees them.
             log.warning("cleanup_unverified", request_id=rid, problems=cleaned.problems)
-            self.requests.submit(rid, commits.request_state("releasing", reason="; ".join(cleaned.problems)))
+            self.book.cleanup_unverified(rid, cleaned.problems)
             return
         with _tracer.start_as_current_span("allocator.free", context=delivery.context) as span:
             span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
@@ -810,7 +636,7 @@ class Allocator(Service):
                 # about an allocation nobody released): nothing to free.
                 log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
                 return
-            self.requests.submit(rid, commits.request_state("freed"))
+            self.book.freed(rid)
             self._publish_later(
                 subjects.ALLOC_FREED,
                 Freed(request_id=rid, node=cleaned.node, devices=cleaned.devices),

@@ -1,0 +1,202 @@
+"""Request records (KV ``tandem-requests``): where each request stands, as this replica sees it.
+
+A request record is written when a request is *claimed* (already as its outcome: ``assigned``
+to the chosen node, see :mod:`.commits`), when it cannot be placed (``pending`` with the reason
+for the pod author), rejected, cancelled, or freed. The :class:`RequestBook` keeps the live
+ones in memory (a watch of the bucket and its own writes) and answers the placement loop:
+which requests are pending, which claims were abandoned by a replica that died, whether a
+refusal is worth writing again. Every write is a compare-and-set of the shared
+:class:`~services.runtime.records.RecordStore`.
+
+A refusal's per-node breakdown ("993 nodes: fewer than 2 free GPUs; ...") moves with every
+free and placement; with the same head (:func:`reason_key`) the record is rewritten, and the
+reason announced, at most every ``REASON_REFRESH_S`` — writing on every change was a storm
+under load (72,000 writes in one run of ``tandem loadtest``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping
+from typing import Literal
+
+from schemas import codec, subjects
+from schemas.messages import AllocationRequest, PodRef, RequestRecord
+from services.allocator import commits
+from services.allocator.core import Unschedulable
+from services.runtime.bus import Bus, Retry
+from services.runtime.records import RecordStore
+
+# Request records kept in memory: those a later write of this replica will change.
+LIVE_STATES = frozenset({"pending", "deciding", "assigned"})
+# A pending request's reason, when only its breakdown changed, is rewritten at most this often.
+REASON_REFRESH_S = 30.0
+
+CancelOutcome = Literal["placed", "done", "cancelled"]
+
+
+def reason_key(reason: str) -> str:
+    """What a refusal says at its head ("no node can take 8 GPUs + 8 NICs"), without the
+    per-node breakdown whose counts move with every free and every placement."""
+    return reason.split(":", 1)[0]
+
+
+class RequestBook:
+    def __init__(
+        self, bus: Bus, *, instance: str, claim_timeout: float, placed: Mapping[str, str]
+    ) -> None:
+        self.instance = instance
+        self.claim_timeout = claim_timeout
+        self.placed = placed  # request id → node, from the node records (the read model)
+        self.store: RecordStore[RequestRecord] = RecordStore(
+            bus,
+            subjects.KV_REQUESTS,
+            codec.REQUEST_RECORD,
+            on_change=self._on_record,
+            retain=lambda r: r.state in LIVE_STATES,
+        )
+        self.pending: dict[str, AllocationRequest] = {}
+        self.claims: dict[str, RequestRecord] = {}  # claimed, not yet held by a node record
+
+    async def aclose(self) -> None:
+        await self.store.aclose()
+
+    def _on_record(self, key: str, record: RequestRecord | None, _: int) -> None:
+        self.pending.pop(key, None)
+        self.claims.pop(key, None)
+        if record is None:
+            return
+        if record.state == "pending":
+            self.pending[key] = record.request
+        elif record.state in commits.CLAIMED_STATES and key not in self.placed:
+            self.claims[key] = record
+
+    def abandoned(self, *, busy: Collection[str]) -> list[AllocationRequest]:
+        """Requests a replica claimed and then never committed (it crashed in between).
+
+        A claim is only taken while a message is being handled or a pending request retried;
+        the pending path has no message left to redeliver, so without this such a request
+        would wait forever. ``busy``: requests this replica has in hand."""
+        cutoff = time.time() - self.claim_timeout
+        abandoned = []
+        for rid, r in list(self.claims.items()):
+            if rid in self.placed:
+                del self.claims[rid]  # committed: not a claim any more
+            elif r.updated_at < cutoff and rid not in busy:
+                abandoned.append(r.request)
+        return abandoned
+
+    async def record(self, request_id: str) -> RequestRecord | None:
+        cached = self.store.cached(request_id)
+        if cached is not None:
+            return cached[0]
+        record, _ = await self.store.fetch(request_id)
+        return record
+
+    def _held_elsewhere(self, current: RequestRecord) -> bool:
+        """A live claim of another replica (raises Retry) — or a committed one (True)."""
+        rid = current.request.request_id
+        if rid in self.placed:
+            return True
+        if current.owner != self.instance and time.time() - current.updated_at < self.claim_timeout:
+            raise Retry(f"request {rid} is being placed by {current.owner}")
+        return False
+
+    async def claim(self, req: AllocationRequest, *, node: str) -> bool:
+        """Take the request for this instance, to be committed on ``node``; False when it has
+        an outcome already. Raises Retry while another live replica has it in hand."""
+        mutate = commits.claim(
+            req,
+            node=node,
+            instance=self.instance,
+            claim_timeout=self.claim_timeout,
+            now=time.time(),
+            placed=self.placed.__contains__,
+        )
+        try:
+            # A request never seen is created without reading it first (the common case).
+            await self.store.update(req.request_id, mutate, assume_absent=True)
+        except commits.AlreadyDone:
+            return False
+        return True
+
+    async def mark_assigned(self, req: AllocationRequest, *, node: str) -> None:
+        """Make the record say what the node record says (a lost write, an earlier node)."""
+        record = RequestRecord(request=req, state="assigned", node=node, owner=self.instance)
+        await self.store.update(req.request_id, commits.put_request(record))
+
+    def placed_now(self, request_id: str) -> None:
+        """The request's commit landed: it is not pending, and its claim is the outcome."""
+        self.pending.pop(request_id, None)
+        self.claims.pop(request_id, None)
+
+    def reason_due(self, request_id: str, why: Unschedulable) -> bool:
+        """Whether an unschedulable request's record needs writing (module docstring)."""
+        known = self.store.cached(request_id)
+        was = known[0] if known is not None else None
+        return not (
+            was is not None
+            and was.state == "pending"
+            and reason_key(was.reason) == reason_key(why.reason)
+            and time.time() - was.updated_at < REASON_REFRESH_S
+        )
+
+    async def record_pending(self, req: AllocationRequest, why: Unschedulable) -> str | None:
+        """Record ``pending`` with the reason; returns the reason it said before (None when
+        nothing was written). Raises AlreadyDone when the request has an outcome."""
+        if not self.reason_due(req.request_id, why):
+            return None
+        said: list[str] = []
+
+        def mutate(current: RequestRecord | None) -> RequestRecord | None:
+            if current is not None and current.state in commits.TERMINAL_STATES:
+                raise commits.AlreadyDone(current.state)
+            claimed = current is not None and current.state in commits.CLAIMED_STATES
+            if current is not None and claimed and self._held_elsewhere(current):
+                raise commits.AlreadyDone(current.state)
+            said[:] = [current.reason if current is not None else ""]
+            if current is not None and current.state == "pending" and current.reason == why.reason:
+                return None
+            return RequestRecord(request=req, state="pending", owner="", reason=why.reason)
+
+        await self.store.update(req.request_id, mutate, assume_absent=True)
+        self.pending[req.request_id] = req
+        return said[0] if said else None
+
+    async def reject(self, req: AllocationRequest, reason: str) -> None:
+        record = RequestRecord(request=req, state="rejected", reason=reason)
+        await self.store.update(req.request_id, commits.put_request(record))
+        self.pending.pop(req.request_id, None)
+
+    async def cancel(self, request_id: str, *, pod: PodRef) -> CancelOutcome:
+        """Cancel a request that is not placed (pending, or its release overtook it).
+        No decision of this replica may be in flight for it (the caller awaited those)."""
+        outcome: list[CancelOutcome] = []
+
+        def mutate(current: RequestRecord | None) -> RequestRecord | None:
+            claimed = current is not None and current.state in commits.CLAIMED_STATES
+            if current is not None and claimed and self._held_elsewhere(current):
+                outcome.append("placed")
+                return None
+            if current is not None and current.state == "releasing":
+                outcome.append("placed")
+                return None
+            if current is not None and current.state in ("freed", "cancelled", "rejected"):
+                outcome.append("done")
+                return None
+            request = (
+                current.request if current else AllocationRequest(request_id=request_id, pod=pod, gpus=0)
+            )
+            outcome.append("cancelled")
+            return RequestRecord(request=request, state="cancelled", reason="released")
+
+        await self.store.update(request_id, mutate)
+        if outcome[-1] == "cancelled":
+            self.pending.pop(request_id, None)
+        return outcome[-1]
+
+    def freed(self, request_id: str) -> None:
+        self.store.submit(request_id, commits.request_state("freed"))
+
+    def cleanup_unverified(self, request_id: str, problems: list[str]) -> None:
+        self.store.submit(request_id, commits.request_state("releasing", reason="; ".join(problems)))
