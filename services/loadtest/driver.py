@@ -67,6 +67,9 @@ from schemas.messages import (
 from services.loadtest.mix import NAMESPACE, RequestStream
 from services.loadtest.publisher import AsyncPublisher
 
+# An answer or a Freed not seen this long is looked up in KV (recover_missed), this many at a time.
+MISSED_AFTER_S = 3.0
+MISSED_BATCH = 256
 # Subscriptions see every outcome of the run; never drop one for being slow.
 SUB_PENDING_MSGS = 4_000_000
 SUB_PENDING_BYTES = 1024 * 1024 * 1024
@@ -139,6 +142,8 @@ class LoadDriver:
         self._subs: list[Subscription] = []
         self._probes: dict[str, Req] = {}
         self._pending: deque[tuple[float, str]] = deque()  # (answered unschedulable at, id)
+        self._last_recovery = 0.0
+        self.recovered = 0  # outcomes read from KV after their event was missed
 
     # -- observation --------------------------------------------------------------------------
 
@@ -302,6 +307,59 @@ class LoadDriver:
         except TimeoutError:
             if alive is not None:
                 alive()
+            await self.recover_missed()
+
+    async def recover_missed(self) -> int:
+        """Outcomes are watched with core subscriptions, which miss what is published while
+        this process reconnects (a NATS server died): a request unanswered, or a release not
+        freed, for ``MISSED_AFTER_S`` is looked up in its request record (KV, the system's own
+        state) and its outcome taken as seen now. Returns how many were recovered; their
+        answers are timed when recovered, so they can only lengthen the latencies."""
+        now = time.perf_counter()
+        if now - self._last_recovery < MISSED_AFTER_S:
+            return 0
+        self._last_recovery = now
+        stale = [
+            rid
+            for rid, r in self.reqs.items()
+            if now - (r.released if r.released is not None else r.submitted) > MISSED_AFTER_S
+            and ((r.first is None) or (r.released is not None and r.freed is None and not r.cancelled))
+        ]
+        if not stale:
+            return 0
+        try:
+            kv = await self.nc.jetstream().key_value(subjects.KV_REQUESTS)
+        except Exception:  # the bucket's stream is electing a leader: look again later
+            return 0
+        recovered = 0
+        for rid in stale[:MISSED_BATCH]:
+            try:
+                entry = await kv.get(subjects.kv_key(rid))
+                record = codec.REQUEST_RECORD.decode(entry.value or b"")
+            except Exception:  # not written yet, or NATS still settling: look again later
+                continue
+            req = self.reqs[rid]
+            now = time.perf_counter()
+            if req.first is None and record.state in ("assigned", "releasing", "freed") and record.node:
+                req.assigned, req.node = now, record.node
+                self._first(req, now)
+                if req.released is None:
+                    self._hold(rid, req)
+                recovered += 1
+            elif req.first is None and record.state in ("pending", "rejected"):
+                req.failed = True
+                req.rejected = record.state == "rejected"
+                self._first(req, now)
+                recovered += 1
+            if req.released is not None and req.freed is None and record.state in ("freed", "cancelled"):
+                req.freed = now
+                if req.releasing:
+                    req.releasing = False
+                    self.releasing_gpus -= req.gpus
+                self._progress.set()
+                recovered += 1
+        self.recovered += recovered
+        return recovered
 
     async def run(
         self,
@@ -397,4 +455,5 @@ class LoadDriver:
             if alive is not None:
                 alive()
             await asyncio.sleep(0.1)
+            await self.recover_missed()
         return True

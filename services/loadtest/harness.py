@@ -513,6 +513,7 @@ class Harness:
             freed=sum(1 for r in reqs.values() if r.freed is not None),
             rejected=sum(1 for r in reqs.values() if r.rejected),
             cancelled=driver.cancelled,
+            recovered=driver.recovered,
             util_target=cfg.util,
             util_peak=round(driver.peak_held_gpus / max(1, driver.fleet_gpus), 3),
             util_mean=round(driver.util_sum / driver.util_samples, 3) if driver.util_samples else None,

@@ -4,8 +4,9 @@
 for a round trip); :meth:`AsyncPublisher.run` sends the queue with ``js.publish_async`` keeping
 at most ``window`` publishes unacknowledged, and re-sends a publish whose ack failed or did not
 come within ``ack_timeout`` — with the same ``Nats-Msg-Id``, so the stream's duplicate window
-drops a re-send of one that was stored after all. ``flush`` waits until everything queued is
-acknowledged.
+drops a re-send of one that was stored after all — with a growing pause, for up to
+``RETRY_FOR_S`` (a stream leader election answers "no responders" for seconds). ``flush``
+waits until everything queued is acknowledged.
 
 Run it under a :class:`~services.runtime.tasks.Supervisor` (``run`` and ``reap`` are the two
 loops). This is the harness's and the simulated fleet's own sender: the services publish one
@@ -23,7 +24,10 @@ from dataclasses import dataclass, field
 from nats.js import JetStreamContext
 from nats.js.api import PubAck
 
-MAX_ATTEMPTS = 20
+# A publish is re-sent, with a growing pause, until it is stored or this long has passed since
+# its first attempt: a stream without a leader (a NATS server died) answers "no responders"
+# at once for the seconds an election takes, so a count of attempts would run out in one.
+RETRY_FOR_S = 60.0
 
 
 @dataclass(slots=True)
@@ -33,6 +37,8 @@ class _Item:
     headers: dict[str, str]
     attempts: int = 0
     sent_at: float = 0.0
+    first_at: float = 0.0
+    not_before: float = 0.0
 
 
 @dataclass(slots=True)
@@ -82,9 +88,16 @@ class AsyncPublisher:
             if not self._queue:  # drained while we waited for a slot
                 self._slots.release()
                 continue
-            item = self._queue.popleft()
+            item = self._queue[0]
+            pause = item.not_before - time.monotonic()
+            if pause > 0:  # a re-send waiting out its back-off (retries queue at the end)
+                self._slots.release()
+                await asyncio.sleep(min(pause, 0.1))
+                continue
+            self._queue.popleft()
             item.attempts += 1
             item.sent_at = time.monotonic()
+            item.first_at = item.first_at or item.sent_at
             try:
                 fut = await self.js.publish_async(item.subject, item.payload, headers=item.headers)
             except Exception as exc:  # not connected, too many stalled: queue it again
@@ -110,11 +123,13 @@ class AsyncPublisher:
 
     def _retry(self, item: _Item, exc: BaseException) -> None:
         self.stats.last_error = repr(exc)
-        if item.attempts >= MAX_ATTEMPTS:
+        now = time.monotonic()
+        if now - item.first_at >= RETRY_FOR_S:
             self.stats.failed += 1
             self._check_idle()
             return
         self.stats.retried += 1
+        item.not_before = now + min(0.05 * 2 ** min(item.attempts, 5), 1.0)
         self._queue.append(item)
         self._wake.set()
 

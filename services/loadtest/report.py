@@ -6,7 +6,7 @@ Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``
 ``p99``, ``max``), ``lost``, ``double_held``, ``jetstream_ceiling`` (``publish_per_s``,
 ``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
 ``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
-``freed``, ``rejected``, ``cancelled``, ``util_target``, ``util_peak``, ``util_mean``,
+``freed``, ``rejected``, ``cancelled``, ``recovered``, ``util_target``, ``util_peak``, ``util_mean``,
 ``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``wall_s``, ``cpu_s`` and
 ``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats``,
 ``fleet``, ``harness``). A figure that was not measured is ``null``.
@@ -68,6 +68,7 @@ class Report(msgspec.Struct, kw_only=True):
     freed: int = 0
     rejected: int = 0  # AllocationFailed(retrying=False): never to be placed
     cancelled: int = 0  # pending longer than --give-up: released unplaced by the harness
+    recovered: int = 0  # outcomes read from KV because their event was missed (a reconnect)
     util_target: float = 0.0
     util_peak: float = 0.0  # largest share of fleet GPUs held by observed assignments
     util_mean: float | None = None  # held share at each arrival after the fill, averaged

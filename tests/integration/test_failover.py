@@ -9,12 +9,19 @@ held twice, every release must end in ``Freed``, and every durable consumer must
 
 The recovery time (kill → first request published and placed after it) is printed, not
 asserted beyond a generous bound: it is the cluster's election time, not Tandem's.
+
+The last test kills the leader while ``tandem loadtest`` drives its own simulated fleet
+against the same cluster, and reads the harness's verdict (from KV) on what was lost or held
+twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -395,3 +402,64 @@ async def test_release_that_waited_for_the_decision_frees_the_placement(
     assert await holders(client, req.request_id) == []
     record = await client.request_record(req.request_id)
     assert record is not None and record.state == "freed"
+
+
+@pytest.mark.timeout(180)
+async def test_stream_leader_killed_under_the_load_harness(
+    cluster: EmbeddedNatsCluster, stack: tuple[LocalStack, TandemClient, Bus]
+) -> None:
+    """The same kill, with ``tandem loadtest`` driving its own fleet against the cluster (its
+    invariants read from KV: nothing lost, no device or request held twice)."""
+    _, _, observer = stack
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
+    env["TANDEM_HEARTBEAT_INTERVAL"] = "0.5"  # the in-process inventory calls a node lost after 3 s
+    harness = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "services.cli.main",
+        "loadtest",
+        "--nats",
+        cluster.url,
+        "--no-services",
+        "--nodes",
+        "12",
+        "--requests",
+        "400",
+        "--rate",
+        "25",
+        "--util",
+        "0.6",
+        "--ceiling-msgs",
+        "0",
+        "--drain",
+        "60",
+        "--json",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    assert harness.stderr is not None and harness.stdout is not None
+    progress: list[str] = []
+
+    async def read_until(marker: str) -> None:
+        assert harness.stderr is not None
+        while marker not in (line := (await harness.stderr.readline()).decode()):
+            if not line:
+                pytest.fail("loadtest ended before its load began:\n" + "".join(progress))
+            progress.append(line)
+
+    await asyncio.wait_for(read_until("load:"), 60)
+    await asyncio.sleep(4)  # ~100 requests in
+    leader = (await observer.js.stream_info(subjects.ALLOC_STREAM)).cluster
+    assert leader is not None and leader.leader, "TANDEM_ALLOC has no cluster leader"
+    cluster.kill(cluster.index_of(leader.leader))
+    print(f"\nkilled {leader.leader} (leader of {subjects.ALLOC_STREAM}) under the harness's load")
+
+    stdout, stderr = await asyncio.wait_for(harness.communicate(), 150)
+    progress.append(stderr.decode())
+    assert stdout.strip(), "no JSON line:\n" + "".join(progress)
+    report = json.loads(stdout.decode().strip().splitlines()[-1])
+    print(json.dumps(report))
+    assert report["lost"] == 0 and report["double_held"] == 0 and report["double_placed"] == 0, report
+    assert report["assigned"] > 300 and report["drained"], report
+    assert harness.returncode == 0, "".join(progress)
