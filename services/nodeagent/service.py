@@ -243,13 +243,15 @@ class NodeAgent(Service):
             except BackendError as exc:
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))
-            self.assignments[assignment.request_id] = assignment
             APPLIES.labels("ok" if result.ok else "failed").inc()
             await self.bus.publish(
                 subjects.node_applied(self.node),
                 result,
                 msg_id=subjects.msg_id(assignment.request_id, "applied"),
             )
+            # Only now: if the report could not be published, the record is handed over
+            # again and the (idempotent) apply and its report are repeated.
+            self.assignments[assignment.request_id] = assignment
 
     async def _cleanup(self, rec: AllocRecord) -> None:
         assignment = rec.assignment
@@ -266,7 +268,6 @@ class NodeAgent(Service):
                         self.health.fail(device, f"cleanup failed: {problems[0]}", now=self.clock())
                         await self._publish_health(device)
             self.assignments.pop(request_id, None)
-            self.cleaning.add(request_id)
             cleaned = Cleaned(
                 request_id=request_id,
                 node=self.node,
@@ -281,3 +282,6 @@ class NodeAgent(Service):
                 cleaned,
                 msg_id=subjects.msg_id(request_id, "cleaned", "ok" if cleaned.ok else "failed"),
             )
+            # Only once reported: a report that could not be published is made again when
+            # the record is handed over again (cleanup is idempotent).
+            self.cleaning.add(request_id)

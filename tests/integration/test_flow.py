@@ -237,6 +237,30 @@ async def test_unverified_cleanup_keeps_devices_held(stack_factory) -> None:  # 
     assert not any(isinstance(e, Freed) for e, _ in client.outcomes.get(req.request_id, []))
 
 
+async def test_cleanup_report_that_could_not_be_published_is_made_again(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """The agent follows its record: when its Cleaned cannot be published (NATS gave up), the
+    record is handed over again and the cleanup reported again, so the devices are freed."""
+    stack, client = await stack_factory([FleetEntry("pcie-4gpu-2nic", 1, "pcie")])
+    agent = stack.agents["pcie-0"]
+    real_publish = agent.bus.publish
+    failed: list[str] = []
+
+    async def publish_failing_once(subject: str, message: object, **kw: object) -> None:
+        if subject == subjects.node_cleaned("pcie-0") and not failed:
+            failed.append(subject)
+            raise TimeoutError("no stream answered")  # what a publish that gave up raises
+        await real_publish(subject, message, **kw)  # type: ignore[arg-type]
+
+    agent.bus.publish = publish_failing_once  # type: ignore[method-assign]
+    req = request("report-again", 1, 0)
+    await client.submit(req)
+    assert isinstance(await client.wait_for(req.request_id), Assignment)
+    await client.release(req.request_id)
+    freed = await client.wait_for(req.request_id, (Freed,), timeout=15)
+    assert failed and isinstance(freed, Freed) and freed.node == "pcie-0"
+    assert (await client.allocations(["pcie-0"]))[0].allocations == {}
+
+
 def test_assignment_round_trips_through_msgpack() -> None:
     a = Assignment(request_id="u.1", pod=PodRef("n", "p", "u"), node="n1", gpus=[])
     assert codec.ALLOC_EVENT.decode(codec.encode(a)) == a
