@@ -7,13 +7,13 @@ Every node gets its own decoded :class:`~schemas.topology.NodeTopology` with its
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
 
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import Gpu, Nic, NodeTopology, NumaNode, PcieRoot, PcieSwitch, Socket
+from services.loadtest.mix import Workload  # the request mix, shared with tandem loadtest
 from services.topology import import_nvidia_smi, load_topology
 
 # (built-in topology, share of the fleet)
@@ -96,23 +96,15 @@ def fleet(n: int, mix: tuple[tuple[str, float], ...] = MIX) -> list[tuple[str, N
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Workload:
-    """Request mix: GPU counts and how NICs are asked for."""
-
-    sizes: tuple[tuple[int, float], ...] = ((1, 0.30), (2, 0.20), (4, 0.25), (8, 0.25))
-    per_gpu: float = 0.70  # rdma == gpus
-    gpu_only: float = 0.20  # rdma == 0; the rest asks half as many NICs (shared)
-    required: float = 0.20  # share with policy=required (scope from the class: pcie-switch)
-    # Share pinned to one node by a kubernetes.io/hostname node selector (a random node of
-    # ``pin_to``), as the allocator service labels every node.
-    pinned: float = 0.0
-
-
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 
 
-def requests(seed: int, workload: Workload = Workload(), *, pin_to: list[str] | None = None) -> RequestStream:
+DEFAULT_WORKLOAD = Workload()
+
+
+def requests(
+    seed: int, workload: Workload = DEFAULT_WORKLOAD, *, pin_to: list[str] | None = None
+) -> RequestStream:
     # The pinning draws from its own generator, so the rest of the stream is the same with or
     # without pinned requests.
     return RequestStream(random.Random(seed), workload, pin_to=pin_to or [], pin_rng=random.Random(-seed - 1))
@@ -128,21 +120,12 @@ class RequestStream:
         self.w = workload
         self.n = 0
         self.pin_to = pin_to
-        self._sizes = [s for s, _ in workload.sizes]
-        self._weights = [p for _, p in workload.sizes]
         self._pin_rng = pin_rng
 
     def next(self) -> AllocationRequest:
         rng = self.rng
         self.n += 1
-        g = rng.choices(self._sizes, self._weights)[0]
-        x = rng.random()
-        if x < self.w.per_gpu:
-            r = g
-        elif x < self.w.per_gpu + self.w.gpu_only:
-            r = 0
-        else:
-            r = max(1, g // 2)
+        g, r = self.w.draw(rng)
         rid = f"req-{self.n}"
         policy = "required" if rng.random() < self.w.required else None
         selector = {}

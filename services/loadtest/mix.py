@@ -102,6 +102,17 @@ class Workload:
     def mean_gpus(self) -> float:
         return sum(size * share for size, share in self.sizes) / sum(share for _, share in self.sizes)
 
+    def draw(self, rng: random.Random) -> tuple[int, int]:
+        """GPUs and NICs of the next request (two draws from ``rng``; the core benchmark,
+        bench/fleet.py, draws its requests the same way)."""
+        gpus = rng.choices([s for s, _ in self.sizes], [p for _, p in self.sizes])[0]
+        x = rng.random()
+        if x < self.per_gpu:
+            return gpus, gpus
+        if x < self.per_gpu + self.gpu_only:
+            return gpus, 0
+        return gpus, max(1, gpus // 2)
+
 
 class RequestStream:
     """Seeded requests ``<run>-<n>``; ``run`` keeps ids unique across runs on one server."""
@@ -112,20 +123,11 @@ class RequestStream:
         self.nodes = nodes
         self.w = workload
         self.n = 0
-        self._sizes = [s for s, _ in workload.sizes]
-        self._weights = [p for _, p in workload.sizes]
 
     def next(self) -> AllocationRequest:
         rng = self.rng
         self.n += 1
-        g = rng.choices(self._sizes, self._weights)[0]
-        x = rng.random()
-        if x < self.w.per_gpu:
-            r = g
-        elif x < self.w.per_gpu + self.w.gpu_only:
-            r = 0
-        else:
-            r = max(1, g // 2)
+        g, r = self.w.draw(rng)
         scope = rng.choice(REQUIRED_SCOPES) if rng.random() < self.w.required else None
         selector = {}
         if self.nodes and rng.random() < self.w.pinned:
