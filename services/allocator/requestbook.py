@@ -195,8 +195,8 @@ class RequestBook:
             self.pending.pop(request_id, None)
         return outcome[-1]
 
-    def freed(self, request_id: str) -> None:
-        self.store.submit(request_id, commits.request_state("freed"))
+    async def freed(self, request_id: str) -> None:
+        await self.store.update(request_id, commits.request_state("freed"))
 
     def cleanup_unverified(self, request_id: str, problems: list[str]) -> None:
         self.store.submit(request_id, commits.request_state("releasing", reason="; ".join(problems)))

@@ -28,8 +28,8 @@ One request, start to finish (each step idempotent, keyed by ``request_id``):
    one write is the commit and the node agent's event (the server republishes it on
    ``tandem.allocs.<node>``). If another replica wrote the record first and took a device,
    the write fails for this request only, which is decided again;
-5. ack the request; publish ``Assignment`` on the node's subject (for the pod bridge and the
-   CLI) in the background.
+5. publish ``Assignment`` on the node's subject (for the pod bridge and the CLI), then ack the
+   request: a lost event means a redelivery, which publishes it again (step 1).
 
 Unschedulable: the request record says ``pending`` with the reason before the request is
 acked (rewritten and announced with ``AllocationFailed`` only when the reason says something
@@ -408,9 +408,10 @@ class Allocator(Service):
             for pair in assignment.pairs:
                 metrics.PAIRS.labels(pair.scope).inc()
             self.book.placed_now(rid)
-            # The claim said "assigned" to this node and the node record now holds it; the
-            # event follows.
-            self._publish_later(
+            # The claim said "assigned" to this node and the node record now holds it. The
+            # event is published before the request is acked, so a lost event means a
+            # redelivery, which republishes it (step 1), not a pod that never hears back.
+            await self.bus.publish(
                 subjects.alloc_assigned(node), assignment, msg_id=subjects.msg_id(rid, "assigned")
             )
             log.debug("assigned", request_id=rid, node=node, scope=decision.scope)
@@ -442,7 +443,7 @@ class Allocator(Service):
 
     async def _reject(self, req: AllocationRequest, reason: str) -> None:
         await self.book.reject(req, reason)
-        self._publish_later(
+        await self.bus.publish(
             subjects.ALLOC_FAILED,
             AllocationFailed(request_id=req.request_id, pod=req.pod, reason=reason, retrying=False),
             msg_id=subjects.msg_id(req.request_id, "rejected"),
@@ -457,22 +458,13 @@ class Allocator(Service):
         except commits.AlreadyDone:
             return "duplicate"
         if said is not None and said != why.reason:
-            self._publish_later(
+            await self.bus.publish(
                 subjects.ALLOC_FAILED,
                 AllocationFailed(request_id=req.request_id, pod=req.pod, reason=why.reason),
                 msg_id=subjects.msg_id(req.request_id, "failed", zlib.crc32(why.reason.encode())),
             )
             log.info("unschedulable", request_id=req.request_id, reason=why.reason)
         return "pending"
-
-    def _publish_later(self, subject: str, message: msgspec.Struct, *, msg_id: str) -> None:
-        """An event that follows a committed effect: published without holding up the
-        request (a failure is logged; the effect is in KV either way)."""
-        self._tasks.spawn(
-            f"publish:{msg_id}",
-            lambda: self.bus.publish(subject, message, msg_id=msg_id),
-            restart=False,
-        )
 
     async def retry_pending(self) -> int:
         """Decide every pending request again, highest priority (then oldest) first.
@@ -586,7 +578,7 @@ class Allocator(Service):
         if node is None:
             outcome = await self.book.cancel(rid, pod=release.pod)
             if outcome == "cancelled":
-                self._publish_later(
+                await self.bus.publish(
                     subjects.ALLOC_FREED, Freed(request_id=rid), msg_id=subjects.msg_id(rid, "freed")
                 )
             if outcome != "placed":
@@ -632,12 +624,16 @@ class Allocator(Service):
                 await self.node_allocs.fetch(cleaned.node)
                 await self.node_allocs.update(cleaned.node, drop_released)
             if not any(dropped):
-                # Not being released on that node (a redelivery after the free, or a report
-                # about an allocation nobody released): nothing to free.
-                log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
-                return
-            self.book.freed(rid)
-            self._publish_later(
+                record = await self.book.record(rid)
+                if record is None or record.state != "freed":
+                    # Not being released on that node (a report about an allocation nobody
+                    # released): nothing to free.
+                    log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
+                    return
+                # Freed already: a redelivery because announcing it failed. Announce again.
+            else:
+                await self.book.freed(rid)
+            await self.bus.publish(
                 subjects.ALLOC_FREED,
                 Freed(request_id=rid, node=cleaned.node, devices=cleaned.devices),
                 msg_id=subjects.msg_id(rid, "freed"),
