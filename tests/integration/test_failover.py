@@ -411,6 +411,12 @@ async def test_stream_leader_killed_under_the_load_harness(
     """The same kill, with ``tandem loadtest`` driving its own fleet against the cluster (its
     invariants read from KV: nothing lost, no device or request held twice)."""
     _, _, observer = stack
+    assigned: list[str] = []
+
+    async def on_assigned(msg: Msg) -> None:
+        assigned.append(msg.subject)
+
+    watch = await observer.nc.subscribe(subjects.ALLOC_ASSIGNED_ALL, cb=on_assigned)
     env = {k: v for k, v in os.environ.items() if not k.startswith("TANDEM_")}
     env["TANDEM_HEARTBEAT_INTERVAL"] = "0.5"  # the in-process inventory calls a node lost after 3 s
     harness = await asyncio.create_subprocess_exec(
@@ -449,7 +455,10 @@ async def test_stream_leader_killed_under_the_load_harness(
             progress.append(line)
 
     await asyncio.wait_for(read_until("load:"), 60)
-    await asyncio.sleep(4)  # ~100 requests in
+    await eventually(
+        lambda: asyncio.sleep(0, len(assigned) >= 100), timeout=60, what="100 harness requests placed"
+    )
+    await watch.unsubscribe()
     leader = (await observer.js.stream_info(subjects.ALLOC_STREAM)).cluster
     assert leader is not None and leader.leader, "TANDEM_ALLOC has no cluster leader"
     cluster.kill(cluster.index_of(leader.leader))
