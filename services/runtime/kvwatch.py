@@ -1,16 +1,20 @@
-"""Watch a JetStream KV bucket and hand each change, decoded, to a callback.
+"""Watch a JetStream KV bucket and hand each change to a callback.
 
-Services keep their read models (the allocator's cluster view, the inventory's heartbeat
-table) current this way instead of polling. The initial state is delivered first; ``ready``
-is set once it has been, so a service can wait for a complete view before deciding anything.
-Values that fail to decode are logged and skipped (the writer is the bug, not the reader).
+Services keep their read models (the allocator's cluster view, the inventory's node table)
+current this way instead of polling. The initial state is delivered first; ``ready`` is set
+once it has been, so a service can wait for a complete view before deciding anything.
+
+:func:`watch_raw` hands over the value's bytes, for a reader that decodes only what it has not
+seen (:meth:`~services.runtime.records.RecordStore.observe`); :func:`watch_bucket` decodes
+each value first. Values that fail to decode are logged and skipped (the writer is the bug,
+not the reader).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import msgspec
 from nats.js.kv import KeyValue
@@ -21,7 +25,23 @@ from services.runtime.logging import get_logger
 log = get_logger(__name__)
 T = TypeVar("T")
 
-OnChange = Callable[[str, T | None, int], Awaitable[None] | None]
+OnChange = Callable[[str, T | None, int], object]
+RawChange = Callable[[str, bytes | None, int], object]
+
+
+async def watch_raw(kv: KeyValue, on_change: RawChange, *, ready: asyncio.Event | None = None) -> None:
+    """Run until cancelled; ``on_change(key, bytes_or_None_when_deleted, revision)``."""
+    watcher = await kv.watchall()
+    try:
+        async for entry in watcher:
+            if entry is None:  # end of the initial values
+                if ready is not None:
+                    ready.set()
+                continue
+            data = entry.value if entry.operation is None and entry.value else None
+            on_change(entry.key, data, entry.revision or 0)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 async def watch_bucket(
@@ -32,41 +52,15 @@ async def watch_bucket(
     ready: asyncio.Event | None = None,
 ) -> None:
     """Run until cancelled; ``on_change(key, value_or_None_when_deleted, revision)``."""
-    watcher = await kv.watchall()
-    try:
-        async for entry in watcher:
-            if entry is None:  # end of the initial values
-                if ready is not None:
-                    ready.set()
-                continue
-            value: Any = None
-            if entry.operation is None and entry.value:
-                try:
-                    value = decoder.decode(entry.value)
-                except codec.DecodeErrors as exc:
-                    log.error("kv_decode_failed", bucket=kv._name, key=entry.key, error=str(exc))
-                    continue
-            result = on_change(entry.key, value, entry.revision or 0)
-            if asyncio.iscoroutine(result):
-                await result
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
 
+    def decoded(key: str, data: bytes | None, revision: int) -> None:
+        value: T | None = None
+        if data is not None:
+            try:
+                value = decoder.decode(data)
+            except codec.DecodeErrors as exc:
+                log.error("kv_decode_failed", bucket=kv._name, key=key, error=str(exc))
+                return
+        on_change(key, value, revision)
 
-RawChange = Callable[[str, bytes | None, int], object]
-
-
-async def watch_raw(kv: KeyValue, on_change: RawChange, *, ready: asyncio.Event | None = None) -> None:
-    """Like :func:`watch_bucket` but hands over the raw value (None when deleted), for a
-    reader that decodes only what it has not seen (:meth:`RecordStore.observe`)."""
-    watcher = await kv.watchall()
-    try:
-        async for entry in watcher:
-            if entry is None:
-                if ready is not None:
-                    ready.set()
-                continue
-            data = entry.value if entry.operation is None and entry.value else None
-            on_change(entry.key, data, entry.revision or 0)
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+    await watch_raw(kv, decoded, ready=ready)
