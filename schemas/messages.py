@@ -23,6 +23,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
+from schemas import limits
 from schemas.topology import BusId, DeviceName, NodeTopology, ScopeName
 
 __all__ = [
@@ -61,6 +62,12 @@ NodeName = Annotated[
 ]
 RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_=.-]+$")]
 Count = Annotated[int, msgspec.Meta(ge=0, le=64)]
+# Free-form text (reasons, errors) and the other bounded strings (schemas.limits).
+Text = Annotated[str, msgspec.Meta(max_length=limits.TEXT)]
+ShortText = Annotated[str, msgspec.Meta(max_length=limits.K8S_NAME)]
+LabelKey = Annotated[str, msgspec.Meta(min_length=1, max_length=limits.LABEL_KEY)]
+LabelValue = Annotated[str, msgspec.Meta(max_length=limits.LABEL_VALUE)]
+DeviceList = Annotated[list[DeviceName], msgspec.Meta(max_length=limits.MAX_DEVICES)]
 Policy = Literal["required", "preferred"]
 Pairing = Literal["per-gpu", "shared"]
 
@@ -74,9 +81,9 @@ class _Msg(msgspec.Struct, gc=False, tag_field="kind", omit_defaults=True, kw_on
 
 
 class PodRef(msgspec.Struct, gc=False, omit_defaults=True):
-    namespace: str
-    name: str
-    uid: str = ""
+    namespace: Annotated[str, msgspec.Meta(max_length=limits.K8S_NAMESPACE)]
+    name: Annotated[str, msgspec.Meta(max_length=limits.K8S_NAME)]
+    uid: Annotated[str, msgspec.Meta(max_length=limits.K8S_UID)] = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,7 +93,7 @@ class PodRef(msgspec.Struct, gc=False, omit_defaults=True):
 class DeviceHealth(msgspec.Struct, gc=False, omit_defaults=True):
     healthy: bool = True
     cordoned: bool = False
-    reason: str = ""
+    reason: Text = ""
     since: float = 0.0
 
 
@@ -96,8 +103,8 @@ class NodeInventory(_Msg, tag="node.inventory"):
     node: NodeName
     topology: NodeTopology
     generation: int
-    health: dict[str, DeviceHealth] = {}
-    agent: str = ""
+    health: Annotated[dict[DeviceName, DeviceHealth], msgspec.Meta(max_length=limits.MAX_DEVICES)] = {}
+    agent: ShortText = ""
     ts: float = msgspec.field(default_factory=now)
 
 
@@ -106,7 +113,7 @@ class HealthEvent(_Msg, tag="node.health"):
     device: DeviceName
     healthy: bool
     cordoned: bool = False
-    reason: str = ""
+    reason: Text = ""
     ts: float = msgspec.field(default_factory=now)
 
 
@@ -123,7 +130,7 @@ class DeviceCommand(_Msg, tag="node.command"):
     node: NodeName
     device: DeviceName
     action: Literal["fail", "recover", "cordon", "uncordon"]
-    reason: str = ""
+    reason: Text = ""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -138,7 +145,9 @@ class NetworkSpec(msgspec.Struct, gc=False, omit_defaults=True):
 
     ifname_prefix: Annotated[str, msgspec.Meta(pattern=r"^[a-z][a-z0-9]{0,10}$")] = "net"
     mtu: Annotated[int, msgspec.Meta(ge=576, le=9216)] | None = None
-    addresses: list[str] = []
+    addresses: Annotated[
+        list[Annotated[str, msgspec.Meta(max_length=64)]], msgspec.Meta(max_length=limits.MAX_ADDRESSES)
+    ] = []
 
 
 class AllocationRequest(_Msg, tag="alloc.request"):
@@ -149,9 +158,11 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     scope: ScopeName | None = None
     policy: Policy | None = None
     pairing: Pairing | None = None
-    device_class: str = "default"
-    priority: int = 0
-    node_selector: dict[str, str] = {}
+    device_class: Annotated[str, msgspec.Meta(min_length=1, max_length=limits.LABEL_VALUE)] = "default"
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    node_selector: Annotated[
+        dict[LabelKey, LabelValue], msgspec.Meta(max_length=limits.MAX_SELECTOR_TERMS)
+    ] = {}
     network: NetworkSpec | None = None
     created_at: float = msgspec.field(default_factory=now)
 
@@ -191,7 +202,7 @@ class Assignment(_Msg, tag="alloc.assigned"):
     pairs: list[Pair] = []
     scope: ScopeName = "node"
     candidates: int = 0
-    allocator: str = ""
+    allocator: ShortText = ""
     requested_at: float = 0.0
     decided_at: float = msgspec.field(default_factory=now)
 
@@ -204,7 +215,7 @@ class AllocationFailed(_Msg, tag="alloc.failed"):
 
     request_id: RequestId
     pod: PodRef
-    reason: str
+    reason: Text
     retrying: bool = True
     ts: float = msgspec.field(default_factory=now)
 
@@ -213,7 +224,7 @@ class Applied(_Msg, tag="node.applied"):
     request_id: RequestId
     node: NodeName
     ok: bool = True
-    error: str = ""
+    error: Text = ""
     ts: float = msgspec.field(default_factory=now)
 
 
@@ -221,7 +232,7 @@ class Release(_Msg, tag="alloc.release"):
     request_id: RequestId
     pod: PodRef
     node: NodeName | None = None
-    reason: str = ""
+    reason: Text = ""
     ts: float = msgspec.field(default_factory=now)
 
 
@@ -231,15 +242,15 @@ class Cleaned(_Msg, tag="node.cleaned"):
     request_id: RequestId
     node: NodeName
     ok: bool = True
-    devices: list[str] = []
-    problems: list[str] = []
+    devices: DeviceList = []
+    problems: Annotated[list[Text], msgspec.Meta(max_length=limits.MAX_PROBLEMS)] = []
     ts: float = msgspec.field(default_factory=now)
 
 
 class Freed(_Msg, tag="alloc.freed"):
     request_id: RequestId
     node: NodeName | None = None
-    devices: list[str] = []
+    devices: DeviceList = []
     ts: float = msgspec.field(default_factory=now)
 
 
@@ -252,10 +263,16 @@ class AllocatorHeartbeat(_Msg, tag="allocator.heartbeat"):
 
 
 class DeadLetter(_Msg, tag="dlq"):
+    """A message a service refused: why, where it came from, and what it was. ``data`` holds
+    at most the first ``limits.DEAD_LETTER_SAMPLE_BYTES`` of it; ``size`` and ``digest`` name
+    the whole payload (a dead letter is always small, whatever arrived)."""
+
     service: str
     subject: str
     error: str
     data: bytes
+    size: int = 0
+    digest: str = ""
     headers: dict[str, str] = {}
     ts: float = msgspec.field(default_factory=now)
 
@@ -287,6 +304,8 @@ class NodeRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     generation: int = 0
     last_heartbeat: float = 0.0
     updated_at: float = msgspec.field(default_factory=now)
+    # The stream sequence of the last node event applied (what orders them, not clocks).
+    event_seq: int = 0
 
     def unavailable(self) -> set[str]:
         return {d for d, h in self.health.items() if not h.healthy or h.cordoned}

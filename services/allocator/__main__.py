@@ -16,6 +16,7 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
         instance=settings.instance,
         policy=settings.node_policy,
         device_classes=settings.device_classes,
+        finished_request_ttl=settings.finished_request_ttl,
     )
 
 

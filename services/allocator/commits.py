@@ -29,7 +29,7 @@ from typing import Literal
 import msgspec
 
 from schemas.messages import AllocationRequest, AllocRecord, NodeAllocations, RequestRecord
-from services.runtime.bus import Retry
+from services.runtime.bus import Refuse, Retry
 from services.runtime.records import Conflict, Mutation
 
 AllocState = Literal["assigned", "applied", "releasing"]
@@ -41,6 +41,27 @@ CLAIMED_STATES = frozenset({"deciding", "assigned"})
 
 class AlreadyDone(Exception):
     """The request has an outcome already (placed, freed, cancelled or rejected)."""
+
+
+class DifferentRequest(Refuse):
+    """A request id already used for a different request: the request id is the key of
+    everything about a request, so the second one is refused rather than taking its place."""
+
+
+def same_request(a: AllocationRequest, b: AllocationRequest) -> bool:
+    """The same request sent again (a redelivery, a resubmission): all but its send time."""
+    return a == msgspec.structs.replace(b, created_at=a.created_at)
+
+
+def check_same(current: RequestRecord | None, req: AllocationRequest) -> None:
+    """Raise :class:`DifferentRequest` when ``current`` holds another request under ``req``'s
+    id. A cancelled record may hold a stand-in (a release that came before its request)."""
+    if current is not None and current.state != "cancelled" and not same_request(current.request, req):
+        raise DifferentRequest(
+            f"request id {req.request_id!r} is already used by a different request "
+            f"(pod {current.request.pod.namespace}/{current.request.pod.name}, {current.state}); "
+            "a new request needs a new id"
+        )
 
 
 # -- node allocation records -------------------------------------------------------------------
@@ -110,6 +131,7 @@ def claim(
     node record holds it), :class:`Retry` while another live replica has it in hand."""
 
     def mutate(current: RequestRecord | None) -> RequestRecord | None:
+        check_same(current, req)
         if current is not None:
             if current.state in TERMINAL_STATES:
                 raise AlreadyDone(current.state)

@@ -12,12 +12,16 @@ A refusal's per-node breakdown ("993 nodes: fewer than 2 free GPUs; ...") moves 
 free and placement; with the same head (:func:`reason_key`) the record is rewritten, and the
 reason announced, at most every ``REASON_REFRESH_S`` — writing on every change was a storm
 under load (72,000 writes in one run of ``tandem loadtest``).
+
+Finished records (freed, cancelled, rejected) are written with a lifetime (``finished_ttl``,
+the setting ``finished_request_ttl``, 7 days by default) and vanish after it, so the bucket
+holds the live requests and the recent past rather than all history.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Literal
 
 from schemas import codec, subjects
@@ -29,10 +33,16 @@ from services.runtime.records import RecordStore
 
 # Request records kept in memory: those a later write of this replica will change.
 LIVE_STATES = frozenset({"pending", "deciding", "assigned"})
+# Outcomes after which nothing changes the record any more: it expires (``finished_ttl``).
+FINISHED_STATES = frozenset({"freed", "cancelled", "rejected"})
 # A pending request's reason, when only its breakdown changed, is rewritten at most this often.
 REASON_REFRESH_S = 30.0
 
 CancelOutcome = Literal["placed", "done", "cancelled"]
+
+
+def _lifetime(finished_ttl: float) -> Callable[[RequestRecord], float | None]:
+    return lambda r: finished_ttl if r.state in FINISHED_STATES else None
 
 
 def reason_key(reason: str) -> str:
@@ -43,7 +53,13 @@ def reason_key(reason: str) -> str:
 
 class RequestBook:
     def __init__(
-        self, bus: Bus, *, instance: str, claim_timeout: float, placed: Mapping[str, str]
+        self,
+        bus: Bus,
+        *,
+        instance: str,
+        claim_timeout: float,
+        placed: Mapping[str, str],
+        finished_ttl: float | None = None,
     ) -> None:
         self.instance = instance
         self.claim_timeout = claim_timeout
@@ -54,6 +70,7 @@ class RequestBook:
             codec.REQUEST_RECORD,
             on_change=self._on_record,
             retain=lambda r: r.state in LIVE_STATES,
+            ttl=None if finished_ttl is None else _lifetime(finished_ttl),
         )
         self.pending: dict[str, AllocationRequest] = {}
         self.claims: dict[str, RequestRecord] = {}  # claimed, not yet held by a node record
@@ -149,6 +166,7 @@ class RequestBook:
         said: list[str] = []
 
         def mutate(current: RequestRecord | None) -> RequestRecord | None:
+            commits.check_same(current, req)
             if current is not None and current.state in commits.TERMINAL_STATES:
                 raise commits.AlreadyDone(current.state)
             claimed = current is not None and current.state in commits.CLAIMED_STATES

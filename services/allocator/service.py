@@ -53,7 +53,7 @@ import msgspec
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 
-from schemas import codec, subjects
+from schemas import codec, limits, subjects
 from schemas.config import DeviceClass
 from schemas.messages import (
     AllocationFailed,
@@ -75,7 +75,7 @@ from services.allocator.requestbook import RequestBook
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket, watch_raw
 from services.runtime.logging import get_logger
-from services.runtime.records import Conflict, RecordStore
+from services.runtime.records import Conflict, RecordStore, RecordTooLarge
 from services.runtime.tasks import Service, Supervisor
 from services.runtime.tracing import current_traceparent, tracer
 
@@ -144,6 +144,7 @@ class Allocator(Service):
         claim_timeout: float = 30.0,
         before_commit: CommitHook | None = None,
         concurrency: int = REQUEST_CONCURRENCY,
+        finished_request_ttl: float | None = None,
     ) -> None:
         self.bus = bus
         self.instance = instance
@@ -158,7 +159,11 @@ class Allocator(Service):
             bus, subjects.KV_ALLOCS, codec.NODE_ALLOCS, on_change=self.model.on_allocs
         )
         self.book = RequestBook(
-            bus, instance=instance, claim_timeout=claim_timeout, placed=self.model.placed
+            bus,
+            instance=instance,
+            claim_timeout=claim_timeout,
+            placed=self.model.placed,
+            finished_ttl=finished_request_ttl,
         )
         self.replicas = Replicas(bus, instance=instance, model=self.model)
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
@@ -323,6 +328,8 @@ class Allocator(Service):
         ``duplicate``). ``first``: a decision just taken for it (the pending retries')."""
         rid = req.request_id
         if rid in self.model.placed:
+            known = self.book.store.cached(rid)
+            commits.check_same(known[0] if known is not None else None, req)
             await self._republish(rid)
             return "duplicate"
         running = self._inflight.get(rid)
@@ -396,6 +403,12 @@ class Allocator(Service):
                             return "duplicate"
                         claimed = node
                     committed = await self._commit(req, assignment)
+                except RecordTooLarge as exc:
+                    # Retrying cannot help: the node's record has no room for it.
+                    self.model.drop_tentative(node, rid)
+                    metrics.DECISIONS.labels("rejected").inc()
+                    await self._reject(req, f"cannot be recorded on {node}: {exc}")
+                    return "rejected"
                 except BaseException:
                     self.model.drop_tentative(node, rid)
                     raise
@@ -428,6 +441,8 @@ class Allocator(Service):
                 await self.node_allocs.update(
                     assignment.node, commits.add_allocation(assignment.node, req.request_id, rec)
                 )
+            except RecordTooLarge:
+                raise
             except Conflict as exc:
                 log.info("commit_conflict", node=assignment.node, request_id=req.request_id, why=str(exc))
                 cspan.set_attribute("tandem.committed", False)
@@ -445,7 +460,9 @@ class Allocator(Service):
         await self.book.reject(req, reason)
         await self.bus.publish(
             subjects.ALLOC_FAILED,
-            AllocationFailed(request_id=req.request_id, pod=req.pod, reason=reason, retrying=False),
+            AllocationFailed(
+                request_id=req.request_id, pod=req.pod, reason=limits.clip(reason), retrying=False
+            ),
             msg_id=subjects.msg_id(req.request_id, "rejected"),
         )
         log.info("rejected", request_id=req.request_id, reason=reason)
@@ -460,7 +477,7 @@ class Allocator(Service):
         if said is not None and said != why.reason:
             await self.bus.publish(
                 subjects.ALLOC_FAILED,
-                AllocationFailed(request_id=req.request_id, pod=req.pod, reason=why.reason),
+                AllocationFailed(request_id=req.request_id, pod=req.pod, reason=limits.clip(why.reason)),
                 msg_id=subjects.msg_id(req.request_id, "failed", zlib.crc32(why.reason.encode())),
             )
             log.info("unschedulable", request_id=req.request_id, reason=why.reason)
@@ -600,12 +617,20 @@ class Allocator(Service):
             log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
 
     async def _on_cleaned(self, cleaned: Cleaned, delivery: Delivery) -> None:
+        """A node's cleanup verdict. Only for an allocation that node holds and that is being
+        released (Bus.consume checked that the node named is the one the subject names, which
+        only that node's agent may publish on): anything else changes nothing."""
         rid = cleaned.request_id
         if not cleaned.ok:
-            # Never free devices whose cleanup was not verified; the agent has marked them
-            # unhealthy and a later verified cleanup frees them.
-            log.warning("cleanup_unverified", request_id=rid, problems=cleaned.problems)
-            self.book.cleanup_unverified(rid, cleaned.problems)
+            # Never free devices whose cleanup was not verified; the agent keeps them
+            # unhealthy and retries the cleanup, and a verified one frees them.
+            if await self._releasing_on(cleaned.node, rid):
+                log.warning(
+                    "cleanup_unverified", request_id=rid, node=cleaned.node, problems=cleaned.problems
+                )
+                self.book.cleanup_unverified(rid, cleaned.problems)
+            else:
+                log.info("cleaned_ignored", request_id=rid, node=cleaned.node, ok=False)
             return
         with _tracer.start_as_current_span("allocator.free", context=delivery.context) as span:
             span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
@@ -625,9 +650,9 @@ class Allocator(Service):
                 await self.node_allocs.update(cleaned.node, drop_released)
             if not any(dropped):
                 record = await self.book.record(rid)
-                if record is None or record.state != "freed":
+                if record is None or record.state != "freed" or record.node != cleaned.node:
                     # Not being released on that node (a report about an allocation nobody
-                    # released): nothing to free.
+                    # released, or that the node does not hold): nothing to free.
                     log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
                     return
                 # Freed already: a redelivery because announcing it failed. Announce again.
@@ -639,3 +664,14 @@ class Allocator(Service):
                 msg_id=subjects.msg_id(rid, "freed"),
             )
             log.debug("freed", request_id=rid, node=cleaned.node)
+
+    async def _releasing_on(self, node: str, request_id: str) -> bool:
+        """Whether ``node``'s record holds ``request_id`` being released (read from the
+        server when this replica's copy does not show it)."""
+        for attempt in range(2):
+            known = self.node_allocs.cached(node) if attempt == 0 else await self.node_allocs.fetch(node)
+            record = known[0] if known is not None else None
+            rec = record.allocations.get(request_id) if record is not None else None
+            if rec is not None and rec.state == "releasing":
+                return True
+        return False

@@ -1,8 +1,12 @@
 """Inventory: node events in, cluster device state (JetStream KV ``tandem-nodes``) out.
 
-* ``NodeInventory`` replaces a node's topology and device health (older snapshots — by the
-  agent's timestamp — are ignored, so a redelivery never rolls a node back);
+* ``NodeInventory`` replaces a node's topology and device health;
 * ``HealthEvent`` updates one device's health/cordon;
+* both are ordered by their sequence in the stream, which the server stamps: the record keeps
+  the last one applied (``event_seq``) and an earlier one (a redelivery) is ignored. The
+  agent's own timestamps order nothing: a wrong clock, or a lie, cannot make a snapshot
+  "newer" than the ones after it. The subject names the node (``Bus.consume`` refuses a body
+  naming another), so one node's agent can never write another node's record;
 * heartbeats (core NATS, seen by every replica) keep a node ``ready``; a node silent for
   ``lost_after`` seconds is marked ``lost`` and marked ``ready`` again on its next heartbeat.
   Only transitions are written, so 10,000 nodes beating every few seconds cost no KV writes.
@@ -55,9 +59,14 @@ NODES = Gauge("tandem_inventory_nodes", "Nodes known to this inventory replica b
 EVENT_CONCURRENCY = 64
 
 
-def apply_inventory(current: NodeRecord | None, inv: NodeInventory, *, now: float) -> NodeRecord | None:
-    if current is not None and inv.ts < current.updated_at:
-        return None  # an older snapshot redelivered: never roll back
+def apply_inventory(
+    current: NodeRecord | None, inv: NodeInventory, *, seq: int, now: float
+) -> NodeRecord | None:
+    """The node's record after snapshot ``inv``, the stream's message number ``seq``; None
+    when the record already holds a later event of the node (a redelivery never rolls a node
+    back, and a sender's clock cannot order its messages: the server's sequence does)."""
+    if current is not None and seq <= current.event_seq:
+        return None
     return NodeRecord(
         node=inv.node,
         topology=inv.topology,
@@ -65,19 +74,17 @@ def apply_inventory(current: NodeRecord | None, inv: NodeInventory, *, now: floa
         status="ready",
         generation=inv.generation,
         last_heartbeat=now,
-        updated_at=inv.ts,
+        updated_at=now,
+        event_seq=seq,
     )
 
 
-def apply_health(current: NodeRecord | None, ev: HealthEvent) -> NodeRecord | None:
-    if current is None:
-        return None
-    old = current.health.get(ev.device, DeviceHealth())
-    if ev.ts < old.since:
+def apply_health(current: NodeRecord | None, ev: HealthEvent, *, seq: int, now: float) -> NodeRecord | None:
+    if current is None or seq <= current.event_seq:
         return None
     health = dict(current.health)
     health[ev.device] = DeviceHealth(healthy=ev.healthy, cordoned=ev.cordoned, reason=ev.reason, since=ev.ts)
-    return msgspec.structs.replace(current, health=health, updated_at=max(current.updated_at, ev.ts))
+    return msgspec.structs.replace(current, health=health, updated_at=now, event_seq=seq)
 
 
 def set_status(
@@ -129,7 +136,11 @@ class Inventory(Service):
             await self.bus.nc.subscribe(subjects.NODE_HEARTBEAT_ALL, cb=self._on_heartbeat),
         ]
         await self.bus.serve(
-            subjects.QUERY_INVENTORY, decoder=codec.QUERY, handler=self._on_query, queue="inventory"
+            subjects.QUERY_INVENTORY,
+            decoder=codec.QUERY,
+            handler=self._on_query,
+            queue="inventory",
+            error_reply=lambda reason: InventoryReply(error=reason),
         )
         self._tasks.spawn(
             "node-events",
@@ -168,16 +179,19 @@ class Inventory(Service):
 
     async def _on_node_event(self, event: object, delivery: Delivery) -> None:
         now = self.clock()
+        # Bus.consume checked that the node in the body is the one the subject names (only
+        # that node's agent may publish there), and the kind is the subject's.
+        seq = delivery.stream_seq
         if isinstance(event, NodeInventory):
             # The cache holds every record (the watch loaded them): a node not in it is new.
             rec = await self.records.update(
-                event.node, lambda cur: apply_inventory(cur, event, now=now), assume_absent=True
+                event.node, lambda cur: apply_inventory(cur, event, seq=seq, now=now), assume_absent=True
             )
             self.last_seen[event.node] = now
             self.status[event.node] = rec.status if rec else "ready"
             log.debug("node_inventory", node=event.node, generation=event.generation)
         elif isinstance(event, HealthEvent):
-            await self.records.update(event.node, lambda cur: apply_health(cur, event))
+            await self.records.update(event.node, lambda cur: apply_health(cur, event, seq=seq, now=now))
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         node = subjects.node_of(msg.subject)

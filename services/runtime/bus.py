@@ -5,7 +5,9 @@ and durable pull consumers whose undecodable messages go to the dead-letter subj
 ``Nats-Msg-Id`` (server-side dedup) on every JetStream publish. :meth:`Bus.consume` runs a
 durable pull consumer: each message is decoded with the stream's union decoder; a decode
 failure is published to ``tandem.dlq.<service>`` with the error and the original bytes and
-then acked (never retried, never fatal); a handler that returns normally is acked with
+then acked (never retried, never fatal), and so is one whose size, kind or node does not fit
+the subject it arrived on (:mod:`schemas.routing`) or whose handler raises :class:`Refuse`;
+a handler that returns normally is acked with
 ``ack_sync`` (the effect is committed first, DESIGN.md "ack only after the effect"); a handler
 that raises is nak'ed with a growing delay and redelivered, and parked on the dead-letter
 subject after ``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an
@@ -44,8 +46,9 @@ from nats.js.errors import (
 )
 from nats.js.kv import KeyValue
 from opentelemetry import context as otel_context
+from prometheus_client import Counter
 
-from schemas import codec, permissions, subjects
+from schemas import codec, limits, permissions, routing, subjects
 from schemas.messages import DeadLetter
 from services.runtime.errors import SettingsError
 from services.runtime.logging import get_logger
@@ -69,6 +72,33 @@ TRANSIENT_PUBLISH_ERRORS = (NoStreamResponseError, ServiceUnavailableError, nats
 TRANSIENT_NATS_ERRORS = (*TRANSIENT_PUBLISH_ERRORS, nats.errors.NoRespondersError)
 # Deliveries of one message whose handler raised (not Retry) before it goes to the DLQ.
 MAX_HANDLER_ATTEMPTS = 8
+# Deliveries of one message whose handler keeps asking to wait (Retry) before it is parked on
+# the DLQ: a wait that long (at least minutes, with Retry's delays) is not going to end.
+MAX_RETRY_DELIVERIES = 500
+# Dead letters stored per source (a node, or a subject without one): a burst, then this many
+# per second. A flood from one sender costs a counter increment per message beyond it, so it
+# can neither fill the DLQ stream nor slow what other senders are waiting for.
+DEAD_LETTER_BURST = 20
+DEAD_LETTER_PER_S = 1.0
+# Sources remembered by the dead-letter budget (oldest forgotten first).
+DEAD_LETTER_SOURCES = 10_000
+# The dead-letter stream keeps at most this much (oldest dropped first).
+DLQ_MAX_BYTES = 256 * 1024 * 1024
+# Messages kept per node-event subject (oldest dropped first): a flood on one node's subject
+# can only push out that node's own messages, never another node's.
+NODE_SUBJECT_MAX_MSGS = 10_000
+
+DEAD_LETTERS = Counter(
+    "tandem_dead_letters_total", "Messages refused and stored on the dead-letter subject", ["service", "why"]
+)
+DEAD_LETTERS_DROPPED = Counter(
+    "tandem_dead_letters_dropped_total",
+    "Refused messages not stored because their source exceeded its dead-letter budget",
+    ["service"],
+)
+REDELIVERIES = Counter(
+    "tandem_redeliveries_total", "Messages handed back for redelivery (nak)", ["service", "why"]
+)
 
 
 def _cancelling() -> bool:
@@ -84,6 +114,11 @@ class Retry(Exception):
         self.delay = delay
 
 
+class Refuse(Exception):
+    """Raised by a handler for a message that must not be acted on (e.g. a request id reused
+    for a different request): it is dead-lettered with ``reason`` and acked, never retried."""
+
+
 @dataclass(slots=True)
 class Delivery:
     """What a handler knows about the message besides its decoded body."""
@@ -92,6 +127,9 @@ class Delivery:
     headers: dict[str, str]
     num_delivered: int
     context: otel_context.Context = field(default_factory=otel_context.Context)
+    # The message's sequence in its stream: stamped by the server, so it orders one sender's
+    # messages on one subject without trusting the sender's clock (0 for core NATS).
+    stream_seq: int = 0
 
 
 Handler = Callable[[T, Delivery], Awaitable[None]]
@@ -123,6 +161,14 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
+    nc = _CoalescingClient()
+
+    async def on_closed() -> None:
+        # With unlimited reconnects the client closes only when told to or when it gives up
+        # for good (e.g. the server refused it); a service then has no way back but a restart.
+        nc.closed_event.set()
+        log.warning("nats_closed", error=repr(nc.last_error) if nc.last_error else None)
+
     servers = server_list(settings.nats_url)
     opts: dict[str, Any] = {}
     if settings.nats_creds:
@@ -132,7 +178,6 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         # A user's replies come to its own inbox prefix, which only it may subscribe to
         # (schemas.permissions); with the shared _INBOX.> any client could read them.
         opts["inbox_prefix"] = permissions.inbox_prefix(user)
-    nc = _CoalescingClient()
     await nc.connect(
         servers=servers,
         name=name or f"{settings.service}/{settings.instance}",
@@ -143,6 +188,7 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         error_cb=on_error,
         disconnected_cb=on_disconnect,
         reconnected_cb=on_reconnect,
+        closed_cb=on_closed,
         **opts,
     )
     return nc
@@ -154,7 +200,13 @@ class _CoalescingClient(NATS):
     write instead of one write per loop turn (a loopback write costs the sender tens of
     microseconds of kernel time; docs/benchmarks.md). The override keeps the library's
     own loop and only adds the yield; tests/unit/test_bus_flusher.py checks that the
-    attributes it relies on still exist."""
+    attributes it relies on still exist.
+
+    ``closed_event`` is set when the connection is closed for good (see :func:`connect`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed_event = asyncio.Event()
 
     async def _flusher(self) -> None:
         assert self._transport, "Client.connect must be called first"
@@ -205,6 +257,8 @@ async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
             duplicate_window=DUPLICATE_WINDOW_S,
             num_replicas=replicas,
             max_age=7 * 24 * 3600.0,
+            max_msg_size=limits.MAX_MESSAGE_BYTES,
+            **_stream_limits(name),
         )
         try:
             await js.stream_info(name)
@@ -220,7 +274,12 @@ async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
             kv = await js.key_value(bucket)
         except BucketNotFoundError:
             cfg_kv = api.KeyValueConfig(
-                bucket=bucket, history=5, replicas=replicas, direct=True, republish=republish
+                bucket=bucket,
+                history=5,
+                replicas=replicas,
+                direct=True,
+                republish=republish,
+                max_value_size=limits.MAX_RECORD_BYTES,
             )
             await js.create_key_value(cfg_kv)
             continue
@@ -229,10 +288,31 @@ async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
         wants_republish = republish is not None and (
             current is None or (current.src, current.dest) != (republish.src, republish.dest)
         )
-        if not kv._direct or wants_republish:  # a bucket made by an older version
+        cfg = info.config
+        if (
+            not kv._direct
+            or wants_republish
+            or not cfg.allow_msg_ttl
+            or cfg.max_msg_size != limits.MAX_RECORD_BYTES
+        ):  # a bucket made by an older version
             await js.update_stream(
-                dataclasses.replace(info.config, allow_direct=True, republish=republish or current)
+                dataclasses.replace(
+                    cfg,
+                    allow_direct=True,
+                    republish=republish or current,
+                    allow_msg_ttl=True,
+                    max_msg_size=limits.MAX_RECORD_BYTES,
+                )
             )
+
+
+def _stream_limits(stream: str) -> dict[str, Any]:
+    """Bounds that keep one sender's flood from costing anyone else (module constants)."""
+    if stream == subjects.DLQ_STREAM:
+        return {"max_bytes": DLQ_MAX_BYTES, "discard": api.DiscardPolicy.OLD}
+    if stream == subjects.NODE_STREAM:
+        return {"max_msgs_per_subject": NODE_SUBJECT_MAX_MSGS, "discard": api.DiscardPolicy.OLD}
+    return {}
 
 
 def _republish(bucket: str) -> api.RePublish | None:
@@ -255,6 +335,18 @@ class Bus:
         self._kv: dict[str, KeyValue] = {}
         self._subs: list[Any] = []
         self.publish_retry_for = PUBLISH_RETRY_S
+        self._dead_letter_budget = _Budget(
+            burst=DEAD_LETTER_BURST, per_s=DEAD_LETTER_PER_S, sources=DEAD_LETTER_SOURCES
+        )
+
+    @property
+    def closed(self) -> asyncio.Event:
+        """Set when the connection is closed for good (the service must restart)."""
+        event = getattr(self.nc, "closed_event", None)
+        if event is None:  # a plain nats-py client (tests): make one that tracks nothing
+            event = asyncio.Event()
+            self.nc.closed_event = event  # type: ignore[attr-defined]
+        return event
 
     @classmethod
     async def open(cls, settings: Settings, *, provision_streams: bool = True) -> Bus:
@@ -327,13 +419,35 @@ class Bus:
         return await self.nc.request(subject, codec.encode(message), timeout=timeout, headers=inject())
 
     async def dead_letter(
-        self, *, subject: str, data: bytes, error: str, headers: dict[str, str] | None = None
-    ) -> None:
+        self,
+        *,
+        subject: str,
+        data: bytes,
+        error: str,
+        headers: dict[str, str] | None = None,
+        why: str = "refused",
+    ) -> bool:
+        """Store a refused message on ``tandem.dlq.<service>``: the reason, the subject, the
+        first bytes and the digest of the payload (never all of it: a dead letter must stay
+        far below the server's max payload, whatever arrived). Within the source's budget
+        only (module constants); returns whether it was stored."""
+        DEAD_LETTERS.labels(self.service, why).inc()
+        if not self._dead_letter_budget.take(routing_source(subject)):
+            DEAD_LETTERS_DROPPED.labels(self.service).inc()
+            return False
+        kept_headers = {k: v[:256] for k, v in list((headers or {}).items())[:32]}
         letter = DeadLetter(
-            service=self.service, subject=subject, error=error, data=data, headers=headers or {}
+            service=self.service,
+            subject=subject[:512],
+            error=error[: limits.TEXT],
+            data=data[: limits.DEAD_LETTER_SAMPLE_BYTES],
+            size=len(data),
+            digest=limits.digest(data),
+            headers=kept_headers,
         )
-        log.warning("dead_letter", subject=subject, error=error)
+        log.warning("dead_letter", subject=subject, error=error[:500], size=len(data), why=why)
         await self._js_publish(subjects.dlq(self.service), codec.encode(letter), inject())
+        return True
 
     async def consume(
         self,
@@ -468,23 +582,35 @@ class Bus:
         *,
         confirm_ack: bool = True,
     ) -> None:
+        """Check, decode and hand one message over; never raises for what the message is.
+
+        Checked in order, each before any work the next would cost: its size (before
+        decoding), its decoding, its kind and node against the subject it arrived on
+        (:func:`schemas.routing.refusal`). A refused message is dead-lettered and acked."""
         headers = dict(msg.headers or {})
-        try:
-            body = decoder.decode(msg.data)
-        except codec.DecodeErrors as exc:
-            await self.dead_letter(subject=msg.subject, data=msg.data, error=str(exc), headers=headers)
-            await self._ack(msg)
+        body, refused, why = self._check(msg.subject, msg.data, decoder)
+        if refused is not None:
+            await self._park(msg, error=refused, headers=headers, why=why)
             return
         delivery = Delivery(
             subject=msg.subject,
             headers=headers,
             num_delivered=msg.metadata.num_delivered,
             context=extract(headers),
+            stream_seq=msg.metadata.sequence.stream,
         )
         try:
             await self._handle_through_outage(msg, body, delivery, handler)
+        except Refuse as exc:
+            await self._park(msg, error=str(exc), headers=headers, why="refused")
+            return
         except Retry as r:
+            if delivery.num_delivered >= MAX_RETRY_DELIVERIES:
+                error = f"still waiting after {delivery.num_delivered} deliveries: {r}"
+                await self._park(msg, error=error, headers=headers, why="retry_exhausted")
+                return
             log.info("redeliver", subject=msg.subject, reason=str(r), delay=r.delay)
+            REDELIVERIES.labels(self.service, "retry").inc()
             await msg.nak(delay=r.delay)
             return
         except Exception as exc:
@@ -493,15 +619,45 @@ class Bus:
                 # A message that keeps breaking its handler is parked, not lost and not
                 # retried forever (a poison message would otherwise starve the consumer).
                 error = f"handler failed {delivery.num_delivered} times, last: {exc!r}"
-                await self.dead_letter(subject=msg.subject, data=msg.data, error=error, headers=headers)
-                await self._ack(msg)
+                await self._park(msg, error=error, headers=headers, why="handler_failed")
                 return
+            REDELIVERIES.labels(self.service, "handler_failed").inc()
             await msg.nak(delay=min(0.5 * delivery.num_delivered, 10.0))
             return
         if confirm_ack:
             await self._ack(msg)
         else:
             await msg.ack()
+
+    def _check(
+        self, subject: str, data: bytes, decoder: msgspec.msgpack.Decoder[Any]
+    ) -> tuple[Any, str | None, str]:
+        """(decoded body, None, "") or (None, why refused, which check refused it)."""
+        if len(data) > limits.MAX_MESSAGE_BYTES:
+            return None, f"{len(data)} bytes, over the limit of {limits.MAX_MESSAGE_BYTES}", "oversized"
+        try:
+            body = decoder.decode(data)
+        except codec.DecodeErrors as exc:
+            return None, str(exc), "undecodable"
+        refused = routing.refusal(subject, body)
+        if refused is not None:
+            return None, refused, "mismatch"
+        return body, None, ""
+
+    async def _park(self, msg: Msg, *, error: str, headers: dict[str, str], why: str) -> None:
+        """Dead-letter a message and ack it. When even the dead letter cannot be stored (NATS
+        is down), the message is handed back for later instead of being lost or crashing the
+        consumer."""
+        try:
+            await self.dead_letter(subject=msg.subject, data=msg.data, error=error, headers=headers, why=why)
+            await self._ack(msg)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            log.warning("dead_letter_failed", subject=msg.subject, error=repr(exc))
+            REDELIVERIES.labels(self.service, "dead_letter_failed").inc()
+            with contextlib.suppress(Exception):
+                await msg.nak(delay=5.0)
 
     async def serve(
         self,
@@ -510,15 +666,27 @@ class Bus:
         decoder: msgspec.msgpack.Decoder[Any],
         handler: Callable[[Any, Delivery], Awaitable[msgspec.Struct | None]],
         queue: str = "",
+        error_reply: Callable[[str], msgspec.Struct] | None = None,
     ) -> None:
-        """Core NATS subscription (request/reply or fire-and-forget), same DLQ rule."""
+        """Core NATS subscription (request/reply or fire-and-forget) with the same checks as
+        :meth:`consume`. A request that is refused or whose handler fails is answered with
+        ``error_reply(reason)`` (when given), so the caller learns why at once instead of
+        waiting for its timeout."""
+
+        async def answer_error(msg: Msg, reason: str) -> None:
+            if error_reply is not None and msg.reply:
+                with contextlib.suppress(Exception):
+                    await msg.respond(codec.encode(error_reply(reason)))
 
         async def on_msg(msg: Msg) -> None:
             headers = dict(msg.headers or {})
-            try:
-                body = decoder.decode(msg.data)
-            except codec.DecodeErrors as exc:
-                await self.dead_letter(subject=msg.subject, data=msg.data, error=str(exc), headers=headers)
+            body, refused, why = self._check(msg.subject, msg.data, decoder)
+            if refused is not None:
+                await answer_error(msg, f"refused: {refused}")
+                with contextlib.suppress(Exception):
+                    await self.dead_letter(
+                        subject=msg.subject, data=msg.data, error=refused, headers=headers, why=why
+                    )
                 return
             delivery = Delivery(
                 subject=msg.subject, headers=headers, num_delivered=1, context=extract(headers)
@@ -527,11 +695,40 @@ class Bus:
                 reply = await handler(body, delivery)
             except Exception as exc:
                 log.error("handler_failed", subject=msg.subject, error=repr(exc), exc_info=True)
+                await answer_error(msg, f"failed: {exc}")
                 return
             if reply is not None and msg.reply:
                 await msg.respond(codec.encode(reply))
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+
+def routing_source(subject: str) -> str:
+    """Who a subject's messages come from, for the dead-letter budget: the node for a node's
+    subjects (only that node may publish there), else the subject."""
+    _, node = routing.expected(subject)
+    return f"node:{node}" if node is not None and subject.startswith(f"{subjects.ROOT}.node.") else subject
+
+
+class _Budget:
+    """Token buckets per source: ``burst`` at once, then ``per_s`` per second; at most
+    ``sources`` remembered (the least recently seen forgotten first)."""
+
+    def __init__(self, *, burst: int, per_s: float, sources: int) -> None:
+        self.burst = burst
+        self.per_s = per_s
+        self.sources = sources
+        self._tokens: dict[str, tuple[float, float]] = {}  # source → (tokens, at)
+
+    def take(self, source: str) -> bool:
+        now = asyncio.get_running_loop().time()
+        tokens, at = self._tokens.pop(source, (float(self.burst), now))
+        tokens = min(float(self.burst), tokens + (now - at) * self.per_s)
+        ok = tokens >= 1.0
+        self._tokens[source] = (tokens - 1.0 if ok else tokens, now)  # re-inserted: most recent
+        if len(self._tokens) > self.sources:
+            del self._tokens[next(iter(self._tokens))]
+        return ok
 
 
 # Status codes the server answers a pull request with (no message body).

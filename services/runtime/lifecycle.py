@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import signal
 import sys
@@ -68,6 +69,36 @@ def run_loop(coro: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(coro)
 
 
+class ConnectionClosedForGood(RuntimeError):
+    """The service's NATS connection closed and will not come back: restart the process."""
+
+
+async def _unless_stopped(step: Awaitable[T], stop: asyncio.Event) -> tuple[bool, T | None]:
+    """``(True, step's result)``, or ``(False, None)`` when ``stop`` was set first (``step``
+    is then cancelled)."""
+    task = asyncio.ensure_future(step)
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopping.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        return False, None
+    return True, task.result()
+
+
+async def _until_stopped_or_closed(stop: asyncio.Event, bus: Bus) -> None:
+    waits = {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(bus.closed.wait())}
+    try:
+        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
+
+
 class Runnable(Protocol):
     async def start(self) -> None: ...
 
@@ -100,21 +131,39 @@ def service_main(
         def ready() -> bool:
             return started.is_set() and bus is not None and bus.nc.is_connected
 
-        ops = await OpsServer(port=settings.ops_port, ready=ready).start() if settings.ops_port else None
+        def alive() -> bool:
+            return bus is None or not bus.closed.is_set()
+
+        ops = (
+            await OpsServer(port=settings.ops_port, ready=ready, alive=alive).start()
+            if settings.ops_port
+            else None
+        )
         lag = asyncio.get_running_loop().create_task(watch_loop(), name="loop-lag")
         try:
-            bus = await Bus.open(settings, provision_streams=provision_streams)
-            service = await build(bus, settings)
-            await service.start()
+            # Every wait on the way up (NATS unreachable, streams not answering) gives way
+            # to SIGTERM: Kubernetes must be able to stop a service that never came up.
+            opened, bus = await _unless_stopped(Bus.open(settings, provision_streams=provision_streams), stop)
+            if not opened or bus is None:
+                return
+            built, svc = await _unless_stopped(build(bus, settings), stop)
+            if not built or svc is None or not (await _unless_stopped(svc.start(), stop))[0]:
+                return
             started.set()
-            await stop.wait()
-            await service.stop()
+            await _until_stopped_or_closed(stop, bus)
+            await svc.stop()
         finally:
             lag.cancel()  # held above and cancelled here: not a bare task
             if bus is not None:
                 await bus.close()
             if ops is not None:
                 await ops.stop()
+        if bus.closed.is_set() and not stop.is_set():
+            raise ConnectionClosedForGood(f"{service}: NATS connection closed for good; exiting")
 
-    run(main, settings)
+    try:
+        run(main, settings)
+    except ConnectionClosedForGood as exc:
+        print(exc, file=sys.stderr)
+        return 1
     return 0

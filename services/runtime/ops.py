@@ -1,6 +1,8 @@
 """The operations endpoint of every service: liveness, readiness and Prometheus metrics.
 
-``GET /healthz`` answers 200 while the event loop runs (a wedged loop fails the probe);
+``GET /healthz`` answers 200 while the event loop runs (a wedged loop fails the probe) and the
+service is alive (``alive``: e.g. its NATS connection is not closed for good, which no
+reconnect can mend — the probe fails so Kubernetes restarts it);
 ``GET /readyz`` answers 200 once the service has started and its NATS connection is up,
 503 otherwise (so Kubernetes stops routing to, and restarts, a service that lost NATS);
 ``GET /metrics`` is the Prometheus text exposition of the process's registry. Served on
@@ -21,17 +23,21 @@ class OpsServer:
         *,
         port: int,
         ready: Callable[[], bool],
+        alive: Callable[[], bool] = lambda: True,
         host: str = "0.0.0.0",  # probes and scrapes come from outside the pod
         registry: CollectorRegistry = REGISTRY,
     ) -> None:
         self.port = port
         self.host = host
         self.ready = ready
+        self.alive = alive
         self.registry = registry
         self._runner: web.AppRunner | None = None
 
     async def _healthz(self, _: web.Request) -> web.Response:
-        return web.Response(text="ok\n")
+        if self.alive():
+            return web.Response(text="ok\n")
+        return web.Response(status=503, text="dead: NATS connection closed for good\n")
 
     async def _readyz(self, _: web.Request) -> web.Response:
         if self.ready():

@@ -19,6 +19,13 @@ taken to be absent (``assume_absent``); a wrong guess costs one failed compare-a
 Records a caller no longer needs in memory (``retain`` says which) are dropped after their
 write, so the cache stays as large as the live state.
 
+Every record is bounded (:data:`schemas.limits.MAX_RECORD_BYTES`): a mutation that would grow
+a record past it fails alone with :class:`RecordTooLarge`, so the caller can refuse what it
+was asked (a request) instead of the whole group's write failing at the server. A record that
+is finished can be given a lifetime (``ttl``): its write carries ``Nats-TTL`` and
+``Nats-Rollup: sub`` (the key's earlier revisions are dropped with it, so when it expires the
+key is gone rather than back at an older revision).
+
 Writes ride out a NATS leader election like every publish (:meth:`Bus.publish`): the publish
 carries a ``Nats-Msg-Id``, so a retried write that had landed is answered from the duplicate
 window instead of failing its compare-and-set.
@@ -35,7 +42,7 @@ import msgspec
 from nats.js import api
 from nats.js.errors import APIError, KeyNotFoundError
 
-from schemas import codec, subjects
+from schemas import codec, limits, subjects
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Supervisor
@@ -59,6 +66,10 @@ class RecordStoreError(Exception):
     """A record kept losing its compare-and-set race."""
 
 
+class RecordTooLarge(Conflict):
+    """The mutation would grow the record past :data:`schemas.limits.MAX_RECORD_BYTES`."""
+
+
 class _Pending(Generic[T]):
     __slots__ = ("assume_absent", "future", "mutate")
 
@@ -77,12 +88,16 @@ class RecordStore(Generic[T]):
         *,
         on_change: OnChange[T] | None = None,
         retain: Callable[[T], bool] | None = None,
+        ttl: Callable[[T], float | None] | None = None,
+        max_bytes: int = limits.MAX_RECORD_BYTES,
     ) -> None:
         self.bus = bus
         self.bucket = bucket
         self.decoder = decoder
         self.on_change = on_change
         self.retain = retain
+        self.ttl = ttl  # seconds a record lives once written (None: for ever)
+        self.max_bytes = max_bytes
         self.cache: dict[str, tuple[T | None, int]] = {}  # key → (value or None = absent, revision)
         self._queues: dict[str, list[_Pending[T]]] = {}
         # The write in flight per key, as bytes and value: a watch often shows it before its
@@ -114,10 +129,20 @@ class RecordStore(Generic[T]):
             try:
                 value = self.decoder.decode(data)
             except codec.DecodeErrors as exc:
-                log.error("record_undecodable", bucket=self.bucket, key=key, error=str(exc))
+                # Only Tandem's services may write here: a record that does not decode is a
+                # writer's bug (or an old version's), kept on the dead-letter subject.
+                error = f"record does not decode: {exc}"
+                log.error("record_undecodable", bucket=self.bucket, key=key, error=error)
+                self._tasks.spawn(
+                    f"dead-letter:{key}", lambda: self._dead_letter(key, data, error), restart=False
+                )
                 return False
         self._set(key, value, revision)
         return True
+
+    async def _dead_letter(self, key: str, data: bytes, error: str) -> None:
+        subject = subjects.kv_subject(self.bucket, subjects.kv_key(key))
+        await self.bus.dead_letter(subject=subject, data=data, error=error, why="undecodable_record")
 
     async def fetch(self, key: str) -> tuple[T | None, int]:
         """Read ``key`` from the server (direct get) and cache it."""
@@ -206,21 +231,14 @@ class RecordStore(Generic[T]):
                 known = await self.fetch(key)
         base, revision = known
         for _ in range(MAX_CAS_ATTEMPTS):
-            value = base
-            outcomes: list[tuple[_Pending[T], Exception | None]] = []
-            for p in batch:
-                try:
-                    new = p.mutate(value)
-                except Exception as exc:  # this mutation's own refusal: only its caller sees it
-                    outcomes.append((p, exc))
-                    continue
-                if new is not None:
-                    value = new
-                outcomes.append((p, None))
+            value, data, outcomes = self._apply(key, base, batch, checked=False)
+            if data is not None and len(data) > self.max_bytes:
+                # Rare: find the mutations that pushed it over, encoding after each.
+                value, data, outcomes = self._apply(key, base, batch, checked=True)
             if value is not base:
-                assert value is not None
+                assert value is not None and data is not None
                 try:
-                    revision = await self._publish(key, value, expected=revision)
+                    revision = await self._publish(key, value, data, expected=revision)
                 except _WrongRevision:
                     base, revision = await self.fetch(key)
                     continue
@@ -235,14 +253,49 @@ class RecordStore(Generic[T]):
             return
         raise RecordStoreError(f"{self.bucket}/{key}: lost {MAX_CAS_ATTEMPTS} compare-and-set races")
 
-    async def _publish(self, key: str, value: T, *, expected: int) -> int:
+    def _apply(
+        self, key: str, base: T | None, batch: list[_Pending[T]], *, checked: bool
+    ) -> tuple[T | None, bytes | None, list[tuple[_Pending[T], Exception | None]]]:
+        """Fold ``batch`` into ``base``: the new value, its encoding (None when unchanged)
+        and each mutation's outcome. ``checked``: refuse each mutation that would make the
+        record larger than ``max_bytes`` (costs an encode per mutation)."""
+        value = base
+        data: bytes | None = None
+        outcomes: list[tuple[_Pending[T], Exception | None]] = []
+        for p in batch:
+            try:
+                new = p.mutate(value)
+            except Exception as exc:  # this mutation's own refusal: only its caller sees it
+                outcomes.append((p, exc))
+                continue
+            if new is not None and checked:
+                encoded = codec.encode(new)
+                if len(encoded) > self.max_bytes:
+                    error = RecordTooLarge(
+                        f"record {self.bucket}/{key} would be {len(encoded)} bytes, "
+                        f"over the limit of {self.max_bytes}"
+                    )
+                    outcomes.append((p, error))
+                    continue
+                data = encoded
+            if new is not None:
+                value = new
+            outcomes.append((p, None))
+        if value is not base and data is None:
+            data = codec.encode(value)
+        return value, data, outcomes
+
+    async def _publish(self, key: str, value: T, data: bytes, *, expected: int) -> int:
         headers = {
             api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
             # A retried write that landed is answered from the duplicate window.
             "Nats-Msg-Id": f"{self.bucket}:{key}:{expected}:{uuid.uuid4().hex[:12]}",
         }
+        ttl = self.ttl(value) if self.ttl is not None else None
+        if ttl is not None:
+            headers["Nats-TTL"] = f"{max(1, int(ttl))}s"
+            headers[api.Header.ROLLUP] = "sub"
         subject = subjects.kv_subject(self.bucket, subjects.kv_key(key))
-        data = codec.encode(value)
         self._writing[key] = (data, value)
         try:
             ack = await self.bus.publish_raw(subject, data, headers=headers)

@@ -36,6 +36,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     heartbeat_interval: float = 2.0
     node_lost_after: float = 8.0
     ack_wait: float = 30.0
+    # Seconds a finished request's record (freed, cancelled, rejected) is kept (KV per-message
+    # TTL): long enough to look it up after the pod is gone, short enough that the bucket
+    # does not grow with history.
+    finished_request_ttl: float = 7 * 24 * 3600.0
     stream_replicas: int = 1
     backend: str = "simulated"
     topology_file: str | None = None

@@ -18,155 +18,48 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import subprocess
-import sys
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from typing import Any
 
 import nats
 import nats.errors
 import pytest
-import structlog.testing
-import yaml
-from nats.aio.client import Client as NATS
 from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, permissions, subjects
 from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, Release
-from services.allocator.service import Allocator
-from services.client import TandemClient
-from services.inventory.service import Inventory
-from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
-from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus, Delivery, provision
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.tasks import Supervisor
-from services.topology import load_topology
-from tests.conftest import make_settings
+from services.runtime.bus import provision
+from tests.secured import (
+    DENIED_TIMEOUT,
+    NODES,
+    Intruder,
+    Secured,
+    Stack,
+    client_errors,
+    connect_as,
+    secured_server,
+    server_violations,
+    start_stack,
+    url,
+)
 
 pytestmark = pytest.mark.integration
 
-NODES = ("gpu-a.example", "gpu-b.example")  # dots: node names are DNS subdomains
-DENIED_TIMEOUT = 0.5  # a denied request is dropped by the server: it can only time out
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    with secured_server(tmp_path_factory.mktemp("nats-auth")) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, dict[str, str]]]:
-    """A nats-server whose only users are the ones ``tandem nats-config`` wrote."""
-    d = tmp_path_factory.mktemp("nats-auth")
-    conf, creds = d / "auth.conf", d / "credentials.yaml"
-    args = ["nats-config", "--out", str(conf), "--credentials", str(creds), "--server", "nats://x:1"]
-    args += [a for n in NODES for a in ("--node", n)]
-    # As an operator runs it (a process of its own: the CLI sets up logging for its process).
-    subprocess.run([sys.executable, "-m", "services.cli.main", *args], check=True, timeout=60)
-    assert conf.stat().st_mode & 0o077 == 0 and creds.stat().st_mode & 0o077 == 0
-    passwords = {u: e["password"] for u, e in yaml.safe_load(creds.read_text()).items()}
-    with EmbeddedNats(config_file=str(conf)) as server:
-        yield server, passwords
-
-
-def url(secured: tuple[EmbeddedNats, dict[str, str]], user: str) -> str:
-    server, passwords = secured
-    return f"nats://{user}:{passwords[user]}@127.0.0.1:{server.port}"
-
-
-def server_violations(server: EmbeddedNats) -> list[str]:
-    lines = server.log_lines
-    assert len(lines) < 200, "server log beyond what EmbeddedNats keeps: violations could hide"
-    return [ln for ln in lines if "Violation" in ln]
-
-
-@dataclass
-class Stack:
-    inventory: Inventory
-    allocator: Allocator
-    agents: dict[str, NodeAgent]
-    appliers: dict[str, SimulatedApplier]
-    admission: Bus
-    client: TandemClient
-    outcomes: list[tuple[str, object]] = field(default_factory=list)
-    buses: list[Bus] = field(default_factory=list)
-
-
-@pytest.fixture(scope="module")
-async def stack(secured: tuple[EmbeddedNats, dict[str, str]]) -> AsyncIterator[Stack]:
-    buses: list[Bus] = []
-
-    async def bus(service: str, user: str, *, provision: bool, **kw: Any) -> Bus:
-        settings = make_settings(url(secured, user), service, heartbeat_interval=0.2, **kw)
-        b = await Bus.open(settings, provision_streams=provision)
-        buses.append(b)
-        return b
-
-    inventory = Inventory(await bus("inventory", "inventory", provision=True), lost_after=5.0)
-    await inventory.start()
-    allocator = Allocator(
-        await bus("allocator", "allocator", provision=True), instance="allocator-0", retry_interval=0.3
-    )
-    await allocator.start()
-    agents, appliers = {}, {}
-    topology = load_topology("pcie-4gpu-2nic")
-    for node in NODES:
-        user = permissions.user_name("nodeagent", node)
-        appliers[node] = SimulatedApplier()
-        agents[node] = NodeAgent(
-            await bus("nodeagent", user, provision=False, node_name=node),
-            node=node,
-            backend=SimulatedBackend(topology, node=node),
-            applier=appliers[node],
-            heartbeat_interval=0.2,
-        )
-        await agents[node].start()
-    admission = await bus("admission", "admission", provision=True)
-    client = await TandemClient(await bus("cli", "cli", provision=False)).start()
-    s = Stack(inventory, allocator, agents, appliers, admission, client, buses=buses)
-
-    # The bridge's two durables, as services.admission.bridge runs them.
-    async def outcome(event: object, d: Delivery) -> None:
-        s.outcomes.append((d.subject, event))
-
-    tasks = Supervisor("test-bridge")
-    for durable, subject in (
-        (subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL),
-        (subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
-    ):
-        tasks.spawn(
-            durable,
-            lambda d=durable, f=subject: admission.consume(  # type: ignore[misc]
-                stream=subjects.ALLOC_STREAM,
-                durable=d,
-                filter_subject=f,
-                decoder=codec.ALLOC_EVENT,
-                handler=outcome,
-            ),
-        )
-    async with asyncio.timeout(10):
-        while not all(n in allocator.nodes and allocator.nodes[n].status == "ready" for n in NODES):
-            await asyncio.sleep(0.05)
+async def stack(secured: Secured) -> AsyncIterator[Stack]:
+    s = await start_stack(secured)
     yield s
-    await tasks.aclose()
-    await client.close()
-    for agent in agents.values():
-        await agent.stop()
-    await allocator.stop()
-    await inventory.stop()
-    for b in buses:
-        await b.close()
-
-
-@contextlib.contextmanager
-def client_errors() -> Iterator[list[str]]:
-    """What the services' NATS error callbacks reported (Bus.connect logs ``nats_error``)."""
-    with structlog.testing.capture_logs() as logs:
-        errors: list[str] = []
-        yield errors
-        errors += [str(e.get("error")) for e in logs if e.get("event") in ("nats_error", "task_failed")]
+    await s.close()
 
 
 async def test_flow_runs_with_least_privilege_and_no_violation(
-    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack
+    secured: Secured, stack: Stack
 ) -> None:
     server = secured[0]
     with client_errors() as errors:
@@ -226,36 +119,8 @@ async def test_flow_runs_with_least_privilege_and_no_violation(
     assert server_violations(server) == []
 
 
-@dataclass
-class Intruder:
-    """Node A's credentials in someone else's hands: a raw client that records its errors."""
-
-    nc: NATS
-    errors: list[str]
-
-    async def violations(self, expected: int) -> list[str]:
-        async with asyncio.timeout(2):  # the server's -ERR arrives asynchronously
-            while len(self.errors) < expected:
-                await asyncio.sleep(0.02)
-        # nats-py lower-cases the server's error text, subjects included.
-        return [e.lower() for e in self.errors if "permissions violation" in e.lower()]
-
-
-async def connect_as(secured: tuple[EmbeddedNats, dict[str, str]], node: str) -> Intruder:
-    errors: list[str] = []
-
-    async def on_error(exc: Exception) -> None:
-        errors.append(str(exc))
-
-    user = permissions.user_name("nodeagent", node)
-    nc = await nats.connect(
-        url(secured, user), inbox_prefix=permissions.inbox_prefix(user), error_cb=on_error
-    )
-    return Intruder(nc, errors)
-
-
 @pytest.fixture
-async def intruder(secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack) -> AsyncIterator[Intruder]:
+async def intruder(secured: Secured, stack: Stack) -> AsyncIterator[Intruder]:
     """Node A's credentials (the stack is up, so B's durables and records exist)."""
     intruder = await connect_as(secured, NODES[0])
     yield intruder
@@ -263,7 +128,7 @@ async def intruder(secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack) -
 
 
 async def test_node_agent_cannot_publish_as_another_node(
-    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack, intruder: Intruder
+    secured: Secured, stack: Stack, intruder: Intruder
 ) -> None:
     a, b = NODES
     # The inventory user may subscribe to every heartbeat: it sees what reaches the server.
@@ -293,7 +158,7 @@ async def test_node_agent_cannot_publish_as_another_node(
 
 
 async def test_node_agent_cannot_follow_another_nodes_record_or_make_consumers(
-    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack, intruder: Intruder
+    secured: Secured, stack: Stack, intruder: Intruder
 ) -> None:
     a, b = NODES
     js = intruder.nc.jetstream(timeout=DENIED_TIMEOUT)
@@ -339,7 +204,7 @@ async def test_node_agent_cannot_follow_another_nodes_record_or_make_consumers(
 
 
 async def test_node_agent_cannot_read_another_nodes_allocation_record(
-    secured: tuple[EmbeddedNats, dict[str, str]], stack: Stack
+    secured: Secured, stack: Stack
 ) -> None:
     req = AllocationRequest(request_id="uid-q.1", pod=PodRef("ns", "q", "uid-q"), gpus=4)
     await stack.admission.publish(subjects.ALLOC_REQUEST, req, msg_id="request:uid-q.1")

@@ -39,18 +39,36 @@ def test_repeated_identical_event_reports_no_change() -> None:
     assert h.recover("gpu0", now=4) is None
 
 
-def test_older_inventory_snapshot_never_rolls_a_node_back() -> None:
-    new = apply_inventory(None, NodeInventory(node="n1", topology=TOPO, generation=2, ts=20), now=20)
-    assert new is not None and new.generation == 2
-    assert apply_inventory(new, NodeInventory(node="n1", topology=TOPO, generation=1, ts=10), now=21) is None
+def test_earlier_inventory_snapshot_never_rolls_a_node_back() -> None:
+    new = apply_inventory(None, NodeInventory(node="n1", topology=TOPO, generation=2), seq=20, now=20)
+    assert new is not None and new.generation == 2 and new.event_seq == 20
+    assert apply_inventory(new, NodeInventory(node="n1", topology=TOPO, generation=1), seq=10, now=21) is None
+    assert apply_inventory(new, NodeInventory(node="n1", topology=TOPO, generation=2), seq=20, now=21) is None
 
 
-def test_health_event_updates_one_device_and_ignores_stale_ones() -> None:
-    rec = NodeRecord(node="n1", topology=TOPO, health={"gpu0": DeviceHealth(since=5)})
-    out = apply_health(rec, HealthEvent(node="n1", device="gpu0", healthy=False, reason="XID 79", ts=6))
-    assert out is not None and out.unavailable() == {"gpu0"}
-    assert apply_health(out, HealthEvent(node="n1", device="gpu0", healthy=True, ts=5.5)) is None
-    assert apply_health(None, HealthEvent(node="n1", device="gpu0", healthy=True, ts=7)) is None
+def test_snapshot_order_is_the_servers_not_the_senders_clock() -> None:
+    """A snapshot dated a year ahead (a wrong clock, or a lie) does not make the snapshots
+    that follow it "older": the stream sequence orders them."""
+    year = 365 * 24 * 3600.0
+    ahead = apply_inventory(
+        None, NodeInventory(node="n1", topology=TOPO, generation=1, ts=1e9 + year), seq=5, now=1e9
+    )
+    assert ahead is not None
+    honest = apply_inventory(
+        ahead, NodeInventory(node="n1", topology=TOPO, generation=2, ts=1e9), seq=6, now=1e9
+    )
+    assert honest is not None and honest.generation == 2 and honest.updated_at == 1e9
+
+
+def test_health_event_updates_one_device_and_ignores_earlier_ones() -> None:
+    rec = NodeRecord(node="n1", topology=TOPO, health={"gpu0": DeviceHealth(since=5)}, event_seq=3)
+    out = apply_health(
+        rec, HealthEvent(node="n1", device="gpu0", healthy=False, reason="XID 79", ts=6), seq=4, now=6
+    )
+    assert out is not None and out.unavailable() == {"gpu0"} and out.event_seq == 4
+    assert apply_health(out, HealthEvent(node="n1", device="gpu0", healthy=True, ts=9), seq=4, now=9) is None
+    assert apply_health(out, HealthEvent(node="n1", device="gpu0", healthy=True, ts=9), seq=2, now=9) is None
+    assert apply_health(None, HealthEvent(node="n1", device="gpu0", healthy=True, ts=7), seq=9, now=9) is None
 
 
 def test_status_transitions_written_only_when_they_change() -> None:
