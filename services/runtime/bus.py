@@ -27,6 +27,9 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
+import re
+import ssl
 import urllib.parse
 import uuid
 from collections.abc import Awaitable, Callable
@@ -144,15 +147,86 @@ def server_list(nats_url: str) -> list[str]:
     return servers
 
 
+class ConnectError(Exception):
+    """NATS refused this client for a reason retrying cannot mend (its TLS certificate is not
+    trusted, or its credentials are wrong): the message says which setting to check."""
+
+
+# Errors that mean "this client, as configured, will never get in": a TLS handshake that
+# fails (untrusted or missing certificates) or an authorization refusal. Seen this many times
+# in a row before the first connection (an untrusted server certificate: once), connecting
+# gives up with ConnectError instead of trying forever behind a green liveness probe.
+PERMANENT_CONNECT_ERRORS: tuple[type[Exception], ...] = (ssl.SSLError, nats.errors.AuthorizationError)
+PERMANENT_CONNECT_STRIKES = 3
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext | None:
+    """The client's TLS context from the ``nats_tls_*`` settings (None when TLS is off);
+    raises SettingsError naming the setting and the file that cannot be used."""
+    wants = any(u.startswith("tls://") for u in server_list(settings.nats_url))
+    if not (wants or settings.nats_tls_ca or settings.nats_tls_cert):
+        return None
+    try:
+        ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise SettingsError(f"nats_tls_ca: cannot use {settings.nats_tls_ca}: {exc}") from exc
+    if settings.nats_tls_cert or settings.nats_tls_key:
+        if not (settings.nats_tls_cert and settings.nats_tls_key):
+            raise SettingsError("nats_tls_cert and nats_tls_key: set both (a client certificate and its key)")
+        try:
+            ctx.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
+        except (OSError, ssl.SSLError) as exc:
+            raise SettingsError(
+                f"nats_tls_cert/nats_tls_key: cannot use {settings.nats_tls_cert} with "
+                f"{settings.nats_tls_key}: {exc}"
+            ) from exc
+    return ctx
+
+
+def credentials(settings: Settings) -> dict[str, Any]:
+    """nats-py's connect options for the configured credentials (files read here, so a bad
+    path fails at start naming the setting)."""
+    given = [n for n in ("nats_creds", "nats_nkey_seed", "nats_user") if getattr(settings, n)]
+    if len(given) > 1:
+        raise SettingsError(f"{' and '.join(given)}: choose one way to authenticate")
+    for name in ("nats_creds", "nats_nkey_seed", "nats_password_file"):
+        path = getattr(settings, name)
+        if path and not os.access(path, os.R_OK):
+            raise SettingsError(f"{name}: cannot read {path}")
+    if settings.nats_creds:
+        return {"user_credentials": settings.nats_creds}
+    if settings.nats_nkey_seed:
+        return {"nkeys_seed": settings.nats_nkey_seed}
+    if settings.nats_user:
+        if not settings.nats_password_file:
+            raise SettingsError("nats_user: set nats_password_file too (the password's file)")
+        with open(settings.nats_password_file, encoding="utf-8") as f:
+            password = f.read().strip()
+        return {"user": settings.nats_user, "password": password}
+    return {}
+
+
 async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     """Connect with unlimited reconnects; the client buffers publishes while reconnecting.
 
     With several servers in ``nats_url`` the client picks one and, when it goes away,
     reconnects to another (it also learns the cluster's other servers from the one it is on).
+    A server that is down is waited for; one that refuses this client's certificate or
+    credentials (:data:`PERMANENT_CONNECT_ERRORS`) ends the wait with :class:`ConnectError`.
     """
+    strikes: list[Exception] = []
+    refused = asyncio.Event()
+    nc = _CoalescingClient()
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=repr(exc))
+        if not nc.is_connected and isinstance(exc, PERMANENT_CONNECT_ERRORS):
+            strikes.append(exc)
+            # An untrusted server certificate is reported once (nats-py then hangs on it).
+            if isinstance(exc, ssl.SSLCertVerificationError) or len(strikes) >= PERMANENT_CONNECT_STRIKES:
+                refused.set()
+        else:
+            strikes.clear()
 
     async def on_disconnect() -> None:
         # Also called on a deliberate close; a real outage shows as nats_error / reconnects.
@@ -161,8 +235,6 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     async def on_reconnect() -> None:
         log.info("nats_reconnected")
 
-    nc = _CoalescingClient()
-
     async def on_closed() -> None:
         # With unlimited reconnects the client closes only when told to or when it gives up
         # for good (e.g. the server refused it); a service then has no way back but a restart.
@@ -170,28 +242,61 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         log.warning("nats_closed", error=repr(nc.last_error) if nc.last_error else None)
 
     servers = server_list(settings.nats_url)
-    opts: dict[str, Any] = {}
-    if settings.nats_creds:
-        opts["user_credentials"] = settings.nats_creds
-    user = urllib.parse.urlsplit(servers[0]).username
+    opts: dict[str, Any] = credentials(settings)
+    tls = tls_context(settings)
+    if tls is not None:
+        opts["tls"] = tls
+    user = settings.nats_user or urllib.parse.urlsplit(servers[0]).username
     if user:
         # A user's replies come to its own inbox prefix, which only it may subscribe to
         # (schemas.permissions); with the shared _INBOX.> any client could read them.
         opts["inbox_prefix"] = permissions.inbox_prefix(user)
-    await nc.connect(
-        servers=servers,
-        name=name or f"{settings.service}/{settings.instance}",
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; nats-py annotates int
-        # A subscriber that never reads its queue must not hold shutdown for the 30 s default.
-        drain_timeout=5,
-        error_cb=on_error,
-        disconnected_cb=on_disconnect,
-        reconnected_cb=on_reconnect,
-        closed_cb=on_closed,
-        **opts,
+    connecting = asyncio.ensure_future(
+        nc.connect(
+            servers=servers,
+            name=name or f"{settings.service}/{settings.instance}",
+            max_reconnect_attempts=-1,
+            reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; nats-py annotates int
+            # A subscriber that never reads its queue must not hold shutdown for the 30 s default.
+            drain_timeout=5,
+            error_cb=on_error,
+            disconnected_cb=on_disconnect,
+            reconnected_cb=on_reconnect,
+            closed_cb=on_closed,
+            **opts,
+        )
     )
+    gave_up = asyncio.ensure_future(refused.wait())
+    try:
+        await asyncio.wait({connecting, gave_up}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gave_up.cancel()
+        if not connecting.done():  # refused for good (or this task was cancelled)
+            connecting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await connecting
+            with contextlib.suppress(Exception):
+                await nc.close()
+    if connecting.cancelled():
+        raise ConnectError(_refusal_hint(strikes[-1] if strikes else None, settings))
+    connecting.result()  # what connect raised, if it did
     return nc
+
+
+def _refusal_hint(exc: Exception | None, settings: Settings) -> str:
+    # The servers as the message names them: without any user:password@ part.
+    where = ", ".join(re.sub(r"//[^@/]*@", "//", u) for u in server_list(settings.nats_url))
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return (
+            f"NATS at {where}: the server's TLS certificate is not trusted ({exc.verify_message}); "
+            "set nats_tls_ca to the CA that signed it"
+        )
+    if isinstance(exc, ssl.SSLError):
+        return (
+            f"NATS at {where}: the TLS handshake failed ({exc.reason or exc}); the server may want "
+            "a client certificate (nats_tls_cert, nats_tls_key)"
+        )
+    return f"NATS at {where}: not authorized ({exc}); check the credentials (nats_creds, nats_user...)"
 
 
 class _CoalescingClient(NATS):

@@ -16,7 +16,7 @@ import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from services.runtime.bus import Bus
+from services.runtime.bus import Bus, ConnectError
 from services.runtime.errors import SettingsError
 from services.runtime.logging import setup_logging
 from services.runtime.looplag import watch_loop
@@ -163,6 +163,12 @@ def service_main(
 
     try:
         run(main, settings)
+    except SettingsError as exc:  # e.g. a certificate file that cannot be read
+        print(f"{service}: {exc}", file=sys.stderr)
+        return 2
+    except ConnectError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        return 1
     except ConnectionClosedForGood as exc:
         print(exc, file=sys.stderr)
         return 1

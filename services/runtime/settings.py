@@ -25,7 +25,19 @@ ENV_PREFIX = "TANDEM_"
 
 class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_url: str = "nats://127.0.0.1:4222"
+    # Credentials, each a path to a file (a mounted Secret; never a secret in this config):
+    # a decentralized-auth ``.creds`` file (JWT + nkey seed), or an nkey seed, or a user name
+    # with a password file. At most one of the three.
     nats_creds: str | None = None
+    nats_nkey_seed: str | None = None
+    nats_user: str | None = None
+    nats_password_file: str | None = None
+    # TLS: the CA bundle that signs the server's certificate (None: the system's), and a
+    # client certificate and key for servers that verify clients. ``tls://`` URLs, or any of
+    # these set, turn TLS on.
+    nats_tls_ca: str | None = None
+    nats_tls_cert: str | None = None
+    nats_tls_key: str | None = None
     service: str = "tandem"
     instance: str = msgspec.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     node_name: str = msgspec.field(default_factory=socket.gethostname)

@@ -3,13 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
+from collections.abc import Callable
 
 import msgspec
 import pytest
 
-from schemas import codec, subjects
-from schemas.messages import AllocationRequest, PodRef
-from services.runtime.bus import Delivery, provision
+from schemas import codec, limits, subjects
+from schemas.messages import (
+    AllocationRequest,
+    DeadLetter,
+    Heartbeat,
+    InventoryQuery,
+    InventoryReply,
+    NodeRecord,
+    PodRef,
+    RequestRecord,
+)
+from services.runtime.bus import Delivery, Handler, Refuse, Retry, _Budget, provision
+from services.runtime.records import RecordStore, RecordTooLarge
 from services.runtime.tracing import setup_tracing, tracer
 from tests.conftest import BusFactory
 
@@ -106,3 +118,154 @@ async def test_message_that_keeps_breaking_its_handler_is_parked_on_the_dlq(
     assert "failed 3 times" in letter.error and "bug in the handler" in letter.error
     assert codec.ALLOC_EVENT.decode(letter.data) == req
     await dlq.unsubscribe()
+
+
+async def test_dead_letter_keeps_a_small_sample_with_size_and_digest(bus_factory: BusFactory) -> None:
+    """Whatever arrives, its dead letter stays small (a whole 1 MB payload in a dead letter
+    once exceeded the server's max payload and closed the service's connection for good)."""
+    bus = await bus_factory("allocator")
+    junk = b"\xc1" + bytes(range(256)) * 800  # ~200 KB that does not decode
+    await bus.js.publish(subjects.ALLOC_REQUEST, junk)
+    dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        bus.consume(
+            stream=subjects.ALLOC_STREAM,
+            durable="junk",
+            filter_subject=subjects.ALLOC_REQUEST,
+            decoder=codec.ALLOC_EVENT,
+            handler=_never,
+            stop=stop,
+        )
+    )
+    raw = await dlq.next_msg(timeout=10)
+    stop.set()
+    await bus.js.publish(subjects.ALLOC_REQUEST, b"\xc1wake")  # let the consumer see stop
+    await asyncio.wait_for(task, 15)
+    letter = codec.DEAD_LETTER.decode(raw.data)
+    assert len(raw.data) < limits.DEAD_LETTER_SAMPLE_BYTES + 2048
+    assert letter.data == junk[: limits.DEAD_LETTER_SAMPLE_BYTES]
+    assert letter.size == len(junk) and letter.digest == "sha256:" + hashlib.sha256(junk).hexdigest()
+    assert bus.nc.is_connected
+
+
+async def _never(msg: object, d: Delivery) -> None:
+    raise AssertionError(f"handed over: {msg!r}")
+
+
+async def _consume_until_parked(
+    bus_factory: BusFactory, handler: Handler[AllocationRequest], durable: str
+) -> DeadLetter:
+    bus = await bus_factory("allocator")
+    dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
+    req = AllocationRequest(request_id=f"{durable}.1", pod=PodRef("ns", "p", "p"), gpus=1)
+    await bus.publish(subjects.ALLOC_REQUEST, req, msg_id=req.request_id)
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        bus.consume(
+            stream=subjects.ALLOC_STREAM,
+            durable=durable,
+            filter_subject=subjects.ALLOC_REQUEST,
+            decoder=codec.ALLOC_EVENT,
+            handler=handler,
+            stop=stop,
+        )
+    )
+    letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=15)).data)
+    stop.set()
+    await asyncio.wait_for(task, 15)
+    info = await bus.js.consumer_info(subjects.ALLOC_STREAM, durable)
+    assert info.num_ack_pending == 0 and info.num_pending == 0  # acked: never delivered again
+    await dlq.unsubscribe()
+    return letter
+
+
+async def test_a_wait_that_never_ends_is_parked_not_redelivered_forever(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from services.runtime import bus as bus_module
+
+    monkeypatch.setattr(bus_module, "MAX_RETRY_DELIVERIES", 3)
+    waits: list[int] = []
+
+    async def waiting(msg: AllocationRequest, d: Delivery) -> None:
+        waits.append(d.num_delivered)
+        raise Retry("the pod sandbox is not there yet", delay=0.05)
+
+    letter = await _consume_until_parked(bus_factory, waiting, "waits")
+    assert waits == [1, 2, 3]
+    assert "still waiting after 3 deliveries" in letter.error and "sandbox" in letter.error
+
+
+async def test_a_refused_message_is_parked_with_the_reason(bus_factory: BusFactory) -> None:
+    async def refusing(msg: AllocationRequest, d: Delivery) -> None:
+        raise Refuse(f"request id {msg.request_id} is already used by a different request")
+
+    letter = await _consume_until_parked(bus_factory, refusing, "refuses")
+    assert "already used by a different request" in letter.error
+
+
+async def test_a_failed_request_handler_answers_with_the_reason(bus_factory: BusFactory) -> None:
+    """A caller learns at once why its request failed instead of waiting for its timeout."""
+    bus = await bus_factory("inventory")
+
+    async def broken(q: InventoryQuery, d: Delivery) -> InventoryReply:
+        raise RuntimeError("the records are not loaded")
+
+    await bus.serve(
+        subjects.QUERY_INVENTORY,
+        decoder=codec.QUERY,
+        handler=broken,
+        error_reply=lambda reason: InventoryReply(error=reason),
+    )
+    reply = await bus.nc.request(subjects.QUERY_INVENTORY, codec.encode(InventoryQuery()), timeout=2)
+    assert "the records are not loaded" in codec.REPLY.decode(reply.data).error
+    wrong = await bus.nc.request(
+        subjects.QUERY_INVENTORY, codec.encode(Heartbeat(node="n1", seq=1)), timeout=2
+    )
+    assert "refused" in codec.REPLY.decode(wrong.data).error
+
+
+async def test_an_undecodable_record_is_dead_lettered(bus_factory: BusFactory) -> None:
+    bus = await bus_factory("inventory")
+    store: RecordStore[NodeRecord] = RecordStore(bus, subjects.KV_NODES, codec.NODE_RECORD)
+    dlq = await bus.js.subscribe(subjects.dlq("inventory"), stream=subjects.DLQ_STREAM)
+    assert not store.observe("n1", b"\xc1not a record", 7)
+    letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=5)).data)
+    assert letter.subject == subjects.kv_subject(subjects.KV_NODES, "n1")
+    assert "record does not decode" in letter.error and letter.data == b"\xc1not a record"
+    await store.aclose()
+
+
+async def test_a_record_that_would_outgrow_its_bound_fails_only_its_own_mutation(
+    bus_factory: BusFactory,
+) -> None:
+    bus = await bus_factory("allocator")
+    store: RecordStore[RequestRecord] = RecordStore(
+        bus, subjects.KV_REQUESTS, codec.REQUEST_RECORD, max_bytes=600
+    )
+    small = AllocationRequest(request_id="r.1", pod=PodRef("ns", "p"), gpus=1)
+    big = msgspec.structs.replace(small, node_selector={f"k{i}": "v" * 60 for i in range(20)})
+
+    def put(req: AllocationRequest) -> Callable[[RequestRecord | None], RequestRecord]:
+        return lambda _: RequestRecord(request=req, state="pending")
+
+    ok, too_big = store.update("r.1", put(small)), store.update("r.1", put(big))
+    assert (await ok) is not None
+    with pytest.raises(RecordTooLarge, match="over the limit of 600"):
+        await too_big
+    value, _ = await store.fetch("r.1")
+    assert value is not None and value.request == small
+    await store.aclose()
+
+
+def test_the_dead_letter_budget_is_per_source() -> None:
+    async def run() -> tuple[list[bool], list[bool]]:
+        budget = _Budget(burst=3, per_s=0.0, sources=2)
+        flood = [budget.take("node:a") for _ in range(10)]
+        other = [budget.take("node:b") for _ in range(3)]
+        return flood, other
+
+    flood, other = asyncio.run(run())
+    assert flood == [True] * 3 + [False] * 7
+    assert other == [True] * 3  # a flood from a does not use up b's budget

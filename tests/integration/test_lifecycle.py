@@ -1,0 +1,80 @@
+"""A service process's life against a real nats-server: it stops on SIGTERM however far it got,
+and exits when its NATS connection is closed for good (Kubernetes then restarts it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from services.runtime.embedded import EmbeddedNats
+
+pytestmark = pytest.mark.integration
+
+# A service whose start breaks its own connection the way a too-large publish once did: a
+# message over the server's max payload makes the server answer -ERR and close it, and nats-py
+# does not reconnect after that.
+BREAKER = """
+import sys
+from services.runtime.lifecycle import service_main
+
+class Breaker:
+    def __init__(self, bus):
+        self.bus = bus
+
+    async def start(self):
+        await self.bus.nc.publish("tandem.test.big", b"", headers={"X-Big": "x" * 1_200_000})
+
+    async def stop(self):
+        pass
+
+async def build(bus, settings):
+    return Breaker(bus)
+
+sys.exit(service_main("inventory", build, []))
+"""
+
+
+def _env(nats_url: str) -> dict[str, str]:
+    return {**os.environ, "TANDEM_NATS_URL": nats_url, "TANDEM_LOG_LEVEL": "warning"}
+
+
+def test_a_service_exits_when_its_connection_is_closed_for_good() -> None:
+    with EmbeddedNats() as server:
+        done = subprocess.run(
+            [sys.executable, "-c", BREAKER],
+            env=_env(server.url),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "NATS connection closed for good" in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_sigterm_stops_a_service_still_waiting_for_nats() -> None:
+    # Nothing listens on this port: the service keeps trying to connect until told to stop.
+    with EmbeddedNats() as server:
+        port = server.port
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.inventory"],
+        env=_env(f"nats://127.0.0.1:{port}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        time.sleep(3.0)  # well into its connection attempts
+        assert proc.poll() is None
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert rc == 0
+    assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
