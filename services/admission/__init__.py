@@ -20,7 +20,8 @@ Error tree::
     AdmissionError
     ├── InvalidPod     the object is not a readable pod (names the JSON path)
     ├── PolicyError    the Tandem request is invalid (message for the pod author)
-    ├── ReviewError    the body is not an AdmissionReview v1 request
+    ├── ReviewError    the body is not an AdmissionReview v1 request (400)
+    │   └── BodyTooLarge   over the size limit (413)
     └── KubeError      the Kubernetes API answered with an error
         ├── NotFound   404
         └── Conflict   409 (exists already / resourceVersion moved on)
@@ -28,6 +29,7 @@ Error tree::
 
 from services.admission.errors import (
     AdmissionError,
+    BodyTooLarge,
     Conflict,
     InvalidPod,
     KubeError,
@@ -38,6 +40,7 @@ from services.admission.errors import (
 
 __all__ = [
     "AdmissionError",
+    "BodyTooLarge",
     "Conflict",
     "InvalidPod",
     "KubeError",

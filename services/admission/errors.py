@@ -19,6 +19,10 @@ class ReviewError(AdmissionError):
     """The HTTP body is not an ``admission.k8s.io/v1`` AdmissionReview request."""
 
 
+class BodyTooLarge(ReviewError):
+    """The HTTP body is over the webhook's size limit (answered 413, not parsed)."""
+
+
 class KubeError(AdmissionError):
     """The Kubernetes API answered with an error status (``status``/``reason`` kept)."""
 

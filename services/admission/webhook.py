@@ -8,8 +8,12 @@ cost no span. For a Tandem pod the span ``admission.admit`` is started here (as 
 annotation, so the bridge, allocator and node agent all join this one trace.
 
 A body that is not an AdmissionReview v1 request gets HTTP 400 with a one-line reason: without
-a request uid there is nothing to answer. The certificate files are re-read when they change
-(cert-manager rotates them in place), without a restart.
+a request uid there is nothing to answer. The body is hostile until checked, in this order:
+its size (over :data:`MAX_BODY` → 413, before it is read to the end), its nesting depth (over
+:data:`MAX_DEPTH` → 400, counted on the bytes by :func:`json_depth` before any parser
+recurses), then msgspec decodes it into the typed :class:`AdmissionReview` — a field of the
+wrong type (``request.kind`` as a string, say) is a 400 that names its path. The certificate
+files are re-read when they change (cert-manager rotates them in place), without a restart.
 
 The webhook publishes nothing: a pod being admitted may have no name or UID yet (generateName)
 and its create can still fail; the bridge acts once the pod is persisted.
@@ -20,17 +24,19 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import itertools
 import json
 import os
 import ssl
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 from aiohttp import web
 
 from schemas.config import DeviceClass
 from services.admission import names, policy
-from services.admission.errors import InvalidPod, ReviewError
+from services.admission.errors import BodyTooLarge, InvalidPod, ReviewError
 from services.runtime.logging import get_logger
 from services.runtime.tracing import context_from_traceparent, current_traceparent, tracer
 
@@ -38,30 +44,80 @@ log = get_logger(__name__)
 
 API_VERSION = "admission.k8s.io/v1"
 MAX_BODY = 8 * 1024 * 1024  # an AdmissionReview holds the object (etcd caps it at 1.5 MiB) and more
+# Real pods nest ~20 levels deep in a review (managedFields' fieldsV1 are the deepest); Python's
+# JSON parsers (json, msgspec) raise RecursionError near 1,000.
+MAX_DEPTH = 64
 MUTATE_PATH = "/mutate"
 HEALTH_PATH = "/healthz"
 
 
-def parse_review(body: bytes) -> dict[str, Any]:
-    """The ``request`` of an AdmissionReview v1 body; :class:`ReviewError` says what is wrong."""
+class GroupVersionKind(msgspec.Struct, frozen=True):
+    group: str = ""
+    version: str = ""
+    kind: str = ""
+
+
+class AdmissionRequest(msgspec.Struct, frozen=True, rename="camel"):
+    """The fields of an AdmissionReview v1 ``request`` the webhook reads (others are ignored)."""
+
+    uid: str = ""
+    kind: GroupVersionKind | None = None
+    operation: str = ""
+    sub_resource: str | None = None
+    namespace: str | None = None
+    object: Any = None  # the pod (policy.read_pod checks it); any JSON for kinds we pass
+
+
+class AdmissionReview(msgspec.Struct, frozen=True, rename="camel"):
+    api_version: str = ""
+    kind: str = ""
+    request: AdmissionRequest | None = None
+
+
+_REVIEW = msgspec.json.Decoder(AdmissionReview)
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+_STEP = [0] * 256
+for _c in b"[{":
+    _STEP[_c] = 1
+for _c in b"]}":
+    _STEP[_c] = -1
+
+
+def json_depth(body: bytes) -> int:
+    """How deeply arrays and objects nest in a JSON text, found without parsing it (no
+    recursion, linear time): escaped backslashes and quotes are dropped, then whatever lies
+    between the remaining quotes (the strings), and the brackets left are counted. For a text
+    that is not JSON the answer bounds what a parser would reach before failing, which is all a
+    limit needs. Cost: ~0.2 µs per bracket here (1.4 s for 8 MiB of nothing but brackets)."""
+    unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
+    outside = b"".join(unescaped.split(b'"')[::2])
+    brackets = outside.translate(None, _NOT_BRACKETS)
+    return max(0, max(itertools.accumulate(map(_STEP.__getitem__, brackets)), default=0))
+
+
+def parse_review(body: bytes) -> AdmissionRequest:
+    """The ``request`` of an AdmissionReview v1 body; :class:`ReviewError` says what is wrong
+    (:class:`BodyTooLarge` for a body over :data:`MAX_BODY`)."""
+    if len(body) > MAX_BODY:
+        raise BodyTooLarge(f"body is {len(body)} bytes; the limit is {MAX_BODY}")
+    depth = json_depth(body)
+    if depth > MAX_DEPTH:
+        raise ReviewError(f"JSON nests {depth} levels deep; the limit is {MAX_DEPTH}")
     try:
-        doc = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = _REVIEW.decode(body)
+    except msgspec.ValidationError as exc:
+        raise ReviewError(f"not an AdmissionReview: {exc}") from None
+    except (msgspec.DecodeError, RecursionError) as exc:  # RecursionError: json_depth is a bound
         raise ReviewError(f"body is not JSON: {exc}") from None
-    if not isinstance(doc, dict):
-        raise ReviewError(f"expected an AdmissionReview object, got JSON {type(doc).__name__}")
-    if doc.get("apiVersion") != API_VERSION or doc.get("kind") != "AdmissionReview":
+    if doc.api_version != API_VERSION or doc.kind != "AdmissionReview":
         raise ReviewError(
-            f"expected apiVersion {API_VERSION} kind AdmissionReview, got "
-            f"{doc.get('apiVersion')!r} {doc.get('kind')!r}"
+            f"expected apiVersion {API_VERSION} kind AdmissionReview, got {doc.api_version!r} {doc.kind!r}"
         )
-    req = doc.get("request")
-    if not isinstance(req, dict):
+    if doc.request is None:
         raise ReviewError("AdmissionReview has no request object")
-    uid = req.get("uid")
-    if not isinstance(uid, str) or not uid:
+    if not doc.request.uid:
         raise ReviewError("AdmissionReview request has no uid")
-    return req
+    return doc.request
 
 
 def review_response(uid: str, verdict: policy.Verdict) -> dict[str, Any]:
@@ -87,12 +143,12 @@ class Webhook:
         self.device_classes = device_classes
         self._tracer = tracer("tandem.admission")
 
-    def review(self, request: dict[str, Any]) -> dict[str, Any]:
-        uid: str = request["uid"]
-        kind = (request.get("kind") or {}).get("kind")
-        operation = request.get("operation", "")
-        obj = request.get("object")
-        if kind != "Pod" or operation != "CREATE" or request.get("subResource"):
+    def review(self, request: AdmissionRequest) -> dict[str, Any]:
+        uid = request.uid
+        kind = request.kind.kind if request.kind is not None else None
+        operation = request.operation
+        obj = request.object
+        if kind != "Pod" or operation != "CREATE" or request.sub_resource:
             return review_response(uid, policy.Verdict(allowed=True))
         try:
             pod = policy.read_pod(obj)
@@ -100,7 +156,7 @@ class Webhook:
             return review_response(uid, policy.Verdict(allowed=False, code=400, message=f"tandem: {exc}"))
         if not policy.mentions_tandem(pod):
             return review_response(uid, policy.Verdict(allowed=True))
-        namespace = request.get("namespace") or pod.metadata.namespace or ""
+        namespace = request.namespace or pod.metadata.namespace or ""
         parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
         with self._tracer.start_as_current_span("admission.admit", context=parent) as span:
             span.set_attribute("k8s.namespace.name", namespace)
@@ -129,14 +185,28 @@ class Webhook:
         )
         return review_response(uid, verdict)
 
-    async def handle_mutate(self, request: web.Request) -> web.Response:
-        body = await request.read()
+    def answer(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """HTTP status and JSON document for one request body (what ``POST /mutate`` returns):
+        200 with the AdmissionReview response, or 400/413 with ``{"error": reason}``."""
         try:
             review = parse_review(body)
         except ReviewError as exc:
             log.warning("bad_admission_review", error=str(exc))
-            return web.json_response({"error": f"tandem: {exc}"}, status=400)
-        return web.json_response(self.review(review))
+            return (413 if isinstance(exc, BodyTooLarge) else 400), {"error": f"tandem: {exc}"}
+        return 200, self.review(review)
+
+    async def handle_mutate(self, request: web.Request) -> web.Response:
+        length = request.content_length
+        if length is not None and length > MAX_BODY:  # refused before it is read
+            status, doc = 413, {"error": f"tandem: body is {length} bytes; the limit is {MAX_BODY}"}
+        else:
+            try:
+                body = await request.read()  # chunked: aiohttp stops at client_max_size
+            except web.HTTPRequestEntityTooLarge:
+                status, doc = 413, {"error": f"tandem: body is over the limit of {MAX_BODY} bytes"}
+            else:
+                status, doc = self.answer(body)
+        return web.json_response(doc, status=status)
 
     async def handle_health(self, _: web.Request) -> web.Response:
         return web.Response(text="ok")

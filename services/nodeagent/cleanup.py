@@ -4,15 +4,24 @@ The node agent reports ``Cleaned(ok=True)`` only when the applier found every VF
 restored *and* no compute process remains on any of the assignment's GPUs. A GPU whose
 processes cannot be listed (NVML says the GPU is lost, the driver is wedged) is not clean
 either: the failure becomes a problem for that GPU, so the device is marked unhealthy and stays
-held, instead of the release being retried forever or the GPU being freed unverified. Each GPU
+held (and the cleanup is tried again with back-off), never freed unverified. Each GPU
 is asked on its own, so one lost GPU does not hide the verdict on the others.
+
+Every problem names its device first (``"gpu1: ..."``, ``"mlx5_3: ..."``);
+:func:`problems_by_device` turns a cleanup's problems into one reason per device, so each
+device is marked unhealthy with its own problem. An unverified cleanup is tried again (the node
+agent does it) after :func:`retry_delay`: 1 s, doubling, at most 5 minutes apart, until it is
+verified or the allocation leaves the node's record.
 """
 
 from __future__ import annotations
 
 from services.nodeagent.backends.base import BackendError, DiscoveryBackend
 
-__all__ = ["gpu_problems", "process_problems"]
+__all__ = ["gpu_problems", "problems_by_device", "process_problems", "retry_delay"]
+
+RETRY_FIRST_S = 1.0
+RETRY_MAX_S = 300.0
 
 
 def process_problems(procs: dict[int, list[int]]) -> list[str]:
@@ -34,3 +43,26 @@ async def gpu_problems(backend: DiscoveryBackend, indices: list[int]) -> list[st
             continue
         problems += process_problems(procs)
     return problems
+
+
+def problems_by_device(problems: list[str], devices: list[str]) -> dict[str, str]:
+    """One reason per device of the assignment (``devices``): its own problems, joined by
+    ``"; "``. A problem that names none of them (``"<device>: ..."``) concerns them all."""
+    own: dict[str, list[str]] = {}
+    shared: list[str] = []
+    for problem in problems:
+        head, sep, rest = problem.partition(":")
+        if sep and head in devices:
+            own.setdefault(head, []).append(rest.strip())
+        else:
+            shared.append(problem)
+    reasons = {d: "; ".join(ps) for d, ps in own.items()}
+    if shared:
+        for d in devices:
+            reasons[d] = "; ".join([*own.get(d, []), *shared])
+    return reasons
+
+
+def retry_delay(attempt: int, *, first: float = RETRY_FIRST_S, cap: float = RETRY_MAX_S) -> float:
+    """Seconds before cleanup attempt ``attempt + 1`` after ``attempt`` failed ones (≥ 1)."""
+    return float(min(cap, first * 2 ** min(max(attempt - 1, 0), 62)))

@@ -14,9 +14,15 @@ per node):
 * a new allocation → ``Applier.apply`` → ``Applied`` (idempotent: re-applying is a no-op in
   appliers, so an agent that restarts simply applies what its record holds);
 * an allocation marked ``releasing`` → ``Applier.cleanup`` + no compute process left on the
-  GPUs → ``Cleaned``. A cleanup that cannot be verified marks the devices unhealthy with the
-  reason and reports ``Cleaned(ok=False)``: the allocator keeps them held rather than freeing
-  them silently.
+  GPUs → ``Cleaned``. A cleanup that cannot be verified marks each device unhealthy with its
+  own problem and reports ``Cleaned(ok=False)``: the allocator keeps them held rather than
+  freeing them silently. The agent then tries the cleanup again, 1 s after the failure and
+  doubling up to every 5 minutes (``cleanup.retry_delay``), until it is verified (then
+  ``Cleaned(ok=True)`` frees the devices) or the allocation leaves the record;
+  ``tandem_nodeagent_cleanups_unverified`` counts the allocations waiting, the alert's metric.
+
+A failed device returns to service after its clean period only if the backend's probe finds
+nothing wrong with it then (and no unverified cleanup holds it); see ``health.recover_due``.
 
 The record carries each allocation's trace context, so apply and cleanup join its trace.
 """
@@ -24,11 +30,13 @@ The record carries each allocation's trace context, so apply and cleanup join it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from opentelemetry import trace
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -44,9 +52,15 @@ from schemas.messages import (
 )
 from schemas.topology import NodeTopology, locate
 from services.nodeagent.backends.base import Applier, BackendError, DiscoveryBackend
-from services.nodeagent.cleanup import gpu_problems
+from services.nodeagent.cleanup import (
+    RETRY_FIRST_S,
+    RETRY_MAX_S,
+    gpu_problems,
+    problems_by_device,
+    retry_delay,
+)
 from services.nodeagent.follow import AllocationsFollower, node_actions
-from services.nodeagent.health import HealthTracker
+from services.nodeagent.health import HealthTracker, recover_due
 from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
@@ -62,7 +76,24 @@ APPLIES = Counter("tandem_nodeagent_applies_total", "Assignments applied, by res
 CLEANUPS = Counter(
     "tandem_nodeagent_cleanups_total", "Releases cleaned up, by verification result", ["result"]
 )
+CLEANUP_FAILURES = Counter(
+    "tandem_nodeagent_cleanup_failures_total", "Cleanup attempts that could not be verified (retries too)"
+)
+CLEANUPS_UNVERIFIED = Gauge(
+    "tandem_nodeagent_cleanups_unverified",
+    "Allocations whose cleanup is not verified yet (devices held; the agent keeps retrying)",
+)
 _tracer = tracer("tandem.nodeagent")
+
+
+@dataclass(slots=True)
+class Unverified:
+    """A release whose cleanup failed: tried again at ``next_at`` (loop time)."""
+
+    rec: AllocRecord
+    attempts: int
+    next_at: float
+    reasons: dict[str, str]  # device → its problem
 
 
 def device_ids(topology: NodeTopology) -> list[str]:
@@ -86,6 +117,8 @@ class NodeAgent(Service):
         clean_period: float = 60.0,
         rescan_interval: float = 30.0,
         resync_interval: float = 30.0,
+        cleanup_retry_first: float = RETRY_FIRST_S,
+        cleanup_retry_max: float = RETRY_MAX_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.bus = bus
@@ -100,6 +133,11 @@ class NodeAgent(Service):
         self.generation = 0
         self.assignments: dict[str, Assignment] = {}  # applied, by request id
         self.cleaning: set[str] = set()  # releases handled (cleaned or reported unverified)
+        self.unverified: dict[str, Unverified] = {}  # failed cleanups to try again, by request id
+        self.cleanup_retry_first = cleanup_retry_first
+        self.cleanup_retry_max = cleanup_retry_max
+        self._work = asyncio.Lock()  # record handling and cleanup retries never overlap
+        self._retry_wake = asyncio.Event()
         self.follower = AllocationsFollower(
             bus, node=node, on_record=self._on_record, resync_interval=resync_interval
         )
@@ -117,6 +155,8 @@ class NodeAgent(Service):
         self._tasks.spawn("heartbeat", self._heartbeat_loop)
         self._tasks.spawn("health", self._health_loop)
         self._tasks.spawn("rescan", self._rescan_loop)
+        self._tasks.spawn("recovery", self._recovery_loop)
+        self._tasks.spawn("cleanup-retry", self._cleanup_retry_loop)
         await self.follower.start()
         log.info("nodeagent_started", node=self.node, backend=self.backend.name)
 
@@ -124,6 +164,8 @@ class NodeAgent(Service):
         await self.follower.stop()
         await self._tasks.aclose()
         await self.backend.close()
+        CLEANUPS_UNVERIFIED.dec(len(self.unverified))
+        self.unverified.clear()
 
     # -- inventory and health ---------------------------------------------------------------
 
@@ -170,9 +212,26 @@ class NodeAgent(Service):
                 self._seq += 1
                 beat = Heartbeat(node=self.node, seq=self._seq, generation=self.generation, ts=self.clock())
                 await self.bus.publish_core(subjects.node_heartbeat(self.node), beat)
-            for device in self.health.tick(now=self.clock()):
+            await asyncio.sleep(self.heartbeat_interval)
+
+    async def _recovery_loop(self) -> None:
+        """Return devices to service after their clean period, if a probe finds them usable
+        (its own loop: a slow probe must not delay heartbeats)."""
+        while True:
+            for device in await recover_due(self.health, probe=self._probe, now=self.clock()):
                 await self._publish_health(device)
             await asyncio.sleep(self.heartbeat_interval)
+
+    async def _probe(self, device: str) -> str | None:
+        """Why a device is still unusable: a cleanup not verified yet, or what the backend
+        sees now; None when neither."""
+        for u in self.unverified.values():
+            if device in u.reasons:
+                return f"cleanup failed: {u.reasons[device]}"
+        try:
+            return await self.backend.probe(device)
+        except BackendError as exc:
+            return f"cannot probe: {exc}"
 
     async def _rescan_loop(self) -> None:
         while True:
@@ -199,26 +258,34 @@ class NodeAgent(Service):
         reason = cmd.reason or f"operator {cmd.action}"
         if cmd.action == "fail":
             self.health.fail(cmd.device, reason, now=now)
-        elif cmd.action == "recover":
-            self.health.recover(cmd.device, now=now, reason=reason)
         elif cmd.action == "cordon":
             self.health.cordon(cmd.device, reason, now=now)
         else:
-            self.health.uncordon(cmd.device, now=now)
+            # recover / uncordon: the operator's word, but a device that is still lost (or
+            # still held by an unverified cleanup) stays failed with what the probe found.
+            still = await self._probe(cmd.device)
+            if cmd.action == "recover":
+                self.health.recover(cmd.device, now=now, reason=reason)
+            else:
+                self.health.uncordon(cmd.device, now=now)
+            if still:
+                self.health.fail(cmd.device, still, now=now)
         return await self._publish_health(cmd.device)
 
     # -- apply and cleanup -------------------------------------------------------------------
 
     async def _on_record(self, node: str, record: NodeAllocations | None, _revision: int) -> None:
         """Make the node match its record (calls never overlap; see AllocationsFollower)."""
-        actions = node_actions(record, applied=self.assignments, cleaning=self.cleaning)
-        for rid in actions.gone:  # freed: nothing of it is left to do
-            self.assignments.pop(rid, None)
-            self.cleaning.discard(rid)
-        for rec in actions.apply:
-            await self._apply(rec)
-        for rec in actions.cleanup:
-            await self._cleanup(rec)
+        async with self._work:
+            actions = node_actions(record, applied=self.assignments, cleaning=self.cleaning)
+            for rid in actions.gone:  # freed: nothing of it is left to do
+                self.assignments.pop(rid, None)
+                self.cleaning.discard(rid)
+                self._verified(rid)
+            for rec in actions.apply:
+                await self._apply(rec)
+            for rec in actions.cleanup:
+                await self._cleanup(rec)
 
     async def _apply(self, rec: AllocRecord) -> None:
         assignment = rec.assignment
@@ -253,26 +320,41 @@ class NodeAgent(Service):
             # again and the (idempotent) apply and its report are repeated.
             self.assignments[assignment.request_id] = assignment
 
-    async def _cleanup(self, rec: AllocRecord) -> None:
+    async def _cleanup(self, rec: AllocRecord, *, attempt: int = 1) -> None:
+        """Clean up and verify; report the first verdict, and a later verified one."""
         assignment = rec.assignment
         request_id = assignment.request_id
+        devices = assignment.device_ids()
         context = context_from_traceparent(rec.traceparent)
         with _tracer.start_as_current_span("nodeagent.cleanup", context=context) as span:
-            span.set_attributes({"k8s.node.name": self.node, "tandem.request_id": request_id})
-            problems = await self.applier.cleanup(assignment)
+            span.set_attributes(
+                {"k8s.node.name": self.node, "tandem.request_id": request_id, "tandem.attempt": attempt}
+            )
+            try:
+                problems = await self.applier.cleanup(assignment)
+            except BackendError as exc:  # not verified either: retried like any other problem
+                problems = [f"cleanup raised: {exc}"]
             problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus])
+            reasons = problems_by_device(problems, devices)
             if problems:
                 span.set_status(trace.StatusCode.ERROR, "; ".join(problems))
-                for device in {p.split(":", 1)[0] for p in problems}:
-                    if device in self.health.state:
-                        self.health.fail(device, f"cleanup failed: {problems[0]}", now=self.clock())
+                CLEANUP_FAILURES.inc()
+                log.warning("cleanup_unverified", request_id=request_id, attempt=attempt, problems=problems)
+                for device, reason in reasons.items():
+                    # Unchanged reason on a retry: no new event, but the clean period restarts.
+                    if device in self.health.state and self.health.fail(
+                        device, f"cleanup failed: {reason}", now=self.clock()
+                    ):
                         await self._publish_health(device)
             self.assignments.pop(request_id, None)
+            if problems and attempt > 1:
+                self._retry_later(rec, attempt, reasons)  # reported unverified already
+                return
             cleaned = Cleaned(
                 request_id=request_id,
                 node=self.node,
                 ok=not problems,
-                devices=assignment.device_ids(),
+                devices=devices,
                 problems=problems,
                 ts=self.clock(),
             )
@@ -285,3 +367,45 @@ class NodeAgent(Service):
             # Only once reported: a report that could not be published is made again when
             # the record is handed over again (cleanup is idempotent).
             self.cleaning.add(request_id)
+            if problems:
+                self._retry_later(rec, attempt, reasons)
+            else:
+                self._verified(request_id)
+
+    def _retry_later(self, rec: AllocRecord, attempt: int, reasons: dict[str, str]) -> None:
+        rid = rec.assignment.request_id
+        if rid not in self.unverified:
+            CLEANUPS_UNVERIFIED.inc()
+        delay = retry_delay(attempt, first=self.cleanup_retry_first, cap=self.cleanup_retry_max)
+        loop = asyncio.get_running_loop()
+        self.unverified[rid] = Unverified(
+            rec=rec, attempts=attempt, next_at=loop.time() + delay, reasons=reasons
+        )
+        self._retry_wake.set()
+
+    def _verified(self, request_id: str) -> None:
+        """Stop retrying: the cleanup was verified, or the allocation left the record."""
+        if self.unverified.pop(request_id, None) is not None:
+            CLEANUPS_UNVERIFIED.dec()
+
+    async def _cleanup_retry_loop(self) -> None:
+        """Try unverified cleanups again when they are due (see ``retry_delay``)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            self._retry_wake.clear()
+            now = loop.time()
+            due = sorted((u.next_at, rid) for rid, u in self.unverified.items())
+            if not due or due[0][0] > now:
+                timeout = None if not due else due[0][0] - now
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._retry_wake.wait(), timeout)
+                continue
+            async with self._work:
+                u = self.unverified.get(due[0][1])
+                if u is None or u.next_at > loop.time():  # freed or rescheduled meanwhile
+                    continue
+                try:
+                    await self._cleanup(u.rec, attempt=u.attempts + 1)
+                except Exception as exc:  # e.g. the verified report could not be published
+                    log.error("cleanup_retry_failed", request_id=due[0][1], error=repr(exc))
+                    self._retry_later(u.rec, u.attempts + 1, u.reasons)

@@ -104,7 +104,9 @@ def review(
     obj: Any, *, uid: str = "705ab4f5-6393-11e8-b7cc-42010a800002", operation: str = "CREATE"
 ) -> dict[str, Any]:
     """An AdmissionReview v1 request as kube-apiserver sends it for a pod create."""
-    namespace = obj.get("metadata", {}).get("namespace", "default") if isinstance(obj, dict) else "default"
+    meta = obj.get("metadata") if isinstance(obj, dict) else None
+    namespace = meta.get("namespace") if isinstance(meta, dict) else None
+    namespace = namespace if isinstance(namespace, str) else "default"
     return {
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",

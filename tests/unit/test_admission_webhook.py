@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from schemas.config import DeviceClass
 from services.admission import names
-from services.admission.webhook import CertReloader, Webhook, start_server
+from services.admission.webhook import MAX_BODY, CertReloader, Webhook, start_server
 from services.runtime.tracing import setup_tracing
 from tests.unit.test_admission_helpers import deployment_pod, review, write_self_signed
 
@@ -275,7 +275,7 @@ async def test_unreadable_pod_object_is_denied_naming_the_field(endpoint: tuple[
     ("raw", "expected"),
     [
         (b"{not json", "body is not JSON"),
-        (b"[1, 2]", "got JSON list"),
+        (b"[1, 2]", "Expected `object`, got `array`"),
         (
             json.dumps({"apiVersion": "admission.k8s.io/v1beta1", "kind": "AdmissionReview"}).encode(),
             "v1beta1",
@@ -296,6 +296,58 @@ async def test_malformed_body_is_a_400_with_the_reason(
     status, body = await post(endpoint, None, raw=raw)
     assert status == 400
     assert expected in body["error"]
+
+
+def nested(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def with_request(**fields: Any) -> bytes:
+    doc = review(deployment_pod())
+    doc["request"].update(fields)
+    return json.dumps(doc).encode()
+
+
+HOSTILE = [
+    ("kind-as-string", with_request(kind="Pod"), "Expected `object | null`, got `str` - at `$.request.kind`"),
+    ("uid-not-string", with_request(uid=7), "Expected `str`, got `int` - at `$.request.uid`"),
+    ("deep-list", nested(100_000), "JSON nests 100000 levels deep; the limit is 64"),
+    (
+        "deep-in-pod",  # review > request > object > spec > containers > [0] > resources > limits
+        json.dumps(review(deployment_pod())).encode().replace(b'"cpu": "8"', b'"cpu": ' + nested(5_000)),
+        "JSON nests 5008 levels deep",
+    ),
+    ("not-utf8", b"\xff\xfe{}", "body is not JSON"),
+]
+
+
+@pytest.mark.parametrize(("raw", "expected"), [c[1:] for c in HOSTILE], ids=[c[0] for c in HOSTILE])
+async def test_hostile_bodies_get_400_with_the_reason_never_500(
+    endpoint: tuple[str, ssl.SSLContext], raw: bytes, expected: str
+) -> None:
+    """Issue 9 finding 10: the first four were 500s (AttributeError, RecursionError)."""
+    status, body = await post(endpoint, None, raw=raw)
+    assert status == 400
+    assert expected in body["error"]
+
+
+async def test_brackets_inside_strings_do_not_count_towards_the_depth(
+    endpoint: tuple[str, ssl.SSLContext],
+) -> None:
+    pod = deployment_pod(annotations={names.SCOPE: "[{" * 200 + '\\"' + "[" * 200})
+    status, body = await post(endpoint, review(pod, uid="rev-brackets"))
+    assert status == 200
+    resp = body["response"]
+    assert resp["uid"] == "rev-brackets" and resp["allowed"] is False
+    assert "is not one of" in resp["status"]["message"]  # judged as a pod, not refused as too deep
+
+
+async def test_body_over_the_size_limit_is_refused_before_it_is_read(
+    endpoint: tuple[str, ssl.SSLContext],
+) -> None:
+    status, body = await post(endpoint, None, raw=b" " * (MAX_BODY + 1))
+    assert status == 413
+    assert body["error"] == f"tandem: body is {MAX_BODY + 1} bytes; the limit is {MAX_BODY}"
 
 
 async def test_update_and_other_kinds_are_allowed_untouched(endpoint: tuple[str, ssl.SSLContext]) -> None:

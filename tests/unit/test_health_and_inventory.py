@@ -5,7 +5,7 @@ from __future__ import annotations
 from schemas.messages import DeviceHealth, HealthEvent, NodeInventory, NodeRecord
 from schemas.topology import NodeTopology, Socket
 from services.inventory.service import apply_health, apply_inventory, set_status
-from services.nodeagent.health import HealthTracker
+from services.nodeagent.health import HealthTracker, recover_due
 
 TOPO = NodeTopology(name="n1", sockets=[Socket(id=0)])
 
@@ -19,6 +19,32 @@ def test_failed_device_recovers_after_clean_period_only() -> None:
     assert h.tick(now=111) == {}
     changed = h.tick(now=116.5)
     assert list(changed) == ["gpu0"] and changed["gpu0"].healthy
+
+
+async def test_recovery_probes_first_and_a_device_still_bad_stays_failed() -> None:
+    h = HealthTracker(["gpu0", "gpu1", "mlx5_0"], clean_period=10)
+    h.fail("gpu0", "GPU is lost", now=100)
+    h.fail("gpu1", "XID 48", now=100)
+    h.fail("mlx5_0", "port down", now=104)
+    still_bad = {"gpu0": "GPU is lost", "mlx5_0": "port init"}
+    probed: list[str] = []
+
+    async def probe(device: str) -> str | None:
+        probed.append(device)
+        return still_bad.get(device)
+
+    assert h.due(now=110) == ["gpu0", "gpu1"]
+    changed = await recover_due(h, probe=probe, now=110)
+    assert probed == ["gpu0", "gpu1"]  # only devices whose clean period is over are probed
+    assert changed == {"gpu1": DeviceHealth(healthy=True, reason="clean for 10s", since=110)}
+    assert h.state["gpu0"] == DeviceHealth(healthy=False, reason="GPU is lost", since=110)  # restarted
+    # A probe with a different reason is news: published.
+    changed = await recover_due(h, probe=probe, now=114)
+    assert changed == {"mlx5_0": DeviceHealth(healthy=False, reason="port init", since=114)}
+    still_bad.clear()
+    assert await recover_due(h, probe=probe, now=119) == {}  # gpu0's new clean period runs to 120
+    assert set(await recover_due(h, probe=probe, now=124)) == {"gpu0", "mlx5_0"}
+    assert all(s.healthy for s in h.state.values())
 
 
 def test_cordon_survives_recovery_and_only_uncordon_lifts_it() -> None:

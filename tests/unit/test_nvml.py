@@ -12,11 +12,13 @@ from schemas.messages import DeviceHealth
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.nvml import (
     DEFAULT_IGNORED_XIDS,
+    GPU_LOST,
     NvmlBackend,
     classify_event,
+    gpu_index,
     nvlink_peers,
 )
-from services.nodeagent.health import HealthTracker
+from services.nodeagent.health import HealthTracker, recover_due
 from tests import fake_pynvml
 from tests.fake_pynvml import FakeGpu, hgx_gpus
 
@@ -168,6 +170,76 @@ async def test_gpu_lost_during_event_wait() -> None:
     gpus[6].lost = True
     mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]
     assert await task == [HealthChange("gpu6", False, "GPU is lost (fallen off the bus)")]
+    await backend.close()
+
+
+async def test_a_gpu_lost_a_second_time_is_reported_again() -> None:
+    """Issue 9 finding 7: the "lost" suppression lasts one episode. A probe that finds the GPU
+    readable again ends it, so the next loss is reported; while it is still lost the probe
+    says so and the repeated NVML errors stay quiet."""
+    gpus = hgx_gpus()
+    backend, mod = await open_backend(gpus)
+    changes = backend.health_changes()
+    first = asyncio.ensure_future(asyncio.wait_for(anext(changes), 5))
+    await until_registered(mod, 8)
+    gpus[6].lost = True
+    mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]
+    assert await first == HealthChange("gpu6", False, GPU_LOST)
+
+    mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]  # NVML repeats it
+    mod.fire(1, pynvml.nvmlEventTypeXidCriticalError, 79)  # type: ignore[attr-defined]
+    # The repeat was swallowed: the next change is the XID queued after it.
+    assert await asyncio.wait_for(anext(changes), 5) == HealthChange(
+        "gpu1", False, "XID 79 (GPU has fallen off the bus)"
+    )
+    assert await backend.probe("gpu6") == GPU_LOST  # still lost: stays unhealthy
+
+    gpus[6].lost = False  # reset and back
+    assert await backend.probe("gpu6") is None
+    gpus[6].lost = True  # ... and lost again
+    mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]
+    assert await asyncio.wait_for(anext(changes), 5) == HealthChange("gpu6", False, GPU_LOST)
+    await backend.close()
+    await changes.aclose()
+
+
+async def test_every_lost_gpu_is_reported_not_only_the_first() -> None:
+    gpus = hgx_gpus()
+    backend, mod = await open_backend(gpus)
+    task = asyncio.ensure_future(collect(backend, 2))
+    await until_registered(mod, 8)
+    gpus[2].lost = gpus[5].lost = True
+    mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]
+    mod.fail_wait(fake_pynvml.NVMLError_GpuIsLost())  # type: ignore[attr-defined]
+    assert await task == [HealthChange("gpu2", False, GPU_LOST), HealthChange("gpu5", False, GPU_LOST)]
+    await backend.close()
+
+
+async def test_probe_answers_for_gpus_only() -> None:
+    gpus = hgx_gpus()
+    backend, _ = await open_backend(gpus)
+    assert [gpu_index(d) for d in ("gpu0", "gpu12", "mlx5_0", "gpu", "gpux1")] == [0, 12, None, None, None]
+    assert await backend.probe("mlx5_0") is None
+    assert await backend.probe("gpu3") is None
+    assert await backend.probe("gpu9") == "NVML cannot read the GPU: Invalid Argument"  # no such index
+    await backend.close()
+
+
+async def test_lost_gpu_stays_unhealthy_past_its_clean_period() -> None:
+    """Issue 9 finding 7: a lost GPU became "healthy" after the clean period while still lost.
+    Recovery probes first: still lost → failed again, clean period restarted; readable → back."""
+    gpus = hgx_gpus()
+    backend, _ = await open_backend(gpus)
+    tracker = HealthTracker([f"gpu{i}" for i in range(8)], clean_period=60)
+    gpus[6].lost = True
+    tracker.fail("gpu6", GPU_LOST, now=1000.0)
+
+    assert await recover_due(tracker, probe=backend.probe, now=1060.0) == {}  # same reason: no event
+    assert tracker.state["gpu6"] == DeviceHealth(healthy=False, reason=GPU_LOST, since=1060.0)
+    gpus[6].lost = False
+    assert await recover_due(tracker, probe=backend.probe, now=1100.0) == {}  # clean period restarted
+    changed = await recover_due(tracker, probe=backend.probe, now=1120.0)
+    assert changed == {"gpu6": DeviceHealth(healthy=True, reason="clean for 60s", since=1120.0)}
     await backend.close()
 
 

@@ -169,3 +169,18 @@ async def test_port_poll_reports_down_and_back(tmp_path: Path) -> None:
 def test_missing_sysfs_root_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(BackendUnavailable, match="bus/pci/devices does not exist"):
         SysfsBackend(tmp_path / "nope", node_name="n")
+
+
+async def test_probe_keeps_a_port_that_is_still_down_out_of_service(tmp_path: Path) -> None:
+    """The poll reports a port going down once; after the clean period the probe is what says
+    it is still down (issue 9 finding 7, for NICs)."""
+    tree = hgx_8gpu(tmp_path)
+    backend = SysfsBackend(tree.root, node_name="hgx-1")
+    state = tree.root / "class/infiniband/mlx5_3/ports/1/state"
+    assert await backend.probe("mlx5_3") is None
+    state.write_text("1: DOWN\n")
+    assert await backend.probe("mlx5_3") == "port down"
+    assert await backend.probe("mlx5_0") is None
+    assert await backend.probe("gpu0") is None  # not a NIC: not sysfs's to judge
+    state.write_text("4: ACTIVE\n")
+    assert await backend.probe("mlx5_3") is None

@@ -1,8 +1,9 @@
 """The two seams of the node agent: what discovers devices, and what applies them to pods.
 
 ``DiscoveryBackend`` turns the machine (or a topology file) into a
-:class:`~schemas.topology.NodeTopology`, streams device health changes, and reports compute
-processes per GPU so cleanup can be verified. ``Applier`` hands an assignment's devices to the
+:class:`~schemas.topology.NodeTopology`, streams device health changes, looks at one device again
+before it returns to service (``probe``), and reports compute processes per GPU so cleanup can be
+verified. ``Applier`` hands an assignment's devices to the
 pod and takes them back; ``cleanup`` returns the problems it found (empty = verified clean).
 Both raise :class:`BackendError` subclasses with a message an operator can act on.
 """
@@ -44,6 +45,12 @@ class DiscoveryBackend(Protocol):
     async def discover(self) -> NodeTopology: ...
 
     def health_changes(self) -> AsyncIterator[HealthChange]: ...
+
+    async def probe(self, device: str) -> str | None:
+        """Look at a failed device again before it returns to service: the reason it is still
+        unusable, or None when it looks usable (also for devices this backend does not know).
+        A usable answer ends the device's failure episode: its next failure is reported anew."""
+        ...
 
     async def gpu_processes(self, indices: list[int]) -> dict[int, list[int]]:
         """PIDs of compute processes per GPU index (empty lists when clean)."""

@@ -68,6 +68,10 @@ class HostBackend:
         finally:
             await tasks.aclose()
 
+    async def probe(self, device: str) -> str | None:
+        """GPUs are NVML's to judge, NICs sysfs's (each answers None for the other's)."""
+        return await self.gpu_backend.probe(device) or await self.nic_backend.probe(device)
+
     async def gpu_processes(self, indices: list[int]) -> dict[int, list[int]]:
         return await self.gpu_backend.gpu_processes(indices)
 

@@ -37,6 +37,7 @@ from services.runtime.logging import get_logger
 
 __all__ = [
     "DEFAULT_IGNORED_XIDS",
+    "GPU_LOST",
     "NVML_MISSING_HELP",
     "GpuFacts",
     "NvmlBackend",
@@ -47,6 +48,7 @@ __all__ = [
 log = get_logger(__name__)
 
 DEFAULT_IGNORED_XIDS: frozenset[int] = frozenset({13, 31, 43, 45, 68, 109})
+GPU_LOST = "GPU is lost (fallen off the bus)"
 
 # Well-known XIDs, so a health reason says what happened (NVIDIA's XID catalogue).
 XID_NAMES: dict[int, str] = {
@@ -114,6 +116,14 @@ class GpuFacts:
     numa: int | None
 
 
+def gpu_index(device: str) -> int | None:
+    """The index of a GPU device id (``gpu3`` → 3); None for any other device."""
+    digits = device.removeprefix("gpu")
+    if digits == device or not digits.isdigit():
+        return None
+    return int(digits)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -139,6 +149,8 @@ class NvmlBackend:
         self._wait_lock = threading.Lock()  # held during an event wait; close() frees the set after it
         self._closed = threading.Event()
         self._event_set: Any = None
+        # GPUs reported lost in this episode (touched on the event loop only; see probe()).
+        self._lost: set[str] = set()
 
     @classmethod
     async def open(
@@ -260,16 +272,16 @@ class NvmlBackend:
                 log.warning("nvml_events_unavailable", index=index, error=str(exc))
         return by_uuid
 
-    def _wait_event(self, by_uuid: dict[str, int]) -> HealthChange | None:
+    def _wait_event(self, by_uuid: dict[str, int]) -> list[HealthChange]:
         """Wait up to ``event_timeout_ms`` for one event (no lock: the wait is the long call)."""
         n = self.nvml
         try:
             with self._wait_lock:
                 if self._closed.is_set():
-                    return None
+                    return []
                 data = n.nvmlEventSetWait_v2(self._event_set, self.event_timeout_ms)
         except n.NVMLError_Timeout:
-            return None
+            return []
         except n.NVMLError_GpuIsLost:
             return self._find_lost(by_uuid)
         reason = classify_event(
@@ -280,7 +292,7 @@ class NvmlBackend:
             ignored_xids=self.ignored_xids,
         )
         if reason is None:
-            return None
+            return []
         try:
             uuid = _text(self._call("nvmlDeviceGetUUID", data.device))
         except n.NVMLError_GpuIsLost:
@@ -288,20 +300,28 @@ class NvmlBackend:
         index = by_uuid.get(uuid)
         if index is None:
             log.warning("nvml_event_for_unknown_gpu", uuid=uuid, reason=reason)
-            return None
-        return HealthChange(f"gpu{index}", False, reason)
+            return []
+        return [HealthChange(f"gpu{index}", False, reason)]
 
-    def _find_lost(self, by_uuid: dict[str, int]) -> HealthChange | None:
-        """NVML said 'GPU is lost' without saying which: probe each GPU."""
+    def _find_lost(self, by_uuid: dict[str, int]) -> list[HealthChange]:
+        """NVML said 'GPU is lost' without saying which: probe each GPU, report every lost one
+        (not only the first: a GPU lost earlier must not hide the next one)."""
+        return [
+            HealthChange(f"gpu{index}", False, GPU_LOST)
+            for index in sorted(by_uuid.values())
+            if self._probe_index(index) == GPU_LOST
+        ]
+
+    def _probe_index(self, index: int) -> str | None:
+        """Why the GPU at ``index`` is unusable now (lost, unreadable), or None."""
         n = self.nvml
-        for index in sorted(by_uuid.values()):
-            try:
-                h = self._call("nvmlDeviceGetHandleByIndex", index)
-                self._call("nvmlDeviceGetUUID", h)
-            except n.NVMLError_GpuIsLost:
-                return HealthChange(f"gpu{index}", False, "GPU is lost (fallen off the bus)")
-            except n.NVMLError:
-                continue
+        try:
+            h = self._call("nvmlDeviceGetHandleByIndex", index)
+            self._call("nvmlDeviceGetUUID", h)
+        except n.NVMLError_GpuIsLost:
+            return GPU_LOST
+        except n.NVMLError as exc:
+            return f"NVML cannot read the GPU: {exc}"
         return None
 
     # -- DiscoveryBackend ---------------------------------------------------------------------
@@ -321,18 +341,33 @@ class NvmlBackend:
 
     async def health_changes(self) -> AsyncIterator[HealthChange]:
         by_uuid = await asyncio.to_thread(self._register_events)
-        reported: set[str] = set()
         while not self._closed.is_set():
-            change = await asyncio.to_thread(self._wait_event, by_uuid)
-            if change is None:
-                continue
-            # "GPU lost" repeats on every wait once a GPU is gone; report it once per episode.
-            key = f"{change.device}:{change.reason}"
-            if change.reason.startswith("GPU is lost") and key in reported:
-                await asyncio.sleep(self.event_timeout_ms / 1000)
-                continue
-            reported.add(key)
-            yield change
+            changes = await asyncio.to_thread(self._wait_event, by_uuid)
+            fresh: list[HealthChange] = []
+            for change in changes:
+                # "GPU lost" repeats on every wait once a GPU is gone; report it once per
+                # episode (probe() ends the episode when the GPU is readable again).
+                if change.reason == GPU_LOST:
+                    if change.device in self._lost:
+                        continue
+                    self._lost.add(change.device)
+                fresh.append(change)
+            if changes and not fresh:
+                await asyncio.sleep(self.event_timeout_ms / 1000)  # do not spin on a lost GPU
+            for change in fresh:
+                yield change
+
+    async def probe(self, device: str) -> str | None:
+        """Look at a GPU again before it returns to service: the reason it is still unusable
+        (lost, unreadable), or None. A readable GPU's loss episode ends here, so its next loss
+        is reported again. Devices that are not GPUs are not NVML's: None."""
+        index = gpu_index(device)
+        if index is None:
+            return None
+        reason = await asyncio.to_thread(self._probe_index, index)
+        if reason is None:
+            self._lost.discard(device)
+        return reason
 
     async def gpu_processes(self, indices: list[int]) -> dict[int, list[int]]:
         return await asyncio.to_thread(self.processes, indices)

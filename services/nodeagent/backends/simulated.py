@@ -26,6 +26,7 @@ class SimulatedBackend:
         self._topology = msgspec.structs.replace(topology, name=node).validate()
         self._changes: asyncio.Queue[HealthChange] = asyncio.Queue()
         self.processes: dict[int, list[int]] = {}
+        self.broken: dict[str, str] = {}  # device → why it is unusable (what probe() answers)
 
     async def discover(self) -> NodeTopology:
         return self._topology
@@ -35,7 +36,15 @@ class SimulatedBackend:
         self._topology = msgspec.structs.replace(topology, name=self._topology.name).validate()
 
     def inject(self, device: str, *, healthy: bool, reason: str) -> None:
+        """Report a change; a failure also stays (``broken``) until a healthy one is injected."""
+        if healthy:
+            self.broken.pop(device, None)
+        else:
+            self.broken[device] = reason
         self._changes.put_nowait(HealthChange(device=device, healthy=healthy, reason=reason))
+
+    async def probe(self, device: str) -> str | None:
+        return self.broken.get(device)
 
     async def health_changes(self) -> AsyncIterator[HealthChange]:
         while True:

@@ -379,6 +379,21 @@ class SysfsBackend:
                 yield change
             states = new
 
+    async def probe(self, device: str) -> str | None:
+        """A NIC whose port is not active (or whose RDMA device is gone) is still unusable:
+        the port-state poll reports only changes, so a port still down after the clean period
+        would otherwise be "recovered" with nothing to fail it again. VFs and devices this
+        backend does not know: None."""
+
+        def look() -> str | None:
+            states = self.reader.port_states()
+            if device in states:
+                state = states[device]
+                return None if state == "active" else f"port {state}"
+            return None
+
+        return await asyncio.to_thread(look)
+
     async def gpu_processes(self, indices: list[int]) -> dict[int, list[int]]:
         if indices:
             raise BackendError("sysfs backend sees no GPU processes; pair it with the NVML backend (host)")
