@@ -46,7 +46,7 @@ def register(sub: Any) -> None:
         help="YAML of user -> password (+ nats_url); existing passwords in it are kept",
     )
     p.add_argument("--server", help="NATS URL the components use (nats://host:4222), for nats_url")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, light=True)
 
 
 def _node_names(args: argparse.Namespace) -> list[str]:

@@ -24,7 +24,7 @@ def register(sub: Any) -> None:
     p.add_argument("--policy", choices=("binpack", "spread"), default="binpack", help="node policy")
     p.add_argument("--classes", type=Path, metavar="FILE", help="YAML/JSON mapping of device classes")
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write here instead of stdout")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, light=True)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -12,7 +12,7 @@ def register(sub: Any) -> None:
     ssub = p.add_subparsers(dest="schema_command", required=True)
     e = ssub.add_parser("export", help="write one JSON Schema file per message type")
     e.add_argument("directory", type=Path, help="where to write the .json files (created if missing)")
-    e.set_defaults(func=_export)
+    e.set_defaults(func=_export, light=True)
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -50,10 +50,10 @@ def register(sub: Any) -> None:
     imp.add_argument(
         "--format", choices=["yaml", "json"], default=None, help="default: from -o suffix, else yaml"
     )
-    imp.set_defaults(func=_import)
+    imp.set_defaults(func=_import, light=True)
 
     lst = tsub.add_parser("list", help="list the built-in topologies")
-    lst.set_defaults(func=_list)
+    lst.set_defaults(func=_list, light=True)
 
     show = tsub.add_parser("show", help="draw a topology (built-in name or file) as a tree")
     show.add_argument("source", metavar="NAME|FILE", help="a built-in topology name or a topology file")
@@ -64,11 +64,11 @@ def register(sub: Any) -> None:
         default="tree",
         help="a drawn tree (default), or the topology as JSON or YAML",
     )
-    show.set_defaults(func=_show)
+    show.set_defaults(func=_show, light=True)
 
     val = tsub.add_parser("validate", help="check a topology file")
     val.add_argument("source", metavar="FILE", help="a topology file (YAML or JSON)")
-    val.set_defaults(func=_validate)
+    val.set_defaults(func=_validate, light=True)
 
 
 def _default_name(path: Path) -> str:
