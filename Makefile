@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e gpu-check clean
+.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,10 @@ bench: $(STAMP)
 BENCH_E2E_ARGS ?= --nodes 1000 --requests 5000
 bench-e2e: $(STAMP)
 	$(BIN)/tandem loadtest $(BENCH_E2E_ARGS)
+
+# How long `tandem` commands take from exec to exit (docs/benchmarks.md, "CLI start-up").
+bench-cli: $(STAMP)
+	$(BIN)/python -m bench.cli_startup
 
 gpu-check: $(STAMP)
 	$(BIN)/tandem gpu-check

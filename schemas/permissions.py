@@ -251,7 +251,14 @@ def cli() -> Permissions:
         subjects.QUERY_INVENTORY,
         *(s for b in KV_BUCKETS for s in _kv_reader(b)),
     ]
-    sub = [subjects.ALLOC_ASSIGNED_ALL, subjects.ALLOC_FAILED, subjects.ALLOC_FREED, _inbox("cli")]
+    # Cleanup reports: `tandem release` waits for the node's verdict and prints it.
+    sub = [
+        subjects.ALLOC_ASSIGNED_ALL,
+        subjects.ALLOC_FAILED,
+        subjects.ALLOC_FREED,
+        subjects.NODE_CLEANED_ALL,
+        _inbox("cli"),
+    ]
     return Permissions(publish=_dedup(pub), subscribe=_dedup(sub))
 
 

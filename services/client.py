@@ -8,16 +8,17 @@ NATS messages too), so it never creates durable state of its own.
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
-from nats.js.errors import KeyNotFoundError, NoKeysError, NotFoundError
+import msgspec
 
 from schemas import codec, subjects
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
+    AllocRecord,
     Assignment,
     DeadLetter,
     DeviceCommand,
@@ -30,9 +31,41 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
-from services.runtime.bus import Bus
+
+if TYPE_CHECKING:
+    # Types only: the CLI imports this module before it has decided how to load nats-py
+    # (services.cli.conn), and never loads the service kit behind Bus.
+    from nats.aio.client import Client
+    from nats.aio.msg import Msg
+    from nats.aio.subscription import Subscription
+    from nats.js import JetStreamContext
+    from nats.js.kv import KeyValue
 
 Outcome = Assignment | AllocationFailed | Freed
+T = TypeVar("T")
+# How long a snapshot of a bucket waits for the server between two entries.
+SNAPSHOT_TIMEOUT_S = 5.0
+
+
+class Connection(Protocol):
+    """What the client needs of a connection: a service's ``Bus`` or the CLI's own
+    (``services.cli.conn.CliConnection``)."""
+
+    nc: Client
+    js: JetStreamContext
+
+    async def publish(
+        self,
+        subject: str,
+        message: msgspec.Struct,
+        *,
+        msg_id: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None: ...
+
+    async def request(self, subject: str, message: msgspec.Struct, *, timeout: float = 2.0) -> Msg: ...
+
+    async def kv(self, bucket: str) -> KeyValue: ...
 
 
 class ClientError(Exception):
@@ -40,7 +73,7 @@ class ClientError(Exception):
 
 
 class TandemClient:
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Connection) -> None:
         self.bus = bus
         self.outcomes: dict[str, list[tuple[Outcome, dict[str, str]]]] = {}
         self._changed = asyncio.Condition()
@@ -69,14 +102,18 @@ class TandemClient:
         await self.bus.publish(subjects.ALLOC_REQUEST, request, msg_id=subjects.msg_id(request.request_id))
 
     async def release(self, request_id: str, *, node: str | None = None, pod: PodRef | None = None) -> None:
-        """Release like the bridge does: to the node's subject when known, else unplaced."""
+        """Release like the bridge does: to the node's subject when known, else unplaced.
+
+        Each call is a new release (its own ``Nats-Msg-Id``): the duplicate window is there
+        to drop a *retried publish*, and a release a person sends again after an earlier one
+        went astray is not that; it used to be dropped for two minutes. Releasing twice is
+        harmless (the allocator's release handler is idempotent)."""
         assignment = self.assignment(request_id)
         node = node or (assignment.node if assignment else None)
         pod = pod or (assignment.pod if assignment else PodRef(namespace="", name=""))
         release = Release(request_id=request_id, pod=pod, node=node)
-        await self.bus.publish(
-            subjects.alloc_release(node), release, msg_id=subjects.msg_id(request_id, "release")
-        )
+        msg_id = subjects.msg_id(request_id, "release", uuid.uuid4().hex)
+        await self.bus.publish(subjects.alloc_release(node), release, msg_id=msg_id)
 
     def assignment(self, request_id: str) -> Assignment | None:
         for event, _ in self.outcomes.get(request_id, []):
@@ -130,6 +167,8 @@ class TandemClient:
         return reply.nodes
 
     async def request_record(self, request_id: str) -> RequestRecord | None:
+        from nats.js.errors import KeyNotFoundError
+
         kv = await self.bus.kv(subjects.KV_REQUESTS)
         try:
             entry = await kv.get(subjects.kv_key(request_id))
@@ -137,8 +176,56 @@ class TandemClient:
             return None
         return codec.REQUEST_RECORD.decode(entry.value or b"")
 
+    async def request_records(self) -> dict[str, RequestRecord]:
+        """Every request record, by request id (one pass over the bucket, not a get per key)."""
+        return await self._snapshot(subjects.KV_REQUESTS, codec.REQUEST_RECORD)
+
+    async def node_records(self) -> dict[str, NodeRecord]:
+        """Every node record (KV ``tandem-nodes``) by node name; needs no inventory service."""
+        return await self._snapshot(subjects.KV_NODES, codec.NODE_RECORD)
+
+    async def requests_of_pod(self, pod: PodRef) -> list[RequestRecord]:
+        """The request records of ``pod`` (namespace and name), newest first."""
+        found = [
+            r
+            for r in (await self.request_records()).values()
+            if (r.request.pod.namespace, r.request.pod.name) == (pod.namespace, pod.name)
+        ]
+        return sorted(found, key=lambda r: r.request.created_at, reverse=True)
+
+    async def holder(self, request_id: str) -> tuple[str, AllocRecord] | None:
+        """The node whose allocation record holds ``request_id``, with the allocation."""
+        for allocs in await self.allocations():
+            rec = allocs.allocations.get(request_id)
+            if rec is not None:
+                return allocs.node, rec
+        return None
+
+    async def _snapshot(self, bucket: str, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
+        """The current value of every key of ``bucket`` (values that do not decode are left
+        out: a reader cannot fix a writer's bug)."""
+        kv = await self.bus.kv(bucket)
+        watcher = await kv.watchall(ignore_deletes=True)
+        out: dict[str, T] = {}
+        try:
+            while True:
+                entry: Any = await watcher.updates(timeout=SNAPSHOT_TIMEOUT_S)  # type: ignore[no-untyped-call]
+                if entry is None:
+                    return out
+                if entry.operation is None and entry.value:
+                    try:
+                        out[entry.key] = decoder.decode(entry.value)
+                    except codec.DecodeErrors:
+                        continue
+                else:
+                    out.pop(entry.key, None)
+        finally:
+            await watcher.stop()  # type: ignore[no-untyped-call]
+
     async def dead_letters(self, *, limit: int = 50) -> list[DeadLetter]:
         """The newest ``limit`` messages parked on the dead-letter subjects (oldest first)."""
+        from nats.js.errors import NotFoundError
+
         info = await self.bus.js.stream_info(subjects.DLQ_STREAM)
         last = info.state.last_seq
         first = max(info.state.first_seq, last - limit + 1)
@@ -152,14 +239,15 @@ class TandemClient:
         return out
 
     async def allocations(self, nodes: Iterable[str] | None = None) -> list[NodeAllocations]:
+        """The allocation records of ``nodes`` (all nodes: one pass over the bucket)."""
+        from nats.js.errors import KeyNotFoundError
+
+        if nodes is None:
+            every = await self._snapshot(subjects.KV_ALLOCS, codec.NODE_ALLOCS)
+            return [every[k] for k in sorted(every)]
         kv = await self.bus.kv(subjects.KV_ALLOCS)
-        try:
-            # nats-py's keys() can name a key twice when it is written while being listed.
-            keys = list(nodes) if nodes is not None else sorted(set(await kv.keys()))
-        except NoKeysError:
-            return []
         out = []
-        for key in keys:
+        for key in nodes:
             try:
                 entry = await kv.get(subjects.kv_key(key))
             except KeyNotFoundError:

@@ -15,6 +15,7 @@ import argparse
 import asyncio
 from typing import Any
 
+from services.admission.args import add_arguments
 from services.admission.bridge import Bridge
 from services.admission.kube import KubeClient
 from services.admission.leader import LeaderElector
@@ -29,21 +30,7 @@ from services.runtime.tasks import Supervisor
 log = get_logger(__name__)
 
 SERVICE = "admission"
-
-
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="settings file (YAML/JSON); default $TANDEM_CONFIG")
-    p.add_argument("--no-webhook", dest="webhook", action="store_false", help="do not serve the webhook")
-    p.add_argument("--no-bridge", dest="bridge", action="store_false", help="do not run the pod bridge")
-    p.add_argument("--listen", default="0.0.0.0", help="webhook listen address (default 0.0.0.0)")
-    p.add_argument("--port", type=int, default=8443, help="webhook HTTPS port (default 8443)")
-    p.add_argument("--tls-cert", default="/etc/tandem/tls/tls.crt", help="webhook certificate (PEM)")
-    p.add_argument("--tls-key", default="/etc/tandem/tls/tls.key", help="webhook private key (PEM)")
-    p.add_argument("--leader-elect", action="store_true", help="run the bridge only while holding the Lease")
-    p.add_argument("--lease-namespace", default="default", help="namespace of the bridge's Lease")
-    p.add_argument("--lease-name", default="tandem-bridge", help="name of the bridge's Lease")
-    p.add_argument("--kubeconfig", help="kubeconfig when not running in a pod")
-    p.add_argument("--event-interval", type=float, default=30.0, help="min seconds between Event updates")
+__all__ = ["add_arguments", "run", "serve"]
 
 
 async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Event) -> None:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from services.admission.app import add_arguments, run
+from services.admission.args import add_arguments
 from services.cli.errors import CliError
-from services.runtime.errors import SettingsError
 
 
 def register(sub: Any) -> None:
@@ -19,6 +18,9 @@ def register(sub: Any) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from services.admission.app import run
+    from services.runtime.errors import SettingsError
+
     try:
         return run(args)
     except SettingsError as exc:

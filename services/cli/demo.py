@@ -27,7 +27,7 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef
-from services.cli.stack_cmd import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
+from services.cli.ops import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
 from services.cli.table import render_table
 from services.client import TandemClient
 from services.localstack import DEFAULT_FLEET, LocalStack
@@ -292,8 +292,3 @@ def _most_free_gpus(stack: LocalStack, placed: dict[str, Assignment]) -> tuple[s
 
 def _as_dict(req: AllocationRequest) -> dict[str, Any]:
     return {f: getattr(req, f) for f in req.__struct_fields__}
-
-
-def register(sub: Any) -> None:
-    d = sub.add_parser("demo", help="scripted end-to-end demo on simulated nodes (make demo)")
-    d.set_defaults(func=lambda a: asyncio.run(run_demo(a)))

@@ -10,22 +10,13 @@ and exits non-zero — no traceback.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from services.cli.errors import CliError
-from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
-from services.nodeagent.backends.host import HostBackend
-from services.nodeagent.backends.nvml import DEFAULT_IGNORED_XIDS, NvmlBackend
-from services.nodeagent.backends.sysfs import SysfsBackend
-from services.nodeagent.health import HealthTracker
-from services.runtime.settings import load_settings
 
 
 def register(sub: Any) -> None:
@@ -33,18 +24,37 @@ def register(sub: Any) -> None:
         "gpu-check", help="run the NVML backend on this machine; print inventory + health JSON"
     )
     p.add_argument("--sysfs-root", default="/sys", help="sysfs to place GPUs and find NICs (default /sys)")
-    p.add_argument("--watch", type=float, default=2.0, help="seconds to collect health events (default 2)")
+    p.add_argument(
+        "--watch",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="seconds to collect health events (default 2)",
+    )
     p.add_argument(
         "--ignore-xids",
-        default=",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS)),
-        help="comma-separated application XIDs that do not fail a GPU",
+        default=None,
+        metavar="XID,...",
+        help="comma-separated application XIDs that do not fail a GPU (default: the NVML backend's list)",
     )
     p.add_argument("--node", default=None, help="node name (default: NODE_NAME or the host name)")
     p.set_defaults(func=_gpu_check)
 
 
 async def _check(args: argparse.Namespace) -> dict[str, Any]:
+    import asyncio
+
+    # Imported here: `tandem --help` must not load the node side (services/cli/main.py).
+    from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
+    from services.nodeagent.backends.host import HostBackend
+    from services.nodeagent.backends.nvml import DEFAULT_IGNORED_XIDS, NvmlBackend
+    from services.nodeagent.backends.sysfs import SysfsBackend
+    from services.nodeagent.health import HealthTracker
+    from services.runtime.settings import load_settings
+
     node = args.node or load_settings("nodeagent").node_name
+    if args.ignore_xids is None:
+        args.ignore_xids = ",".join(str(x) for x in sorted(DEFAULT_IGNORED_XIDS))
     try:
         ignored = {int(x) for x in args.ignore_xids.split(",") if x.strip()}
     except ValueError as exc:
@@ -89,6 +99,10 @@ async def _check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _gpu_check(args: argparse.Namespace) -> int:
+    import asyncio
+
+    import msgspec
+
     report = asyncio.run(_check(args))
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(report).decode(), indent=2) + "\n")
     return 0

@@ -13,16 +13,14 @@ when one did not, 2 when the run could not be done (one line on stderr), 130 whe
 from __future__ import annotations
 
 import argparse
-import asyncio
 import signal
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from services.cli.errors import CliError
-from services.loadtest import Harness, LoadConfig, LoadtestError, Report, summary, to_json_line
-from services.runtime.errors import SettingsError
-from services.runtime.lifecycle import run_loop
-from services.runtime.settings import load_settings
+
+if TYPE_CHECKING:  # imported when the command runs (services/cli/main.py: fast --help)
+    from services.loadtest import Harness, LoadConfig, Report
 
 
 def register(sub: Any) -> None:
@@ -55,7 +53,7 @@ def register(sub: Any) -> None:
         type=float,
         default=5.0,
         metavar="SECONDS",
-        help="cancel a request still pending after this long, as a user would (0: never; default 5)",
+        help="cancel a request still pending after this many seconds, as a user would (0: never; default 5)",
     )
     p.add_argument("--pinned", type=float, default=0.0, help="share of requests pinned to one node")
     p.add_argument("--seed", type=int, default=1, help="seed of the request stream (default 1)")
@@ -72,7 +70,7 @@ def register(sub: Any) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="before the load, measure CPU shares this long with heartbeats only (default: skip)",
+        help="before the load, measure CPU shares for this many seconds with heartbeats only (default: skip)",
     )
     p.add_argument(
         "--start-timeout",
@@ -87,6 +85,8 @@ def register(sub: Any) -> None:
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
+    from services.loadtest import LoadConfig
+
     return LoadConfig(
         nodes=args.nodes,
         replicas=args.replicas,
@@ -110,6 +110,11 @@ def _config(args: argparse.Namespace) -> LoadConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from services.loadtest import Harness, LoadtestError, summary, to_json_line
+    from services.runtime.errors import SettingsError
+    from services.runtime.lifecycle import run_loop
+    from services.runtime.settings import load_settings
+
     cfg = _config(args)
     try:
         cfg.check()
@@ -139,6 +144,8 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _main(harness: Harness) -> Report | None:
+    import asyncio
+
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import string
 import sys
 import urllib.parse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
-
-from schemas import permissions
 from services.cli.errors import CliError
+
+if TYPE_CHECKING:
+    from schemas import permissions
 
 _ALPHABET = string.ascii_letters + string.digits
 CONTROL_PLANE = ("allocator", "inventory", "admission", "cli")
@@ -47,7 +46,7 @@ def register(sub: Any) -> None:
         help="YAML of user -> password (+ nats_url); existing passwords in it are kept",
     )
     p.add_argument("--server", help="NATS URL the components use (nats://host:4222), for nats_url")
-    p.set_defaults(func=_run)
+    p.set_defaults(func=_run, light=True)
 
 
 def _node_names(args: argparse.Namespace) -> list[str]:
@@ -67,6 +66,8 @@ def _node_names(args: argparse.Namespace) -> list[str]:
 
 
 def _existing(path: Path | None) -> dict[str, str]:
+    import yaml
+
     if path is None or not path.exists():
         return {}
     try:
@@ -94,6 +95,10 @@ def _url(server: str, user: str, password: str) -> str:
 
 def build_users(nodes: list[str], passwords: dict[str, str]) -> list[permissions.User]:
     """One user per control-plane role and per node; passwords reused or generated."""
+    import secrets
+
+    from schemas import permissions
+
     roles: list[tuple[str, str | None]] = [(r, None) for r in CONTROL_PLANE]
     roles += [("nodeagent", n) for n in nodes]
     users = []
@@ -112,6 +117,10 @@ def _write_private(path: Path, text: str) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    import yaml
+
+    from schemas import permissions
+
     nodes = _node_names(args)
     if not nodes:
         raise CliError("no node names: give --node NAME (repeatable) or --nodes-file FILE")

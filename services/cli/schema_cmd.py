@@ -6,18 +6,18 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from schemas.export import export
-
 
 def register(sub: Any) -> None:
     p = sub.add_parser("schema", help="wire schema tools")
     ssub = p.add_subparsers(dest="schema_command", required=True)
     e = ssub.add_parser("export", help="write one JSON Schema file per message type")
-    e.add_argument("directory", type=Path)
-    e.set_defaults(func=_export)
+    e.add_argument("directory", type=Path, help="where to write the .json files (created if missing)")
+    e.set_defaults(func=_export, light=True)
 
 
 def _export(args: argparse.Namespace) -> int:
+    from schemas.export import export
+
     for path in export(args.directory):
         print(path)
     return 0

@@ -7,7 +7,7 @@ turns :class:`~services.topology.TopologyFileError` into :class:`CliError` (one 
   [--format yaml|json]`` writes a topology file (stdout without ``-o``); notes about guesses
   and any pairs the tree cannot reproduce go to stderr; ``--strict`` makes the latter fatal.
 - ``list`` prints the built-in topologies.
-- ``show NAME|FILE`` draws the tree.
+- ``show NAME|FILE [-o tree|json|yaml]`` draws the tree (or prints the topology as data).
 - ``validate FILE`` loads and checks a file and prints a one-line summary.
 """
 
@@ -20,15 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from services.cli.errors import CliError
-from services.topology import (
-    TopologyFileError,
-    builtin_names,
-    dump_topology,
-    import_nvidia_smi,
-    load_topology,
-    render_tree,
-    summary,
-)
+
+# services.topology is imported by each handler: `tandem --help` must not load it.
 
 
 def register(sub: Any) -> None:
@@ -36,7 +29,14 @@ def register(sub: Any) -> None:
     tsub = p.add_subparsers(dest="topology_command", required=True, metavar="SUBCOMMAND")
 
     imp = tsub.add_parser("import", help="convert `nvidia-smi topo -m` output into a topology file")
-    imp.add_argument("--nvidia-smi", dest="nvidia_smi", type=Path, required=True, metavar="FILE")
+    imp.add_argument(
+        "--nvidia-smi",
+        dest="nvidia_smi",
+        type=Path,
+        required=True,
+        metavar="FILE",
+        help="the output of `nvidia-smi topo -m`, saved as text",
+    )
     imp.add_argument("--name", help="node name (default: derived from the file name)")
     imp.add_argument("--gpu-model", dest="gpu_model", default="unknown", help="GPU model string")
     imp.add_argument(
@@ -50,18 +50,25 @@ def register(sub: Any) -> None:
     imp.add_argument(
         "--format", choices=["yaml", "json"], default=None, help="default: from -o suffix, else yaml"
     )
-    imp.set_defaults(func=_import)
+    imp.set_defaults(func=_import, light=True)
 
     lst = tsub.add_parser("list", help="list the built-in topologies")
-    lst.set_defaults(func=_list)
+    lst.set_defaults(func=_list, light=True)
 
     show = tsub.add_parser("show", help="draw a topology (built-in name or file) as a tree")
-    show.add_argument("source", metavar="NAME|FILE")
-    show.set_defaults(func=_show)
+    show.add_argument("source", metavar="NAME|FILE", help="a built-in topology name or a topology file")
+    show.add_argument(
+        "-o",
+        "--output",
+        choices=["tree", "json", "yaml"],
+        default="tree",
+        help="a drawn tree (default), or the topology as JSON or YAML",
+    )
+    show.set_defaults(func=_show, light=True)
 
     val = tsub.add_parser("validate", help="check a topology file")
-    val.add_argument("source", metavar="FILE")
-    val.set_defaults(func=_validate)
+    val.add_argument("source", metavar="FILE", help="a topology file (YAML or JSON)")
+    val.set_defaults(func=_validate, light=True)
 
 
 def _default_name(path: Path) -> str:
@@ -71,6 +78,8 @@ def _default_name(path: Path) -> str:
 
 
 def _import(args: argparse.Namespace) -> int:
+    from services.topology import TopologyFileError, dump_topology, import_nvidia_smi, summary
+
     path: Path = args.nvidia_smi
     try:
         text = path.read_text(errors="replace")
@@ -113,6 +122,8 @@ def _import(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
+    from services.topology import builtin_names, load_topology
+
     rows = []
     for name in builtin_names():
         topo = load_topology(name)
@@ -126,18 +137,30 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _load(source: str) -> Any:
+    from services.topology import TopologyFileError, load_topology
+
     try:
         return load_topology(source)
     except TopologyFileError as exc:
         raise CliError(str(exc)) from exc
+    except UnicodeDecodeError:
+        raise CliError(f"{source}: not UTF-8 text", hint="give a topology YAML or JSON file") from None
 
 
 def _show(args: argparse.Namespace) -> int:
-    sys.stdout.write(render_tree(_load(args.source)))
+    from services.topology import dump_topology, render_tree
+
+    topo = _load(args.source)
+    if args.output == "tree":
+        sys.stdout.write(render_tree(topo))
+    else:
+        sys.stdout.write(dump_topology(topo, fmt=args.output))
     return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
+    from services.topology import summary
+
     topo = _load(args.source)
     print(f"{args.source}: ok: {topo.name}: {summary(topo)}")
     return 0

@@ -1,0 +1,95 @@
+"""``tandem up``: an embedded nats-server, every service and simulated nodes in one process,
+until Ctrl-C. The fleet (``--node TOPOLOGY[:COUNT[:PREFIX]]``) is checked before anything
+starts, so a typo is one line and exit 2, not a traceback from a half-started system."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import re
+import socket
+
+from services.cli.errors import CliError
+from services.cli.ops import cli_settings
+
+MAX_NODES = 10_000
+# schemas.messages.NodeName: node names become subject tokens and KV keys.
+NODE_NAME = re.compile(r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
+
+
+def check_fleet(specs: list[str]) -> None:
+    """Raise :class:`CliError` naming the first bad ``--node`` spec."""
+    from services.localstack import parse_fleet
+    from services.topology import TopologyFileError, load_topology
+
+    total = 0
+    for spec in specs:
+        parts = spec.split(":")
+        if len(parts) > 3 or not parts[0]:
+            raise CliError(
+                f"--node {spec!r}: expected TOPOLOGY[:COUNT[:PREFIX]]", hint="e.g. --node dgx-h100:2:h100"
+            )
+        if len(parts) > 1 and parts[1]:
+            if not parts[1].isdigit() or int(parts[1]) < 1:
+                raise CliError(f"--node {spec!r}: COUNT must be a whole number >= 1, got {parts[1]!r}")
+            total += int(parts[1])
+        try:
+            load_topology(parts[0])
+        except TopologyFileError as exc:
+            raise CliError(
+                f"--node {spec!r}: {exc}", hint="`tandem topology list` names the built-in ones"
+            ) from None
+        except UnicodeDecodeError:
+            raise CliError(
+                f"--node {spec!r}: {parts[0]} is not a text file", hint="give a topology YAML/JSON file"
+            ) from None
+    if total > MAX_NODES:
+        raise CliError(f"--node: {total} simulated nodes is more than {MAX_NODES}")
+    for entry in parse_fleet(specs):
+        name = f"{entry.prefix}-{max(entry.count - 1, 0)}"
+        if not NODE_NAME.match(name) or len(name) > 253:
+            raise CliError(
+                f"--node: node names such as {name!r} are not valid Kubernetes node names",
+                hint="give a PREFIX of lowercase letters, digits, '-' and '.'",
+            )
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def run_up(args: argparse.Namespace) -> int:
+    if args.node:
+        check_fleet(args.node)
+    return asyncio.run(_up(args))
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from services.localstack import DEFAULT_FLEET, LocalStack, parse_fleet
+    from services.runtime.embedded import EmbeddedNats
+    from services.runtime.lifecycle import install_signal_handlers
+    from services.runtime.logging import setup_logging
+    from services.runtime.tracing import setup_tracing
+
+    fleet = parse_fleet(args.node) if args.node else list(DEFAULT_FLEET)
+    server = EmbeddedNats(port=args.port if _port_free(args.port) else None).start()
+    settings = cli_settings("tandem-up", nats_url=server.url, log_json=False)
+    setup_logging(level=settings.log_level, json=False)
+    setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)
+    stack = LocalStack(settings, fleet=fleet, allocators=args.allocators)
+    try:
+        await stack.start()
+        await stack.wait_ready()
+        print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {server.url}", flush=True)
+        print(
+            f"  export TANDEM_NATS_URL={server.url}; tandem status; tandem submit --gpus 4 --rdma 4",
+            flush=True,
+        )
+        stop = asyncio.Event()
+        install_signal_handlers(stop)
+        await stop.wait()
+    finally:
+        await stack.stop()
+        server.stop()
+    return 0

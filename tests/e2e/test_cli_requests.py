@@ -1,0 +1,172 @@
+"""`tandem requests`, `--pod`, the waiting `release`, `submit --wait`, never-fits, `-o json|yaml`,
+`status --watch` and `--version`, each run as a user runs them: a subprocess against `tandem up`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.e2e.test_cli_up import TANDEM, start_up
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture(scope="module")
+def url() -> Iterator[str]:
+    """Two nodes of 4 GPUs and 2 NICs each (box-0, box-1)."""
+    with start_up("pcie-4gpu-2nic:2:box") as nats_url:
+        yield nats_url
+
+
+def tandem(url: str, *args: str, check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "TANDEM_NATS_URL"}
+    out = subprocess.run([TANDEM, *args, "--nats", url], capture_output=True, text=True, timeout=60, env=env)
+    assert "Traceback" not in out.stderr, out.stderr
+    if check is not None:
+        assert out.returncode == check, (out.returncode, out.stdout, out.stderr)
+    return out
+
+
+def requests_json(url: str, *filters: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = json.loads(tandem(url, "requests", *filters, "-o", "json").stdout)
+    return rows
+
+
+def by_pod(rows: list[dict[str, Any]], pod: str) -> dict[str, Any]:
+    found = [r for r in rows if r["pod"] == pod]
+    assert len(found) == 1, rows
+    return found[0]
+
+
+def test_requests_pod_release_and_formats(url: str) -> None:
+    placed = tandem(url, "submit", "--pod", "team-a/trainer", "--gpus", "2", "--rdma", "2")
+    rid = placed.stdout.split()[1]
+    assert placed.stdout.splitlines()[1].startswith("assigned: node box-")
+    # A request no node could ever hold: said at once, apart from "busy now".
+    huge = tandem(url, "submit", "--pod", "team-b/huge", "--gpus", "16", check=1)
+    assert "\npending: no node can take 16 GPUs" in huge.stdout
+    assert "unschedulable: no node of this cluster could ever hold it" in huge.stdout
+    assert "fewer than 16 GPUs" in huge.stdout
+    rejected = tandem(
+        url, "submit", "--pod", "team-b/odd", "--gpus", "1", "--device-class", "nosuch", check=1
+    )
+    assert "\nrejected: " in rejected.stdout and "unknown device class 'nosuch'" in rejected.stdout
+
+    rows = requests_json(url)
+    mine = by_pod(rows, "team-a/trainer")
+    assert mine["request_id"] == rid and mine["state"] in ("assigned", "applied")
+    assert mine["node"].startswith("box-") and len(mine["devices"]) == 4 and mine["trace_id"]
+    assert by_pod(rows, "team-b/huge")["state"] == "pending"
+    assert by_pod(rows, "team-b/odd")["state"] == "rejected"
+    # Filters, the alias and the other formats agree with the JSON.
+    assert [r["pod"] for r in requests_json(url, "--state", "pending")] == ["team-b/huge"]
+    assert {r["pod"] for r in requests_json(url, "--namespace", "team-b")} == {"team-b/huge", "team-b/odd"}
+    assert [r["pod"] for r in requests_json(url, "--node", mine["node"])] == ["team-a/trainer"]
+    alias = json.loads(tandem(url, "get", "requests", "-o", "json").stdout)
+    assert [(r["request_id"], r["state"], r["devices"]) for r in alias] == [
+        (r["request_id"], r["state"], r["devices"]) for r in rows
+    ]  # (ages move between two calls)
+    as_yaml = yaml.safe_load(tandem(url, "get", "requests", "-o", "yaml").stdout)
+    assert {r["request_id"]: r["state"] for r in as_yaml} == {r["request_id"]: r["state"] for r in rows}
+    table = tandem(url, "requests").stdout.splitlines()
+    assert table[0].split() == ["request", "pod", "state", "node", "devices", "age", "reason"]
+    assert any(line.startswith(rid) and "team-a/trainer" in line for line in table)
+    wide = tandem(url, "requests", "-o", "wide").stdout
+    assert "trace" in wide.splitlines()[0] and mine["trace_id"] in wide
+
+    # --pod works wherever a request id does.
+    explained = tandem(url, "explain", "--pod", "team-a/trainer")
+    assert explained.stdout.startswith(f"request  {rid}  pod team-a/trainer")
+    doc = json.loads(tandem(url, "explain", "--pod", "team-a/trainer", "-o", "json").stdout)
+    assert doc["request_id"] == rid and doc["assignment"]["node"] == mine["node"]
+
+    # A wrong --node is an error and releases nothing.
+    other = "box-1" if mine["node"] == "box-0" else "box-0"
+    wrong = tandem(url, "release", "--pod", "team-a/trainer", "--node", other, check=2)
+    assert f"is on node {mine['node']}, not {other}" in wrong.stderr
+    assert by_pod(requests_json(url), "team-a/trainer")["state"] in ("assigned", "applied")
+    # The release right after it is not swallowed, and waits for the verified cleanup.
+    released = tandem(url, "release", "--pod", "team-a/trainer")
+    lines = released.stdout.splitlines()
+    assert lines[0] == f"release of {rid} sent to node {mine['node']}"
+    assert lines[1].startswith(f"cleanup verified on {mine['node']}: ")
+    assert lines[2].startswith(f"freed on {mine['node']}: ")
+    assert set(lines[2].split(": ", 1)[1].split(", ")) == set(mine["devices"])
+    assert by_pod(requests_json(url), "team-a/trainer")["state"] == "freed"
+    again = tandem(url, "release", rid)
+    assert "is freed already" in again.stdout
+
+    # Releasing a pending request cancels it (and waits for that too).
+    cancelled = tandem(url, "release", "--pod", "team-b/huge")
+    assert "cancelled:" in cancelled.stdout
+    assert by_pod(requests_json(url), "team-b/huge")["state"] == "cancelled"
+
+
+def test_submit_wait_shows_progress_until_assigned(url: str) -> None:
+    fill = [tandem(url, "submit", "--pod", f"fill/f{i}", "--gpus", "4") for i in range(2)]
+    assert all("assigned: node box-" in f.stdout for f in fill)
+    waiter = subprocess.Popen(
+        [TANDEM, "submit", "--pod", "wait/w", "--gpus", "3", "--wait", "--timeout", "40", "--nats", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert waiter.stdout is not None
+    assert waiter.stdout.readline().startswith("request ")
+    pending = waiter.stdout.readline()
+    assert pending.startswith("pending: no node can take 3 GPUs"), pending
+    tandem(url, "release", "--pod", "fill/f0")
+    out, err = waiter.communicate(timeout=40)
+    assert waiter.returncode == 0, (out, err)
+    assert "assigned: node box-" in out and ", trace " in out
+    tandem(url, "release", "--pod", "fill/f1")
+    tandem(url, "release", "--pod", "wait/w")
+
+
+def test_read_commands_speak_json_and_yaml(url: str) -> None:
+    status = json.loads(tandem(url, "status", "-o", "json").stdout)
+    assert sorted(n["node"] for n in status["nodes"]) == ["box-0", "box-1"]
+    assert all(n["gpus"] == 4 and n["nics"] == 2 for n in status["nodes"])
+    devices = yaml.safe_load(tandem(url, "device", "list", "box-1", "-o", "yaml").stdout)
+    assert [d["device"] for d in devices] == ["gpu0", "gpu1", "gpu2", "gpu3", "mlx5_0", "mlx5_1"]
+    cordon = tandem(url, "device", "cordon", "box-1", "gpu3", "--reason", "fan noise")
+    assert "cordoned" in cordon.stdout
+    devices = json.loads(tandem(url, "device", "list", "box-1", "-o", "json").stdout)
+    gpu3 = next(d for d in devices if d["device"] == "gpu3")
+    assert gpu3["cordoned"] is True and gpu3["reason"] == "fan noise"
+    tandem(url, "device", "uncordon", "box-1", "gpu3")
+    topo = json.loads(
+        subprocess.run(
+            [TANDEM, "topology", "show", "dgx-h100", "-o", "json"], capture_output=True, text=True, check=True
+        ).stdout
+    )
+    assert topo["name"] == "dgx-h100"
+    assert json.loads(tandem(url, "dlq", "-o", "json").stdout) == []
+
+
+def test_status_watch_prints_until_ctrl_c(url: str) -> None:
+    watch = subprocess.Popen(
+        [TANDEM, "status", "--watch", "--interval", "0.2", "-o", "json", "--nats", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert watch.stdout is not None
+    docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
+    assert all(len(d["nodes"]) == 2 for d in docs)
+    watch.send_signal(signal.SIGINT)
+    _, err = watch.communicate(timeout=20)
+    assert watch.returncode == 0 and err == ""
+
+
+def test_version() -> None:
+    out = subprocess.run([TANDEM, "--version"], capture_output=True, text=True, check=True)
+    assert out.stdout.startswith("tandem 0.") and out.stderr == ""
