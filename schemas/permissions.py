@@ -296,3 +296,22 @@ def authorization_block(users: Sequence[User]) -> str:
         {"user": u.name, "password": u.password, "permissions": u.permissions.as_config()} for u in users
     ]
     return f"authorization {{\n  users = {_value(entries, '  ')}\n}}\n"
+
+
+def callout_block(*, issuer: str, auth_user: str, auth_password: str, account: str = "TANDEM") -> str:
+    """The accounts and ``auth_callout`` blocks of a nats-server that hands every connection
+    to Tandem's auth callout (``services.authcallout``): ``AUTH`` holds only the callout's own
+    user, ``account`` (JetStream on) every Tandem component, ``SYS`` the system account.
+    ``issuer`` is the public nkey whose signature the server accepts on the users it is given."""
+    config: dict[str, object] = {
+        "accounts": {
+            "AUTH": {"users": [{"user": auth_user, "password": auth_password}]},
+            account: {"jetstream": "enabled"},
+            "SYS": {},
+        },
+        "system_account": "SYS",
+        "authorization": {
+            "auth_callout": {"issuer": issuer, "auth_users": [auth_user], "account": "AUTH"}
+        },
+    }
+    return "".join(f"{k}: {_value(v, '')}\n" for k, v in config.items())

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -90,17 +90,29 @@ class Stack:
             await b.close()
 
 
+# How a component connects: its NATS URL and extra settings, given its user name.
+Credentials = Callable[[str], tuple[str, dict[str, Any]]]
+
+
+def password_credentials(secured: Secured) -> Credentials:
+    return lambda user: (url(secured, user), {})
+
+
 async def start_stack(
-    secured: Secured,
+    secured: Secured | Credentials,
     *,
     nodes: tuple[str, ...] = NODES,
     lost_after: float = 5.0,
     allocator_options: dict[str, Any] | None = None,
 ) -> Stack:
+    """The whole system, each component as its own user: ``secured`` is a server with the
+    generated users, or a function giving each user's URL and settings (tokens, TLS)."""
     buses: list[Bus] = []
+    credentials = secured if callable(secured) else password_credentials(secured)
 
     async def bus(service: str, user: str, *, provision: bool, **kw: Any) -> Bus:
-        settings = make_settings(url(secured, user), service, heartbeat_interval=0.2, **kw)
+        nats_url, extra = credentials(user)
+        settings = make_settings(nats_url, service, heartbeat_interval=0.2, **extra, **kw)
         b = await Bus.open(settings, provision_streams=provision)
         buses.append(b)
         return b

@@ -54,6 +54,8 @@ class KubeApi(Protocol):
 
     async def patch_lease(self, namespace: str, name: str, patch: Obj) -> Obj: ...
 
+    async def review_token(self, token: str, *, audiences: list[str]) -> Obj: ...
+
     async def close(self) -> None: ...
 
 
@@ -82,6 +84,7 @@ class KubeClient:
         # models where the runtime also accepts dicts, which is how this wrapper calls it.
         self.core: Any = client.CoreV1Api(api_client)
         self.coordination: Any = client.CoordinationV1Api(api_client)
+        self.authentication: Any = client.AuthenticationV1Api(api_client)
 
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> KubeClient:
@@ -182,3 +185,12 @@ class KubeClient:
                 name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
             )
         )
+
+    async def review_token(self, token: str, *, audiences: list[str]) -> Obj:
+        """A TokenReview (authentication.k8s.io/v1): who the API server says ``token`` is."""
+        body = {
+            "apiVersion": "authentication.k8s.io/v1",
+            "kind": "TokenReview",
+            "spec": {"token": token, "audiences": audiences},
+        }
+        return await self._json(self.authentication.create_token_review(body, _preload_content=False))

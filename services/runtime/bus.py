@@ -186,10 +186,12 @@ def tls_context(settings: Settings) -> ssl.SSLContext | None:
 def credentials(settings: Settings) -> dict[str, Any]:
     """nats-py's connect options for the configured credentials (files read here, so a bad
     path fails at start naming the setting)."""
-    given = [n for n in ("nats_creds", "nats_nkey_seed", "nats_user") if getattr(settings, n)]
+    given = [
+        n for n in ("nats_creds", "nats_nkey_seed", "nats_user", "nats_token_file") if getattr(settings, n)
+    ]
     if len(given) > 1:
         raise SettingsError(f"{' and '.join(given)}: choose one way to authenticate")
-    for name in ("nats_creds", "nats_nkey_seed", "nats_password_file"):
+    for name in ("nats_creds", "nats_nkey_seed", "nats_password_file", "nats_token_file"):
         path = getattr(settings, name)
         if path and not os.access(path, os.R_OK):
             raise SettingsError(f"{name}: cannot read {path}")
@@ -197,6 +199,14 @@ def credentials(settings: Settings) -> dict[str, Any]:
         return {"user_credentials": settings.nats_creds}
     if settings.nats_nkey_seed:
         return {"nkeys_seed": settings.nats_nkey_seed}
+    if settings.nats_token_file:
+        path = settings.nats_token_file
+
+        def token() -> str:  # read at every connect: the kubelet rotates the file
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+
+        return {"token": token}
     if settings.nats_user:
         if not settings.nats_password_file:
             raise SettingsError("nats_user: set nats_password_file too (the password's file)")
@@ -220,13 +230,13 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats_error", error=repr(exc))
-        if not nc.is_connected and isinstance(exc, PERMANENT_CONNECT_ERRORS):
+        if nc.is_connected or refused.is_set():
+            return
+        if _refuses_for_good(exc):
             strikes.append(exc)
             # An untrusted server certificate is reported once (nats-py then hangs on it).
             if isinstance(exc, ssl.SSLCertVerificationError) or len(strikes) >= PERMANENT_CONNECT_STRIKES:
                 refused.set()
-        else:
-            strikes.clear()
 
     async def on_disconnect() -> None:
         # Also called on a deliberate close; a real outage shows as nats_error / reconnects.
@@ -239,7 +249,10 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         # With unlimited reconnects the client closes only when told to or when it gives up
         # for good (e.g. the server refused it); a service then has no way back but a restart.
         nc.closed_event.set()
-        log.warning("nats_closed", error=repr(nc.last_error) if nc.last_error else None)
+        if nc.last_error is not None:
+            log.warning("nats_closed", error=repr(nc.last_error))
+        else:
+            log.info("nats_closed")
 
     servers = server_list(settings.nats_url)
     opts: dict[str, Any] = credentials(settings)
@@ -247,6 +260,10 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     if tls is not None:
         opts["tls"] = tls
     user = settings.nats_user or urllib.parse.urlsplit(servers[0]).username
+    if settings.nats_token_file and settings.service in permissions.ROLES:
+        # The auth callout names the user after the role (and node) the token proves.
+        node = settings.node_name if settings.service == "nodeagent" else None
+        user = permissions.user_name(settings.service, node)
     if user:
         # A user's replies come to its own inbox prefix, which only it may subscribe to
         # (schemas.permissions); with the shared _INBOX.> any client could read them.
@@ -281,6 +298,14 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         raise ConnectError(_refusal_hint(strikes[-1] if strikes else None, settings))
     connecting.result()  # what connect raised, if it did
     return nc
+
+
+def _refuses_for_good(exc: Exception) -> bool:
+    # nats-py reports the server's "-ERR 'Authorization Violation'" during connect as a plain
+    # nats.errors.Error with that text (AuthorizationError only in some paths).
+    return isinstance(exc, PERMANENT_CONNECT_ERRORS) or (
+        isinstance(exc, nats.errors.Error) and "authorization violation" in str(exc).lower()
+    )
 
 
 def _refusal_hint(exc: Exception | None, settings: Settings) -> str:

@@ -29,9 +29,31 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # a decentralized-auth ``.creds`` file (JWT + nkey seed), or an nkey seed, or a user name
     # with a password file. At most one of the three.
     nats_creds: str | None = None
+    # A Kubernetes service-account token (projected, audience ``tandem-nats``), re-read at every
+    # (re)connect because the kubelet rotates it; the NATS auth callout turns it into this
+    # component's permissions (services.authcallout).
+    nats_token_file: str | None = None
     nats_nkey_seed: str | None = None
     nats_user: str | None = None
     nats_password_file: str | None = None
+    # The auth callout's own settings (python -m services.authcallout): its issuer nkey seed,
+    # the account its users join, the namespace and service-account → role map it accepts,
+    # the token audience, and the longest a user JWT lives.
+    auth_issuer_seed_file: str | None = None
+    auth_account: str = "TANDEM"
+    auth_namespace: str = "tandem"
+    auth_identities: dict[str, str] = msgspec.field(
+        default_factory=lambda: {
+            "tandem-allocator": "allocator",
+            "tandem-inventory": "inventory",
+            "tandem-admission": "admission",
+            "tandem-nodeagent": "nodeagent",
+            # Operators: ``kubectl create token tandem-cli --audience tandem-nats``.
+            "tandem-cli": "cli",
+        }
+    )
+    auth_audience: str = "tandem-nats"
+    auth_user_ttl: float = 3600.0
     # TLS: the CA bundle that signs the server's certificate (None: the system's), and a
     # client certificate and key for servers that verify clients. ``tls://`` URLs, or any of
     # these set, turn TLS on.

@@ -1,0 +1,1 @@
+"""NATS auth callout: per-component and per-node identities from Kubernetes (service.py)."""

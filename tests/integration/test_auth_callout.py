@@ -1,0 +1,231 @@
+"""Per-component and per-node NATS identities through auth callout, on a real nats-server.
+
+The server is configured as ``schemas.permissions.callout_block`` writes it: every connection
+goes to Tandem's callout (``services.authcallout``), which asks a TokenReview endpoint who the
+token is and answers with a user JWT carrying that role's permissions. The TokenReview endpoint
+is the one boundary faked (no kube-apiserver here): an aiohttp server answering
+``POST /apis/authentication.k8s.io/v1/tokenreviews`` with the API's own JSON, as a 1.30+ API
+server does for pod-bound service-account tokens (``extra`` names the pod and its node).
+
+The whole flow runs with tokens only; a node agent's token gives it its own node's subjects
+and nothing else; unknown tokens, other service accounts and unbound tokens are refused with
+the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import nats
+import nats.errors
+import pytest
+from aiohttp import web
+
+from schemas import permissions, subjects
+from schemas.messages import Assignment, Freed
+from services.admission.kube import KubeClient
+from services.authcallout import natsjwt
+from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA, AuthCallout, Denied, Reviewer
+from services.runtime.bus import Bus, ConnectError
+from services.runtime.embedded import EmbeddedNats
+from tests.conftest import make_settings
+from tests.secured import NODES, Stack, start_stack
+
+pytestmark = pytest.mark.integration
+
+NAMESPACE = "tandem"
+AUDIENCE = "tandem-nats"
+
+
+class TokenReviews:
+    """The API server's TokenReview, for the tokens this test hands out."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[str, dict[str, Any]] = {}  # token → status.user
+        self.reviews: list[dict[str, Any]] = []
+
+    def issue(self, account: str, *, node: str | None = None, pod: str | None = None) -> str:
+        token = secrets.token_urlsafe(24)
+        extra: dict[str, list[str]] = {}
+        if pod:
+            extra[POD_NAME_EXTRA] = [pod]
+        if node:
+            extra[NODE_NAME_EXTRA] = [node]
+        self.tokens[token] = {"username": f"system:serviceaccount:{NAMESPACE}:{account}", "extra": extra}
+        return token
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.reviews.append(body)
+        spec = body.get("spec") or {}
+        user = self.tokens.get(spec.get("token", ""))
+        ok = user is not None and AUDIENCE in (spec.get("audiences") or [])
+        status: dict[str, Any] = {"authenticated": ok, "audiences": [AUDIENCE] if ok else []}
+        if ok:
+            status["user"] = user
+        else:
+            status["error"] = "[invalid bearer token, token lookup failed]"
+        return web.json_response(
+            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec, "status": status}
+        )
+
+
+@pytest.fixture(scope="module")
+async def apiserver() -> AsyncIterator[tuple[TokenReviews, str]]:
+    reviews = TokenReviews()
+    app = web.Application()
+    app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", reviews.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield reviews, f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, bytes, str]]:
+    """A nats-server configured by ``tandem nats-config --auth-callout``, as an operator runs it."""
+    d = tmp_path_factory.mktemp("nats-callout")
+    cmd = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(d)]
+    subprocess.run(cmd, check=True, timeout=60)
+    assert all((d / f).stat().st_mode & 0o077 == 0 for f in ("server.conf", "issuer.nk", "auth-password"))
+    seed, password = (d / "issuer.nk").read_bytes(), (d / "auth-password").read_text().strip()
+    with EmbeddedNats(config_file=str(d / "server.conf")) as s:
+        yield s, seed, password
+
+
+@pytest.fixture(scope="module")
+async def callout(
+    server: tuple[EmbeddedNats, bytes, str], apiserver: tuple[TokenReviews, str]
+) -> AsyncIterator[AuthCallout]:
+    nats_server, seed, password = server
+    nc = await nats.connect(f"nats://auth:{password}@127.0.0.1:{nats_server.port}")
+    reviewer = Reviewer(
+        KubeClient.for_host(apiserver[1]),
+        namespace=NAMESPACE,
+        identities=make_settings("nats://x", "authcallout").auth_identities,
+        audiences=[AUDIENCE],
+    )
+    service = AuthCallout(nc, issuer=natsjwt.keypair(seed), account="TANDEM", reviewer=reviewer)
+    await service.start()
+    yield service
+    await service.stop()
+    await nc.close()
+
+
+def token_file(directory: Path, token: str) -> str:
+    path = directory / secrets.token_hex(4)
+    path.write_text(token + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+async def stack(
+    server: tuple[EmbeddedNats, bytes, str],
+    apiserver: tuple[TokenReviews, str],
+    callout: AuthCallout,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[Stack]:
+    reviews, _ = apiserver
+    d = tmp_path_factory.mktemp("tokens")
+    accounts = {r: f"tandem-{r}" for r in ("allocator", "inventory", "admission", "cli")}
+    files = {user: token_file(d, reviews.issue(account)) for user, account in accounts.items()}
+    for node in NODES:
+        token = reviews.issue("tandem-nodeagent", node=node, pod=f"tandem-nodeagent-{node}")
+        files[permissions.user_name("nodeagent", node)] = token_file(d, token)
+    url = f"nats://127.0.0.1:{server[0].port}"
+    s = await start_stack(lambda user: (url, {"nats_token_file": files[user]}))
+    yield s
+    await s.close()
+
+
+async def test_the_whole_flow_runs_on_service_account_tokens(
+    stack: Stack, apiserver: tuple[TokenReviews, str]
+) -> None:
+    from tests.chaos.test_hostile_input import request
+
+    req = request(gpus=2)
+    await stack.client.submit(req)
+    assigned = await stack.client.wait_for(req.request_id)
+    assert isinstance(assigned, Assignment)
+    async with asyncio.timeout(10):
+        while req.request_id not in stack.appliers[assigned.node].applied:
+            await asyncio.sleep(0.02)
+    await stack.client.release(req.request_id)
+    freed = await stack.client.wait_for(req.request_id, (Freed,))
+    assert isinstance(freed, Freed) and freed.node == assigned.node
+    reviewed = [r["spec"]["audiences"] for r in apiserver[0].reviews]
+    assert len(reviewed) >= 4 + len(
+        NODES
+    )  # inventory, allocator, admission, cli, agents and all(a == [AUDIENCE] for a in reviewed)
+
+
+async def test_a_node_agents_token_gives_it_its_own_node_only(
+    stack: Stack, server: tuple[EmbeddedNats, bytes, str], apiserver: tuple[TokenReviews, str]
+) -> None:
+    a, b = NODES
+    token = apiserver[0].issue("tandem-nodeagent", node=a, pod=f"tandem-nodeagent-{a}")
+    errors: list[str] = []
+
+    async def on_error(exc: Exception) -> None:
+        errors.append(str(exc).lower())
+
+    user = permissions.user_name("nodeagent", a)
+    nc = await nats.connect(
+        f"nats://127.0.0.1:{server[0].port}",
+        token=token,
+        inbox_prefix=permissions.inbox_prefix(user),
+        error_cb=on_error,
+    )
+    try:
+        await nc.publish(subjects.node_heartbeat(b), b"forged")
+        await nc.publish(subjects.node_heartbeat(a), b"own")
+        await nc.subscribe(subjects.node_allocs(b))
+        await nc.flush()
+        async with asyncio.timeout(5):
+            while len(errors) < 2:
+                await asyncio.sleep(0.02)
+    finally:
+        await nc.close()
+    violations = [e for e in errors if "permissions violation" in e]
+    assert len(violations) == 2, errors
+    assert any(subjects.node_heartbeat(b).lower() in v and "publish" in v for v in violations)
+    assert any(subjects.node_allocs(b).lower() in v and "subscription" in v for v in violations)
+    assert not any(subjects.node_heartbeat(a).lower() in v for v in violations)
+
+
+@pytest.mark.parametrize(
+    ("account", "why"),
+    [
+        (None, "token not accepted"),
+        ("default", "has no Tandem role"),
+        ("tandem-nodeagent", "bound to its pod"),  # a token not bound to a pod on a node
+    ],
+)
+async def test_tokens_that_prove_no_tandem_identity_are_refused(
+    callout: AuthCallout,
+    server: tuple[EmbeddedNats, bytes, str],
+    apiserver: tuple[TokenReviews, str],
+    tmp_path: Path,
+    account: str | None,
+    why: str,
+) -> None:
+    token = apiserver[0].issue(account) if account else "not-a-token"
+    settings = make_settings(
+        f"nats://127.0.0.1:{server[0].port}",
+        "nodeagent",
+        nats_token_file=token_file(tmp_path, token),
+        node_name=NODES[0],
+    )
+    with pytest.raises(ConnectError, match="not authorized"):
+        await Bus.open(settings, provision_streams=False)
+    with pytest.raises(Denied, match=why):  # the reason the callout gave the server
+        await callout.reviewer.identify(token)
