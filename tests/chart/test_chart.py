@@ -239,6 +239,8 @@ def test_only_the_nodeagent_is_privileged(variant: tuple[str, list[dict[str, Any
             sc = c.get("securityContext") or {}
             if comp == "nodeagent":
                 assert sc.get("privileged") is True
+                # The image's default user is 65532; the agent must opt into root explicitly.
+                assert (sc.get("runAsUser"), sc.get("runAsNonRoot")) == (0, False)
                 continue
             assert sc.get("privileged") is False, (comp, c["name"])
             assert sc.get("allowPrivilegeEscalation") is False, (comp, c["name"])
