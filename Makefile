@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e gpu-check clean image
+.PHONY: demo test lint typecheck unit integration bench bench-e2e gpu-check clean image image-test
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -55,6 +55,11 @@ image:
 	$(BUILDER) $(if $(filter buildah,$(BUILDER)),bud,build) --file Dockerfile --tag $(IMAGE):$(VERSION) \
 		--build-arg BASE=$(BASE) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) \
 		$(IMAGE_BUILD_FLAGS) .
+
+# Builds the image on a locally bootstrapped Debian base and runs the rendered chart's
+# workloads from it under podman (tests/image; needs root, installs podman & co. with apt-get).
+image-test: $(STAMP)
+	$(BIN)/pytest -s -m image tests/image
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
