@@ -5,9 +5,10 @@
 #                                                # version in pyproject.toml
 #   docker build -t tandem:0.1.0 --build-arg VERSION=0.1.0 .
 #
-# BASE must provide python3 (>= 3.11) with the venv module; the default is the official slim
-# image. The image test (tests/image) builds this same file on a Debian base bootstrapped
-# locally with mmdebstrap, because no registry is reachable there.
+# BASE must be Debian-like and provide python3 (>= 3.11) with the venv module, and apt-get
+# (the build stage installs binutils); the default is the official slim image. The image test
+# (tests/image) builds this same file on a Debian base bootstrapped locally with mmdebstrap,
+# because no registry is reachable there.
 ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS build
