@@ -4,7 +4,19 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean
+.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test
+
+# The container image: one for every service (Dockerfile). The tag is the version in
+# pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
+# they agree). BUILDER: docker (when its daemon answers), else podman, else buildah.
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE ?= ghcr.io/tandem-project/tandem
+BASE ?= python:3.11-slim
+BUILDER ?= $(shell if command -v docker >/dev/null 2>&1 && docker info >/dev/null 2>&1; then echo docker; \
+	elif command -v podman >/dev/null 2>&1; then echo podman; elif command -v buildah >/dev/null 2>&1; then echo buildah; fi)
+# Extra build options, e.g. "--network host -v /etc/ssl/certs/ca-certificates.crt:/etc/ssl/certs/ca-certificates.crt:ro".
+IMAGE_BUILD_FLAGS ?=
+REVISION ?= $(shell git rev-parse --short HEAD 2>/dev/null)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,6 +52,18 @@ bench-cli: $(STAMP)
 
 gpu-check: $(STAMP)
 	$(BIN)/tandem gpu-check
+
+image:
+	@test -n "$(VERSION)" || { echo "make image: no version in pyproject.toml" >&2; exit 1; }
+	@test -n "$(BUILDER)" || { echo "make image: needs docker (with a running daemon), podman or buildah" >&2; exit 1; }
+	$(BUILDER) $(if $(filter buildah,$(BUILDER)),bud,build) --file Dockerfile --tag $(IMAGE):$(VERSION) \
+		--build-arg BASE=$(BASE) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) \
+		$(IMAGE_BUILD_FLAGS) .
+
+# Builds the image on a locally bootstrapped Debian base and runs the rendered chart's
+# workloads from it under podman (tests/image; needs root, installs podman & co. with apt-get).
+image-test: $(STAMP)
+	$(BIN)/pytest -s -m image tests/image
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

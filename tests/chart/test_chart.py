@@ -13,6 +13,8 @@ from __future__ import annotations
 import base64
 import importlib.util
 import shlex
+import subprocess
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -237,6 +239,8 @@ def test_only_the_nodeagent_is_privileged(variant: tuple[str, list[dict[str, Any
             sc = c.get("securityContext") or {}
             if comp == "nodeagent":
                 assert sc.get("privileged") is True
+                # The image's default user is 65532; the agent must opt into root explicitly.
+                assert (sc.get("runAsUser"), sc.get("runAsNonRoot")) == (0, False)
                 continue
             assert sc.get("privileged") is False, (comp, c["name"])
             assert sc.get("allowPrivilegeEscalation") is False, (comp, c["name"])
@@ -434,3 +438,30 @@ def test_notes_tell_how_to_request_devices() -> None:
     assert "tandem.io/gpu: 4" in text and "tandem.io/rdma: 4" in text
     assert "default, h100-ib" in text
     assert "tls://nats.messaging.svc:4222" in text
+
+
+def test_chart_image_make_image_and_pyproject_agree_on_the_version() -> None:
+    """The image ``make image`` builds is the one the chart deploys by default."""
+    root = CHART.parents[2]
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == version, "Chart.yaml appVersion must follow pyproject.toml's version"
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    images = {c["image"] for w in workloads(render()) for c in w["spec"]["template"]["spec"]["containers"]}
+    assert images == {f"{values['image']['repository']}:{version}"}
+
+    dry = subprocess.run(
+        ["make", "--no-print-directory", "-n", "image", "BUILDER=podman"],
+        cwd=root, capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    built = shlex.split(dry.stdout.replace("\\\n", " "))
+    tag = built[built.index("--tag") + 1]
+    assert tag in images, (tag, images)
+    assert f"VERSION={version}" in built
+    # An explicit tag still wins over appVersion.
+    pinned = {
+        c["image"]
+        for w in workloads(render({"image": {"tag": "9.9.9"}}))
+        for c in w["spec"]["template"]["spec"]["containers"]
+    }
+    assert pinned == {f"{values['image']['repository']}:9.9.9"}
