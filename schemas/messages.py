@@ -346,3 +346,6 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     owner: str = ""
     reason: str = ""
     updated_at: float = msgspec.field(default_factory=now)
+    # The W3C trace context the request arrived with (its submitter's span): every later
+    # decision about it, on any replica, joins that trace instead of starting a new one.
+    traceparent: str = ""

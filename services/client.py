@@ -98,10 +98,31 @@ class TandemClient:
                 self.outcomes.setdefault(event.request_id, []).append((event, dict(msg.headers or {})))
                 self._changed.notify_all()
 
-    async def submit(self, request: AllocationRequest) -> None:
-        await self.bus.publish(subjects.ALLOC_REQUEST, request, msg_id=subjects.msg_id(request.request_id))
+    async def submit(self, request: AllocationRequest) -> str:
+        """Publish ``request`` in a new trace (span ``client.submit``); returns its trace id.
+        Every decision about the request, the apply, release, cleanup and free join it."""
+        from opentelemetry.trace import SpanKind
 
-    async def release(self, request_id: str, *, node: str | None = None, pod: PodRef | None = None) -> None:
+        from services.runtime.tracing import current_trace_id, messaging, tracer
+
+        with tracer("tandem.client", service="cli").start_as_current_span(
+            "client.submit", kind=SpanKind.PRODUCER
+        ) as span:
+            span.set_attributes(messaging(subjects.ALLOC_REQUEST, "publish"))
+            span.set_attributes({"tandem.request_id": request.request_id, "k8s.pod.name": request.pod.name})
+            await self.bus.publish(
+                subjects.ALLOC_REQUEST, request, msg_id=subjects.msg_id(request.request_id)
+            )
+            return current_trace_id() or ""
+
+    async def release(
+        self,
+        request_id: str,
+        *,
+        node: str | None = None,
+        pod: PodRef | None = None,
+        traceparent: str = "",
+    ) -> None:
         """Release like the bridge does: to the node's subject when known, else unplaced.
 
         Each call is a new release (its own ``Nats-Msg-Id``): the duplicate window is there
@@ -113,7 +134,20 @@ class TandemClient:
         pod = pod or (assignment.pod if assignment else PodRef(namespace="", name=""))
         release = Release(request_id=request_id, pod=pod, node=node)
         msg_id = subjects.msg_id(request_id, "release", uuid.uuid4().hex)
-        await self.bus.publish(subjects.alloc_release(node), release, msg_id=msg_id)
+        from opentelemetry.trace import SpanKind
+
+        from services.runtime.tracing import context_from_traceparent, messaging, tracer
+
+        # In the allocation's trace: its record's, or the one its assignment arrived in.
+        parent = traceparent or self.headers_of(request_id, Assignment).get("traceparent", "")
+        with tracer("tandem.client", service="cli").start_as_current_span(
+            "client.release",
+            context=context_from_traceparent(parent) if parent else None,
+            kind=SpanKind.PRODUCER,
+        ) as span:
+            span.set_attributes(messaging(subjects.alloc_release(node), "publish"))
+            span.set_attribute("tandem.request_id", request_id)
+            await self.bus.publish(subjects.alloc_release(node), release, msg_id=msg_id)
 
     def assignment(self, request_id: str) -> Assignment | None:
         for event, _ in self.outcomes.get(request_id, []):

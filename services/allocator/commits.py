@@ -124,6 +124,7 @@ def claim(
     claim_timeout: float,
     now: float,
     placed: Callable[[str], bool],
+    traceparent: str = "",
 ) -> Mutation[RequestRecord]:
     """Take the request for ``instance``, to be committed on ``node``: the record says
     ``assigned`` to that node before the node's record does (see the module docstring).
@@ -148,6 +149,7 @@ def claim(
             owner=instance,
             reason=current.reason if current else "",
             updated_at=now,
+            traceparent=(current.traceparent if current else "") or traceparent,
         )
 
     return mutate

@@ -119,7 +119,12 @@ class RequestBook:
             raise Retry(f"request {rid} is being placed by {current.owner}")
         return False
 
-    async def claim(self, req: AllocationRequest, *, node: str) -> bool:
+    def traceparent(self, request_id: str) -> str:
+        """The trace the request arrived in, as its record keeps it ("" when unknown)."""
+        known = self.store.cached(request_id)
+        return known[0].traceparent if known is not None and known[0] is not None else ""
+
+    async def claim(self, req: AllocationRequest, *, node: str, traceparent: str = "") -> bool:
         """Take the request for this instance, to be committed on ``node``; False when it has
         an outcome already. Raises Retry while another live replica has it in hand."""
         mutate = commits.claim(
@@ -129,6 +134,7 @@ class RequestBook:
             claim_timeout=self.claim_timeout,
             now=time.time(),
             placed=self.placed.__contains__,
+            traceparent=traceparent,
         )
         try:
             # A request never seen is created without reading it first (the common case).
@@ -139,7 +145,13 @@ class RequestBook:
 
     async def mark_assigned(self, req: AllocationRequest, *, node: str) -> None:
         """Make the record say what the node record says (a lost write, an earlier node)."""
-        record = RequestRecord(request=req, state="assigned", node=node, owner=self.instance)
+        record = RequestRecord(
+            request=req,
+            state="assigned",
+            node=node,
+            owner=self.instance,
+            traceparent=self.traceparent(req.request_id),
+        )
         await self.store.update(req.request_id, commits.put_request(record))
 
     def placed_now(self, request_id: str) -> None:
@@ -158,7 +170,9 @@ class RequestBook:
             and time.time() - was.updated_at < REASON_REFRESH_S
         )
 
-    async def record_pending(self, req: AllocationRequest, why: Unschedulable) -> str | None:
+    async def record_pending(
+        self, req: AllocationRequest, why: Unschedulable, *, traceparent: str = ""
+    ) -> str | None:
         """Record ``pending`` with the reason; returns the reason it said before (None when
         nothing was written). Raises AlreadyDone when the request has an outcome."""
         if not self.reason_due(req.request_id, why):
@@ -175,14 +189,17 @@ class RequestBook:
             said[:] = [current.reason if current is not None else ""]
             if current is not None and current.state == "pending" and current.reason == why.reason:
                 return None
-            return RequestRecord(request=req, state="pending", owner="", reason=why.reason)
+            trace = (current.traceparent if current is not None else "") or traceparent
+            return RequestRecord(request=req, state="pending", owner="", reason=why.reason, traceparent=trace)
 
         await self.store.update(req.request_id, mutate, assume_absent=True)
         self.pending[req.request_id] = req
         return said[0] if said else None
 
     async def reject(self, req: AllocationRequest, reason: str) -> None:
-        record = RequestRecord(request=req, state="rejected", reason=reason)
+        record = RequestRecord(
+            request=req, state="rejected", reason=reason, traceparent=self.traceparent(req.request_id)
+        )
         await self.store.update(req.request_id, commits.put_request(record))
         self.pending.pop(req.request_id, None)
 

@@ -52,6 +52,7 @@ from typing import Any
 import msgspec
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from schemas import codec, limits, subjects
 from schemas.config import DeviceClass
@@ -72,17 +73,18 @@ from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedu
 from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
+from services.runtime import tracing
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket, watch_raw
 from services.runtime.logging import get_logger
 from services.runtime.records import Conflict, RecordStore, RecordTooLarge
 from services.runtime.tasks import Service, Supervisor
-from services.runtime.tracing import current_traceparent, tracer
+from services.runtime.tracing import context_from_traceparent, current_traceparent, traceparent_of, tracer
 
 __all__ = ["HOSTNAME_LABEL", "Allocator", "build_assignment"]
 
 log = get_logger(__name__)
-_tracer = tracer("tandem.allocator")
+_tracer = tracer("tandem.allocator", service="allocator")
 
 CommitHook = Callable[[AllocationRequest, Placement], Awaitable[None]]
 MAX_COMMIT_ATTEMPTS = 8
@@ -355,9 +357,19 @@ class Allocator(Service):
     ) -> str:
         rid = req.request_id
         claimed: str | None = None  # the node the request record says, once claimed
+        # The request's trace: the one it arrived in, or — for a retry of a pending request —
+        # the one its record keeps, so an hour of retries is one trace, not 720.
+        retry = context is None
+        trace = self.book.traceparent(rid) if retry else traceparent_of(context)
+        if retry:
+            context = context_from_traceparent(trace)
         for _ in range(MAX_COMMIT_ATTEMPTS):
-            with _tracer.start_as_current_span("allocator.decide", context=context) as span:
+            with _tracer.start_as_current_span(
+                "allocator.decide", context=context, kind=SpanKind.CONSUMER
+            ) as span:
                 span.set_attributes(_pod_attributes(req))
+                span.set_attributes(tracing.messaging(subjects.ALLOC_REQUEST, "process"))
+                span.set_attribute("tandem.retry", retry)
                 t0 = time.perf_counter()
                 try:
                     decision = first if first is not None else self.replicas.decide(req)
@@ -366,6 +378,7 @@ class Allocator(Service):
                     # Retrying cannot help (e.g. a device class removed from the config after
                     # admission): say so once and stop, instead of redelivering forever.
                     span.set_attributes({"tandem.outcome": "rejected", "tandem.reason": str(exc)})
+                    span.set_status(Status(StatusCode.ERROR, str(exc)))
                     metrics.DECISIONS.labels("rejected").inc()
                     await self._reject(req, str(exc))
                     return "rejected"
@@ -373,7 +386,8 @@ class Allocator(Service):
                 if isinstance(decision, Unschedulable):
                     metrics.DECISIONS.labels("unschedulable").inc()
                     span.set_attributes({"tandem.outcome": "unschedulable", "tandem.reason": decision.reason})
-                    return await self._unschedulable(req, decision)
+                    span.set_status(Status(StatusCode.ERROR, limits.clip(decision.reason, 500)))
+                    return await self._unschedulable(req, decision, traceparent=trace)
                 span.set_attributes(
                     {
                         "tandem.candidates": decision.candidates,
@@ -396,7 +410,7 @@ class Allocator(Service):
                         await self._republish(rid, claimed=req)
                         return "duplicate"
                     if claimed != node:
-                        if not await self.book.claim(req, node=node):
+                        if not await self.book.claim(req, node=node, traceparent=trace):
                             self.model.drop_tentative(node, rid)
                             if rid in self.model.placed:
                                 await self._republish(rid)
@@ -433,7 +447,8 @@ class Allocator(Service):
 
     async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
         """Add the allocation to the node's record; False when a device went to another."""
-        with _tracer.start_as_current_span("allocator.commit") as cspan:
+        with _tracer.start_as_current_span("allocator.commit", kind=SpanKind.PRODUCER) as cspan:
+            cspan.set_attributes(tracing.messaging(subjects.node_allocs(assignment.node), "publish"))
             rec = AllocRecord(
                 assignment=assignment, priority=req.priority, traceparent=current_traceparent() or ""
             )
@@ -467,11 +482,11 @@ class Allocator(Service):
         )
         log.info("rejected", request_id=req.request_id, reason=reason)
 
-    async def _unschedulable(self, req: AllocationRequest, why: Unschedulable) -> str:
+    async def _unschedulable(self, req: AllocationRequest, why: Unschedulable, *, traceparent: str) -> str:
         """Record the request ``pending`` with its reason and announce a new reason
         (``AllocationFailed``); see :mod:`.requestbook` for how often."""
         try:
-            said = await self.book.record_pending(req, why)
+            said = await self.book.record_pending(req, why, traceparent=traceparent)
         except commits.AlreadyDone:
             return "duplicate"
         if said is not None and said != why.reason:
@@ -590,6 +605,14 @@ class Allocator(Service):
         if not isinstance(release, Release):
             log.warning("unexpected_message", subject=delivery.subject, kind=type(release).__name__)
             return
+        with _tracer.start_as_current_span(
+            "allocator.release", context=delivery.context, kind=SpanKind.CONSUMER
+        ) as span:
+            span.set_attributes({"tandem.request_id": release.request_id})
+            span.set_attributes(tracing.messaging(delivery.subject, "process"))
+            await self._release(release)
+
+    async def _release(self, release: Release) -> None:
         rid = release.request_id
         node = await self._placement_of(rid)
         if node is None:
@@ -632,8 +655,11 @@ class Allocator(Service):
             else:
                 log.info("cleaned_ignored", request_id=rid, node=cleaned.node, ok=False)
             return
-        with _tracer.start_as_current_span("allocator.free", context=delivery.context) as span:
+        with _tracer.start_as_current_span(
+            "allocator.free", context=delivery.context, kind=SpanKind.CONSUMER
+        ) as span:
             span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
+            span.set_attributes(tracing.messaging(delivery.subject, "process"))
             dropped: list[bool] = []
             drop = commits.drop_allocation(rid, only_from=frozenset({"releasing"}))
 

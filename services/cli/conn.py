@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
     from nats.js.kv import KeyValue
 
+    from services.runtime.settings import Settings
+
 SCHEMES = ("nats", "tls", "ws", "wss")
 CONNECT_TIMEOUT_S = 2.0
 PUBLISH_TIMEOUT_S = 5.0
@@ -83,13 +85,25 @@ class CliConnection:
         self._kv: dict[str, KeyValue] = {}
 
     @classmethod
-    async def open(cls, url: str) -> CliConnection:
+    async def open(cls, url: str, *, settings: Settings | None = None) -> CliConnection:
+        """``settings``: credentials and TLS as the services take them (``nats_token_file``
+        for ``kubectl create token tandem-cli --audience tandem-nats``, ``nats_tls_ca`` ...)."""
         servers = server_list(url)
         import_nats(servers)
         import nats
 
         opts: dict[str, Any] = {}
         user = urllib.parse.urlsplit(servers[0] if "://" in servers[0] else f"nats://{servers[0]}").username
+        if settings is not None:
+            from services.runtime.bus import credentials, tls_context
+
+            opts.update(credentials(settings))
+            tls = tls_context(settings)
+            if tls is not None:
+                opts["tls"] = tls
+            if settings.nats_token_file:
+                user = "cli"  # the auth callout names the operator's token user after the role
+            user = settings.nats_user or user
         if user:
             from schemas.permissions import inbox_prefix
 
@@ -147,7 +161,9 @@ class CliConnection:
         headers: dict[str, str] | None = None,
     ) -> None:
         """JetStream publish, waiting for the stream's ack (no retries: the user is waiting)."""
-        hdrs = dict(headers or {})
+        from services.runtime.tracing import inject
+
+        hdrs = inject(headers)  # the caller's span (client.submit, client.release)
         if msg_id:
             hdrs["Nats-Msg-Id"] = msg_id
         await self.js.publish(subject, codec.encode(message), headers=hdrs, timeout=PUBLISH_TIMEOUT_S)

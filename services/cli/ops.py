@@ -71,8 +71,13 @@ async def with_client(args: argparse.Namespace, fn: Command) -> int:
     if check is not None:
         check(args)
     settings = cli_settings("cli", nats_url=args.nats)
-    conn = await CliConnection.open(settings.nats_url)
+    conn = await CliConnection.open(settings.nats_url, settings=settings)
     args.settings = settings
+    from services.runtime.tracing import setup_tracing, shutdown_tracing
+
+    # The request's trace starts here (client.submit / client.release); exported when
+    # OTEL_EXPORTER_OTLP_ENDPOINT is set, and its id printed either way.
+    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint)
     try:
         client = await TandemClient(conn).start()
         try:
@@ -90,6 +95,7 @@ async def with_client(args: argparse.Namespace, fn: Command) -> int:
         raise known from None
     finally:
         await conn.close()
+        shutdown_tracing()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -326,7 +332,10 @@ def build_rows(records: dict[str, RequestRecord], allocs: list[NodeAllocations])
                 device_class=req.device_class if req is not None else "",
                 priority=req.priority if req is not None else (alloc.priority if alloc else 0),
                 scope=assignment.scope if assignment is not None else None,
-                trace_id=trace_id(alloc.traceparent) if alloc is not None else "",
+                # The allocation's trace; a request not placed yet has its record's.
+                trace_id=trace_id(
+                    alloc.traceparent if alloc is not None else (record.traceparent if record else "")
+                ),
             )
         )
     return sorted(rows, key=lambda r: (r.created_at, r.request_id))
@@ -431,9 +440,10 @@ async def submit(client: TandemClient, args: argparse.Namespace) -> int:
     req: AllocationRequest = args.request
     rid = req.request_id
     structured = args.output in ("json", "yaml")
-    await client.submit(req)
+    submitted_trace = await client.submit(req)
     if not structured:
-        print(f"request {rid} (pod {req.pod.namespace}/{req.pod.name})")
+        trace_note = f", trace {submitted_trace}" if submitted_trace else ""
+        print(f"request {rid} (pod {req.pod.namespace}/{req.pod.name}){trace_note}")
     first = args.timeout if args.timeout is not None and not args.wait else FIRST_ANSWER_S
     try:
         outcome = await client.wait_for(rid, timeout=first)
@@ -443,7 +453,11 @@ async def submit(client: TandemClient, args: argparse.Namespace) -> int:
             hint=f"is an allocator running? `tandem explain {rid}` shows where it stands",
         ) from None
     start = time.monotonic()
-    result: dict[str, Any] = {"request_id": rid, "pod": f"{req.pod.namespace}/{req.pod.name}"}
+    result: dict[str, Any] = {
+        "request_id": rid,
+        "pod": f"{req.pod.namespace}/{req.pod.name}",
+        "trace_id": submitted_trace,
+    }
     if isinstance(outcome, AllocationFailed) and not outcome.retrying:
         return _said(result, "rejected", without_id(outcome.reason, rid), structured, args.output, code=1)
     if isinstance(outcome, AllocationFailed):
@@ -477,7 +491,7 @@ async def submit(client: TandemClient, args: argparse.Namespace) -> int:
     if isinstance(outcome, AllocationFailed):  # rejected while waiting
         return _said(result, "rejected", without_id(outcome.reason, rid), structured, args.output, code=1)
     assert isinstance(outcome, Assignment)
-    tid = trace_id(client.headers_of(rid, Assignment).get("traceparent", ""))
+    tid = submitted_trace or trace_id(client.headers_of(rid, Assignment).get("traceparent", ""))
     if not tid:  # the allocation's trace, as its node record keeps it
         for allocs in await client.allocations([outcome.node]):
             held = allocs.allocations.get(rid)
@@ -562,7 +576,8 @@ async def release(client: TandemClient, args: argparse.Namespace) -> int:
     if node is not None and args.wait:
         sub = await client.bus.nc.subscribe(subjects.node_cleaned(node), cb=_collect(rid, cleaned))
     try:
-        await client.release(rid, node=node, pod=pod)
+        parent = holder[1].traceparent if holder is not None else record.traceparent if record else ""
+        await client.release(rid, node=node, pod=pod, traceparent=parent)
         print(f"release of {rid} sent" + (f" to node {node}" if node else " (not placed: cancels it)"))
         if not args.wait:
             return 0

@@ -65,7 +65,7 @@ from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Service, Supervisor
-from services.runtime.tracing import context_from_traceparent, tracer
+from services.runtime.tracing import context_from_traceparent, messaging, tracer
 
 log = get_logger(__name__)
 
@@ -83,7 +83,6 @@ CLEANUPS_UNVERIFIED = Gauge(
     "tandem_nodeagent_cleanups_unverified",
     "Allocations whose cleanup is not verified yet (devices held; the agent keeps retrying)",
 )
-_tracer = tracer("tandem.nodeagent")
 
 
 @dataclass(slots=True)
@@ -144,6 +143,10 @@ class NodeAgent(Service):
         self.heartbeats_paused = False  # tests and the demo simulate a silent node
         self._seq = 0
         self._tasks = Supervisor(f"nodeagent:{node}")
+        # Its spans say which node made them (service.instance.id and k8s.node.name).
+        self._tracer = tracer(
+            "tandem.nodeagent", service="nodeagent", instance=node, attributes={"k8s.node.name": node}
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -290,7 +293,10 @@ class NodeAgent(Service):
     async def _apply(self, rec: AllocRecord) -> None:
         assignment = rec.assignment
         context = context_from_traceparent(rec.traceparent)
-        with _tracer.start_as_current_span("nodeagent.apply", context=context) as span:
+        with self._tracer.start_as_current_span(
+            "nodeagent.apply", context=context, kind=trace.SpanKind.CONSUMER
+        ) as span:
+            span.set_attributes(messaging(subjects.node_allocs(self.node), "process"))
             span.set_attributes(
                 {
                     "k8s.node.name": self.node,
@@ -326,7 +332,10 @@ class NodeAgent(Service):
         request_id = assignment.request_id
         devices = assignment.device_ids()
         context = context_from_traceparent(rec.traceparent)
-        with _tracer.start_as_current_span("nodeagent.cleanup", context=context) as span:
+        with self._tracer.start_as_current_span(
+            "nodeagent.cleanup", context=context, kind=trace.SpanKind.CONSUMER
+        ) as span:
+            span.set_attributes(messaging(subjects.node_allocs(self.node), "process"))
             span.set_attributes(
                 {"k8s.node.name": self.node, "tandem.request_id": request_id, "tandem.attempt": attempt}
             )

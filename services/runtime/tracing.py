@@ -13,12 +13,17 @@ from collections.abc import Mapping
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
-from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _propagator = TraceContextTextMapPropagator()
 _provider: TracerProvider | None = None
+# One provider per (service, instance) that asked for its own tracer: spans carry the
+# service.name of the component that made them even when several run in one process
+# (`tandem up`, the demo, tests). They share the process provider's span processors.
+_service_providers: dict[tuple[str, str], TracerProvider] = {}
+_processors: list[SpanProcessor] = []
 
 
 def setup_tracing(
@@ -32,15 +37,21 @@ def setup_tracing(
     if _provider is None:
         _provider = TracerProvider(resource=Resource.create({"service.name": service}))
         trace.set_tracer_provider(_provider)
+    added: list[SpanProcessor] = []
     if otlp_endpoint:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
 
         endpoint = otlp_endpoint.rstrip("/")
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
-        _provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        added.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
     if exporter is not None:
-        _provider.add_span_processor(SimpleSpanProcessor(exporter))
+        added.append(SimpleSpanProcessor(exporter))
+    for processor in added:
+        _processors.append(processor)
+        _provider.add_span_processor(processor)
+        for provider in _service_providers.values():
+            provider.add_span_processor(processor)
     return _provider
 
 
@@ -49,8 +60,34 @@ def shutdown_tracing() -> None:
         _provider.force_flush()
 
 
-def tracer(name: str) -> trace.Tracer:
-    return trace.get_tracer(name)
+def tracer(
+    name: str, *, service: str | None = None, instance: str = "", attributes: Mapping[str, str] | None = None
+) -> trace.Tracer:
+    """A tracer; with ``service``, one whose spans say that ``service.name`` (and
+    ``service.instance.id`` = ``instance``, plus ``attributes`` such as ``k8s.node.name``)."""
+    if service is None:
+        return trace.get_tracer(name)
+    key = (service, instance)
+    provider = _service_providers.get(key)
+    if provider is None:
+        resource: dict[str, str] = {"service.name": service, **(attributes or {})}
+        if instance:
+            resource["service.instance.id"] = instance
+        provider = TracerProvider(resource=Resource.create(resource))
+        for processor in _processors:
+            provider.add_span_processor(processor)
+        _service_providers[key] = provider
+    return provider.get_tracer(name)
+
+
+def messaging(subject: str, operation: str) -> dict[str, str]:
+    """The OpenTelemetry messaging attributes of a span that publishes (``operation``
+    "publish") or processes ("process") a message on ``subject``."""
+    return {
+        "messaging.system": "nats",
+        "messaging.destination.name": subject,
+        "messaging.operation.type": operation,
+    }
 
 
 def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
@@ -76,3 +113,12 @@ def current_trace_id() -> str | None:
 
 def current_traceparent() -> str | None:
     return inject().get("traceparent")
+
+
+def traceparent_of(context: otel_context.Context | None) -> str:
+    """The W3C ``traceparent`` of the span in ``context`` ("" when it holds none)."""
+    if context is None:
+        return ""
+    carrier: dict[str, str] = {}
+    _propagator.inject(carrier, context=context)
+    return carrier.get("traceparent", "")

@@ -73,13 +73,18 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
 
         sub = tandem("submit", "--pod", "team/trainer", "--gpus", "2", "--rdma", "2", url=url)
         assert sub.returncode == 0, sub.stderr
-        rid = re.search(r"request (\S+) \(pod team/trainer\)\nassigned: node (box-\d)", sub.stdout)
+        rid = re.search(
+            r"request (\S+) \(pod team/trainer\), trace ([0-9a-f]{32})\n"
+            r"assigned: node (box-\d), .*trace ([0-9a-f]{32})",
+            sub.stdout,
+        )
         assert rid, sub.stdout
+        assert rid.group(2) == rid.group(4)  # one trace: the submit's is the assignment's
         assert "team/trainer" in sub.stdout and "pcie-switch" in sub.stdout
 
         status = tandem("status", "--devices", url=url)
         assert status.returncode == 0, status.stderr
-        assert re.search(rf"{rid.group(2)}\s+ready\s+2/4\s+2/2", status.stdout), status.stdout
+        assert re.search(rf"{rid.group(3)}\s+ready\s+2/4\s+2/2", status.stdout), status.stdout
 
         dev = tandem("device", "cordon", "box-0", "gpu3", "--reason", "fan noise", url=url)
         assert dev.returncode == 0 and "cordoned" in dev.stdout and "fan noise" in dev.stdout
@@ -108,7 +113,7 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
 
         rel = tandem("release", rid.group(1), url=url)
         assert rel.returncode == 0, rel.stderr
-        assert f"freed on {rid.group(2)}: gpu" in rel.stdout, rel.stdout
+        assert f"freed on {rid.group(3)}: gpu" in rel.stdout, rel.stdout
     finally:
         up.send_signal(signal.SIGINT)
         rc = up.wait(20)
