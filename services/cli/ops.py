@@ -720,6 +720,21 @@ def device_states(rec: NodeRecord, allocs: NodeAllocations | None) -> list[dict[
     return out
 
 
+async def topology_live(client: TandemClient, args: argparse.Namespace) -> int:
+    """``tandem topology show NODE --live``: the node's tree with each device's state now."""
+    from services.cli.topology_cmd import draw
+
+    record = (await client.node_records()).get(args.source)
+    if record is None:
+        raise CliFailure(f"no node {args.source!r} is known", hint="`tandem status` lists the nodes")
+    allocs = {a.node: a for a in await client.allocations([record.node])}
+    states = {d["device"]: _device_state_text(d) for d in device_states(record, allocs.get(record.node))}
+    if record.status != "ready":
+        print(f"note: node {record.node} is {record.status}", file=sys.stderr)
+    sys.stdout.write(draw(record.topology, args.output, states=states))
+    return 0
+
+
 def _device_state_text(d: dict[str, Any]) -> str:
     text = f"used by {d['pod']}" if d["pod"] else "free"
     if d["cordoned"]:

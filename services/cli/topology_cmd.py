@@ -55,14 +55,35 @@ def register(sub: Any) -> None:
     lst = tsub.add_parser("list", help="list the built-in topologies")
     lst.set_defaults(func=_list, light=True)
 
-    show = tsub.add_parser("show", help="draw a topology (built-in name or file) as a tree")
-    show.add_argument("source", metavar="NAME|FILE", help="a built-in topology name or a topology file")
+    show = tsub.add_parser(
+        "show",
+        help="draw a topology (built-in name, file, or with --live a node of the running system)",
+    )
+    show.add_argument(
+        "source",
+        metavar="NAME|FILE|NODE",
+        help="a built-in topology name or a topology file; with --live, a node",
+    )
     show.add_argument(
         "-o",
         "--output",
-        choices=["tree", "json", "yaml"],
+        "--format",
+        choices=["tree", "json", "yaml", "dot", "svg"],
         default="tree",
-        help="a drawn tree (default), or the topology as JSON or YAML",
+        help="a drawn tree (default), the topology as JSON or YAML, or a picture: Graphviz DOT "
+        "(`dot -Tpng`) or SVG (drawn by tandem itself)",
+    )
+    show.add_argument(
+        "--live",
+        action="store_true",
+        help="the node's tree as the running system sees it now: each device free, held by which "
+        "pod, unhealthy (with the reason) or cordoned",
+    )
+    show.add_argument(
+        "--nats",
+        default=None,
+        metavar="URL",
+        help="with --live: NATS server URL (default: $TANDEM_NATS_URL, else nats://127.0.0.1:4222)",
     )
     show.set_defaults(func=_show, light=True)
 
@@ -148,14 +169,28 @@ def _load(source: str) -> Any:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from services.topology import dump_topology, render_tree
+    if args.live:
+        import asyncio
 
-    topo = _load(args.source)
-    if args.output == "tree":
-        sys.stdout.write(render_tree(topo))
-    else:
-        sys.stdout.write(dump_topology(topo, fmt=args.output))
+        from services.cli import ops
+
+        return asyncio.run(ops.with_client(args, ops.topology_live))
+    sys.stdout.write(draw(_load(args.source), args.output))
     return 0
+
+
+def draw(topo: Any, fmt: str, *, states: dict[str, str] | None = None) -> str:
+    """``topo`` as ``fmt`` (tree, json, yaml, dot, svg); ``states``: each device's state now."""
+    from services.topology import dump_topology, render_tree
+    from services.topology.picture import render_dot, render_svg
+
+    if fmt == "tree":
+        return render_tree(topo, states=states)
+    if fmt == "dot":
+        return render_dot(topo, states=states)
+    if fmt == "svg":
+        return render_svg(topo, states=states)
+    return dump_topology(topo, fmt="json" if fmt == "json" else "yaml")
 
 
 def _validate(args: argparse.Namespace) -> int:

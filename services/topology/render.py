@@ -1,10 +1,14 @@
-"""Draw a topology tree as indented text (``tandem topology show``). Pure: tree in, text out."""
+"""Draw a topology tree as indented text (``tandem topology show``), optionally with each
+device's live state. Pure: tree in, text out. :mod:`.picture` draws the same tree as DOT/SVG."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
 from schemas.topology import Gpu, Nic, NodeTopology, PcieRoot, PcieSwitch
 
-__all__ = ["render_tree", "summary"]
+__all__ = ["TreeNode", "render_tree", "summary", "tree_of"]
 
 
 def summary(topo: NodeTopology) -> str:
@@ -43,12 +47,40 @@ def _nic_line(n: Nic) -> str:
     return "  ".join(bits)
 
 
-def _devices(holder: PcieRoot | PcieSwitch) -> list[str]:
-    return [f"GPU {_gpu_line(g)}" for g in holder.gpus] + [f"NIC {_nic_line(n)}" for n in holder.nics]
+@dataclass
+class TreeNode:
+    """One box of the drawn tree: a socket, NUMA node, PCIe root or switch, or a device
+    (``device`` = its id, whose live ``state`` a picture may show)."""
+
+    label: str
+    children: list[TreeNode] = field(default_factory=list)
+    device: str = ""
 
 
-def render_tree(topo: NodeTopology) -> str:
-    """The tree with box-drawing branches, one node or device per line."""
+def tree_of(topo: NodeTopology) -> list[TreeNode]:
+    """The topology as the tree every picture draws (sockets at the top, devices as leaves)."""
+
+    def devices(holder: PcieRoot | PcieSwitch) -> list[TreeNode]:
+        return [TreeNode(f"GPU {_gpu_line(g)}", device=g.id) for g in holder.gpus] + [
+            TreeNode(f"NIC {_nic_line(n)}", device=n.id) for n in holder.nics
+        ]
+
+    def root_node(root: PcieRoot) -> TreeNode:
+        switches = [TreeNode(f"PCIe switch {sw.id}", devices(sw)) for sw in root.switches]
+        return TreeNode(f"PCIe root {root.id}", devices(root) + switches)
+
+    return [
+        TreeNode(
+            f"socket {sock.id}",
+            [TreeNode(f"NUMA {numa.id}", [root_node(r) for r in numa.roots]) for numa in sock.numa_nodes],
+        )
+        for sock in topo.sockets
+    ]
+
+
+def render_tree(topo: NodeTopology, *, states: Mapping[str, str] | None = None) -> str:
+    """The tree with box-drawing branches, one node or device per line; with ``states``
+    (device id → what it is doing now), each device line ends with its state."""
     lines = [f"{topo.name}: {summary(topo)}"]
     if topo.description:
         lines.append(f"  {topo.description}")
@@ -56,27 +88,13 @@ def render_tree(topo: NodeTopology) -> str:
         parts = " ".join("[" + ",".join(str(i) for i in part) + "]" for part in topo.nvlink_partitions)
         lines.append(f"  NVLink partitions (GPU indices): {parts}")
 
-    def emit(prefix: str, items: list[tuple[str, object]]) -> None:
-        for k, (text, child) in enumerate(items):
+    def emit(prefix: str, items: list[TreeNode]) -> None:
+        for k, item in enumerate(items):
             last = k == len(items) - 1
-            lines.append(f"{prefix}{'└─ ' if last else '├─ '}{text}")
-            if isinstance(child, list) and child:
-                emit(prefix + ("   " if last else "│  "), child)
+            state = f"  [{states.get(item.device, 'free')}]" if states is not None and item.device else ""
+            lines.append(f"{prefix}{'└─ ' if last else '├─ '}{item.label}{state}")
+            if item.children:
+                emit(prefix + ("   " if last else "│  "), item.children)
 
-    def root_items(root: PcieRoot) -> list[tuple[str, object]]:
-        items: list[tuple[str, object]] = [(d, None) for d in _devices(root)]
-        items += [(f"PCIe switch {sw.id}", [(d, None) for d in _devices(sw)]) for sw in root.switches]
-        return items
-
-    tree: list[tuple[str, object]] = [
-        (
-            f"socket {sock.id}",
-            [
-                (f"NUMA {numa.id}", [(f"PCIe root {root.id}", root_items(root)) for root in numa.roots])
-                for numa in sock.numa_nodes
-            ],
-        )
-        for sock in topo.sockets
-    ]
-    emit("", tree)
+    emit("", tree_of(topo))
     return "\n".join(lines) + "\n"

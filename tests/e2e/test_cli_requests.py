@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 from collections.abc import Iterator
 from typing import Any
+from xml.etree import ElementTree
 
 import pytest
 import yaml
@@ -170,3 +172,27 @@ def test_status_watch_prints_until_ctrl_c(url: str) -> None:
 def test_version() -> None:
     out = subprocess.run([TANDEM, "--version"], capture_output=True, text=True, check=True)
     assert out.stdout.startswith("tandem 0.") and out.stderr == ""
+
+
+def test_topology_show_live_draws_each_devices_state(url: str) -> None:
+    placed = tandem(url, "submit", "--pod", "team-t/live", "--gpus", "1")
+    node = re.search(r"assigned: node (\S+),", placed.stdout)
+    assert node, placed.stdout
+    tandem(url, "device", "cordon", node.group(1), "gpu3", "--reason", "fan noise")
+    tree = tandem(url, "topology", "show", node.group(1), "--live").stdout
+    assert re.search(r"GPU gpu\d .*\[used by team-t/live\]", tree), tree
+    assert re.search(r"GPU gpu3 .*\[.*cordoned.*fan noise.*\]", tree), tree
+    assert "[free]" in tree
+    svg = tandem(url, "topology", "show", node.group(1), "--live", "--format", "svg").stdout
+    root = ElementTree.fromstring(svg)  # well-formed SVG
+    ns = "{http://www.w3.org/2000/svg}"
+    boxes = {g.get("data-device"): g for g in root.iter(f"{ns}g") if g.get("class") == "device"}
+    assert {"gpu0", "gpu1", "gpu2", "gpu3"} <= set(boxes)
+    fills = {d: g.find(f"{ns}rect").get("fill") for d, g in boxes.items()}  # type: ignore[union-attr]
+    assert fills["gpu3"] != fills[next(d for d in boxes if d.startswith("gpu") and d != "gpu3")]
+    dot = tandem(url, "topology", "show", node.group(1), "--live", "--format", "dot").stdout
+    assert dot.startswith("digraph") and "used by team-t/live" in dot
+    missing = tandem(url, "topology", "show", "no-such-node", "--live", check=1)
+    assert "no node 'no-such-node' is known" in missing.stderr
+    tandem(url, "device", "uncordon", node.group(1), "gpu3")
+    tandem(url, "release", "--pod", "team-t/live")
