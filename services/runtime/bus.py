@@ -104,6 +104,7 @@ REDELIVERIES = Counter(
     "tandem_redeliveries_total", "Messages handed back for redelivery (nak)", ["service", "why"]
 )
 REDELIVERY_REASONS = ("retry", "handler_failed", "dead_letter_failed")
+DEAD_LETTER_REASONS = ("oversized", "undecodable", "mismatch", "refused", "retry_exhausted", "handler_failed")
 
 
 def _cancelling() -> bool:
@@ -474,7 +475,10 @@ class Bus:
         )
         # (stream, durable) of every consumer this bus runs: runtime.metrics polls their lag.
         self.consumers: set[tuple[str, str]] = set()
-        DEAD_LETTERS_DROPPED.labels(service)  # shown from 0 (rate() and increase() need it)
+        # Shown from 0: increase() over a series born at 1 sees no increase.
+        DEAD_LETTERS_DROPPED.labels(service)
+        for why in DEAD_LETTER_REASONS:
+            DEAD_LETTERS.labels(service, why)
         for why in REDELIVERY_REASONS:
             REDELIVERIES.labels(service, why)
 
