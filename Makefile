@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test
+.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -64,6 +64,23 @@ image:
 # workloads from it under podman (tests/image; needs root, installs podman & co. with apt-get).
 image-test: $(STAMP)
 	$(BIN)/pytest -s -m image tests/image
+
+# Prometheus and promtool (Debian package `prometheus`) for tests/prometheus: installed with
+# apt-get when missing (needs root); the tests install it the same way themselves (conftest).
+# policy-rc.d keeps the package from starting its own server on :9090.
+prometheus:
+	@if command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1; then \
+		prometheus --version 2>&1 | head -1; \
+	else \
+		made=; if [ ! -e /usr/sbin/policy-rc.d ]; then \
+			printf '#!/bin/sh\nexit 101\n' > /usr/sbin/policy-rc.d && chmod +x /usr/sbin/policy-rc.d && made=1; fi; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus; \
+		rc=$$?; if [ -n "$$made" ]; then rm -f /usr/sbin/policy-rc.d; fi; exit $$rc; \
+	fi
+
+# promtool check/test of the chart's alert rules, and a real Prometheus scraping `tandem up`.
+prometheus-test: $(STAMP) prometheus
+	$(BIN)/pytest -q tests/prometheus
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

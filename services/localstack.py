@@ -12,15 +12,21 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from services.allocator.metrics import AllocatorState
 from services.allocator.service import Allocator
+from services.inventory.metrics import InventoryState
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
 from services.runtime.bus import Bus
+from services.runtime.metrics import service_registry, watch_consumers
+from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings
+from services.runtime.tasks import Supervisor
 from services.topology import load_topology
 
 
@@ -70,6 +76,8 @@ class LocalStack:
         self.agents: dict[str, NodeAgent] = {}
         self.backends: dict[str, SimulatedBackend] = {}
         self.appliers: dict[str, SimulatedApplier] = {}
+        self.ops: dict[str, OpsServer] = {}
+        self._tasks = Supervisor("localstack")
 
     async def _bus(self, service: str, *, provision_streams: bool = True, **changes: object) -> Bus:
         settings = msgspec.structs.replace(self.settings, service=service, **changes)
@@ -114,6 +122,36 @@ class LocalStack:
         self.agents[name], self.backends[name], self.appliers[name] = agent, backend, applier
         return agent
 
+    async def serve_ops(self, *, port: int, host: str = "127.0.0.1") -> dict[str, OpsServer]:
+        """``/metrics``, ``/healthz``, ``/readyz`` per service, on ``port``, ``port + 1``...:
+        inventory, each allocator replica, then all node agents together (their counters are
+        process-wide). Port 0, or a port that is taken, means any free one. Also polls the
+        consumers' lag (``tandem_consumer_pending_messages``)."""
+        assert self.inventory is not None, "LocalStack.start() first"
+        inventory = self.inventory
+        services: list[tuple[str, str, Bus | None, list[Any]]] = [
+            ("inventory", "inventory", inventory.bus, [InventoryState(inventory)])
+        ]
+        for a in self.allocators:
+            services.append((a.instance, "allocator", a.bus, [AllocatorState(a)]))
+        agent_buses = [agent.bus for agent in self.agents.values()]
+        services.append(("nodeagents", "nodeagent", agent_buses[0] if agent_buses else None, []))
+        for i, (name, service, bus, collectors) in enumerate(services):
+
+            def ready(bus: Bus | None = bus) -> bool:
+                return bus is not None and bus.nc.is_connected
+
+            want = port + i if port else 0
+            registry = service_registry(service, ready=ready, collectors=collectors)
+            try:
+                ops = await OpsServer(port=want, host=host, ready=ready, registry=registry).start()
+            except OSError:  # taken: any free one, printed by the caller
+                ops = await OpsServer(port=0, host=host, ready=ready, registry=registry).start()
+            self.ops[name] = ops
+        buses = list(self.buses)
+        self._tasks.spawn("consumer-lag", lambda: watch_consumers(buses))
+        return self.ops
+
     async def wait_ready(self, *, timeout: float = 20.0) -> None:
         """Until every allocator sees every node as ready."""
         names = set(self.agents)
@@ -128,6 +166,9 @@ class LocalStack:
         await asyncio.wait_for(seen(), timeout)
 
     async def stop(self) -> None:
+        await self._tasks.aclose()
+        for ops in self.ops.values():
+            await ops.stop()
         for agent in self.agents.values():
             await agent.stop()
         for allocator in self.allocators:

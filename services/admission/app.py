@@ -23,6 +23,7 @@ from services.admission.webhook import CertReloader, RunningServer, Webhook, sta
 from services.runtime import lifecycle
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger
+from services.runtime.metrics import service_registry
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tasks import Supervisor
@@ -46,7 +47,9 @@ async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Even
 
     try:
         if settings.ops_port:
-            ops = await OpsServer(port=settings.ops_port, ready=ready).start()
+            ops = await OpsServer(
+                port=settings.ops_port, ready=ready, registry=service_registry(SERVICE, ready=ready)
+            ).start()
         if args.webhook:
             reloader = await asyncio.to_thread(CertReloader, cert_file=args.tls_cert, key_file=args.tls_key)
             server = await start_server(

@@ -39,7 +39,7 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
-from services.admission import names, policy
+from services.admission import metrics, names, policy
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
 from services.runtime.bus import Bus, Delivery, Retry
@@ -279,6 +279,7 @@ class Bridge:
             span.set_attribute("tandem.gpus", req.gpus)
             span.set_attribute("tandem.rdma", req.rdma)
             await self.bus.publish(subjects.ALLOC_REQUEST, req, msg_id=subjects.msg_id("request", rid))
+        metrics.BRIDGE_REQUESTS.inc()
         self._requested.add(rid)
         log.info("allocation_requested", request_id=rid, namespace=req.pod.namespace, pod=req.pod.name)
 
@@ -315,6 +316,7 @@ class Bridge:
             # and a later one to the node chosen meanwhile are different events.
             subject = subjects.alloc_release(node)
             await self.bus.publish(subject, msg, msg_id=subjects.msg_id("release", rid, subject))
+        metrics.BRIDGE_RELEASES.inc()
         self._released.add(rid)
         self._requested.discard(rid)
         log.info("allocation_released", request_id=rid, node=node, reason=reason)
@@ -344,6 +346,7 @@ class Bridge:
             await self._publish_release(
                 a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
             )
+            metrics.BRIDGE_BINDS.labels("pod_gone").inc()
             return
         if policy.is_bound(pod, a.request_id):
             return
@@ -360,7 +363,9 @@ class Bridge:
             await self._publish_release(
                 a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
             )
+            metrics.BRIDGE_BINDS.labels("pod_gone").inc()
             return
+        metrics.BRIDGE_BINDS.labels("bound").inc()
         log.info("pod_bound", request_id=a.request_id, node=a.node, pod=a.pod.name)
 
     async def on_failed(self, f: AllocationFailed) -> None:

@@ -35,7 +35,7 @@ import msgspec
 from aiohttp import web
 
 from schemas.config import DeviceClass
-from services.admission import names, policy
+from services.admission import metrics, names, policy
 from services.admission.errors import BodyTooLarge, InvalidPod, ReviewError
 from services.runtime.logging import get_logger
 from services.runtime.tracing import context_from_traceparent, current_traceparent, tracer
@@ -192,18 +192,25 @@ class Webhook:
             review = parse_review(body)
         except ReviewError as exc:
             log.warning("bad_admission_review", error=str(exc))
+            metrics.REVIEWS.labels("bad_request").inc()
             return (413 if isinstance(exc, BodyTooLarge) else 400), {"error": f"tandem: {exc}"}
-        return 200, self.review(review)
+        doc = self.review(review)
+        answer = doc["response"]
+        outcome = "denied" if not answer["allowed"] else "mutated" if "patch" in answer else "ignored"
+        metrics.REVIEWS.labels(outcome).inc()
+        return 200, doc
 
     async def handle_mutate(self, request: web.Request) -> web.Response:
         length = request.content_length
         if length is not None and length > MAX_BODY:  # refused before it is read
             status, doc = 413, {"error": f"tandem: body is {length} bytes; the limit is {MAX_BODY}"}
+            metrics.REVIEWS.labels("bad_request").inc()
         else:
             try:
                 body = await request.read()  # chunked: aiohttp stops at client_max_size
             except web.HTTPRequestEntityTooLarge:
                 status, doc = 413, {"error": f"tandem: body is over the limit of {MAX_BODY} bytes"}
+                metrics.REVIEWS.labels("bad_request").inc()
             else:
                 status, doc = self.answer(body)
         return web.json_response(doc, status=status)

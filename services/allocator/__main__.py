@@ -4,20 +4,24 @@ from __future__ import annotations
 
 import sys
 
+from services.allocator.metrics import AllocatorState
 from services.allocator.service import Allocator
 from services.runtime.bus import Bus
 from services.runtime.lifecycle import service_main
+from services.runtime.metrics import register_state
 from services.runtime.settings import Settings
 
 
 async def build(bus: Bus, settings: Settings) -> Allocator:
-    return Allocator(
+    allocator = Allocator(
         bus,
         instance=settings.instance,
         policy=settings.node_policy,
         device_classes=settings.device_classes,
         finished_request_ttl=settings.finished_request_ttl,
     )
+    register_state(AllocatorState(allocator))  # its gauges, computed at each scrape
+    return allocator
 
 
 if __name__ == "__main__":

@@ -1,8 +1,25 @@
-"""Prometheus metrics of the allocator (served by ``services.runtime.ops`` on ``/metrics``)."""
+"""Prometheus metrics of the allocator (served by ``services.runtime.ops`` on ``/metrics``).
+
+Counters and histograms are counted where things happen (:mod:`.service`); the gauges are
+:class:`AllocatorState`, computed from the read model and the request book when Prometheus
+scrapes, so a restarted allocator shows the truth from its first scrape.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from schemas.messages import NodeAllocations, NodeRecord
+from schemas.topology import NodeTopology
+
+if TYPE_CHECKING:
+    from services.allocator.service import Allocator
 
 DECISIONS = Counter("tandem_allocator_decisions_total", "Allocation decisions by outcome", ["outcome"])
 DECISION_SECONDS = Histogram(
@@ -15,10 +32,102 @@ REQUEST_TO_ASSIGNMENT_SECONDS = Histogram(
     "From the request's creation to its committed assignment (includes time spent pending)",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5, 30, 120, 600),
 )
+PENDING_AGE_AT_PLACEMENT_SECONDS = Histogram(
+    "tandem_allocator_pending_age_at_placement_seconds",
+    "Age of a request that had been pending (no capacity) when it was finally placed",
+    buckets=(0.1, 0.5, 1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400),
+)
 PAIRS = Counter("tandem_allocator_pairs_total", "GPU/NIC pairs assigned, by alignment scope", ["scope"])
 COMMIT_CONFLICTS = Counter(
     "tandem_allocator_commit_conflicts_total", "Commits that lost the compare-and-set race and re-decided"
 )
-PENDING = Gauge("tandem_allocator_pending_requests", "Requests waiting for capacity")
-DEVICES = Gauge("tandem_cluster_devices", "Devices in the allocator's view (ready nodes)", ["kind", "state"])
-NODES = Gauge("tandem_allocator_nodes", "Nodes in the allocator's view by status", ["status"])
+for _outcome in ("assigned", "unschedulable", "rejected"):
+    DECISIONS.labels(_outcome)  # shown from 0: rate() over a fresh replica is 0, not absent
+
+# Device states, per node and cluster-wide: held by an allocation, out of service (a failed
+# device is "unhealthy" even when also cordoned), or free to allocate.
+DEVICE_STATES = ("free", "allocated", "unhealthy", "cordoned")
+NODE_STATUSES = ("ready", "lost")
+
+
+def node_device_states(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
+    """``(kind, state) → count`` of one node's GPUs and NICs (physical functions; a NIC whose
+    function or any of its VFs is held counts as allocated)."""
+    used = allocs.used() if allocs is not None else set()
+    counts = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES}
+    topo: NodeTopology = record.topology
+    devices: list[tuple[str, str, set[str]]] = [("gpu", g.id, {g.id}) for g in topo.gpus()]
+    devices += [("nic", n.id, {n.id, *(vf.name for vf in n.vfs)}) for n in topo.nics()]
+    for kind, device, names in devices:
+        health = record.health.get(device)
+        if health is not None and not health.healthy:
+            state = "unhealthy"
+        elif health is not None and health.cordoned:
+            state = "cordoned"
+        elif names & used:
+            state = "allocated"
+        else:
+            state = "free"
+        counts[kind, state] += 1
+    return counts
+
+
+class AllocatorState(Collector):
+    """The allocator's gauges, from its state at scrape time:
+
+    * ``tandem_allocator_pending_requests`` and ``tandem_allocator_oldest_pending_seconds``;
+    * ``tandem_allocator_nodes{status}``;
+    * ``tandem_cluster_devices{kind,state}``: ``total`` and ``free`` (allocatable now) from the
+      core, over ready nodes, and ``allocated``/``unhealthy``/``cordoned`` from the records;
+    * ``tandem_node_devices{node,kind,state}``: the same per node (ready and lost ones).
+    """
+
+    def __init__(self, allocator: Allocator, *, clock: Callable[[], float] = time.time) -> None:
+        self.allocator = allocator
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        a = self.allocator
+        pending = list(a.book.pending.values())
+        yield GaugeMetricFamily(
+            "tandem_allocator_pending_requests", "Requests waiting for capacity", value=len(pending)
+        )
+        oldest = min((r.created_at for r in pending), default=None)
+        yield GaugeMetricFamily(
+            "tandem_allocator_oldest_pending_seconds",
+            "Age of the oldest request waiting for capacity (0 when none waits)",
+            value=max(0.0, self.clock() - oldest) if oldest is not None else 0.0,
+        )
+        nodes = GaugeMetricFamily(
+            "tandem_allocator_nodes", "Nodes in the allocator's view by status", labels=["status"]
+        )
+        records = dict(a.model.nodes)
+        for status in NODE_STATUSES:
+            nodes.add_metric([status], sum(1 for r in records.values() if r.status == status))
+        yield nodes
+        per_node = GaugeMetricFamily(
+            "tandem_node_devices", "Devices of each node by kind and state", labels=["node", "kind", "state"]
+        )
+        cluster = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES[1:]}
+        allocs = a.allocs
+        for name in sorted(records):
+            record = records[name]
+            counts = node_device_states(record, allocs.get(name, (None, 0))[0])
+            for (kind, state), n in counts.items():
+                per_node.add_metric([name, kind, state], n)
+                if record.status == "ready" and state != "free":
+                    cluster[kind, state] += n
+        totals = a.cluster.totals()
+        devices = GaugeMetricFamily(
+            "tandem_cluster_devices",
+            "Devices of ready nodes: total, free (allocatable now), allocated, unhealthy, cordoned",
+            labels=["kind", "state"],
+        )
+        devices.add_metric(["gpu", "total"], totals["gpus"])
+        devices.add_metric(["gpu", "free"], totals["free_gpus"])
+        devices.add_metric(["nic", "total"], totals["nics"])
+        devices.add_metric(["nic", "free"], totals["free_nics"])
+        for (kind, state), n in cluster.items():
+            devices.add_metric([kind, state], n)
+        yield devices
+        yield per_node

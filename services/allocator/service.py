@@ -363,6 +363,7 @@ class Allocator(Service):
         trace = self.book.traceparent(rid) if retry else traceparent_of(context)
         if retry:
             context = context_from_traceparent(trace)
+        was_pending = rid in self.book.pending  # for metrics.PENDING_AGE_AT_PLACEMENT_SECONDS
         for _ in range(MAX_COMMIT_ATTEMPTS):
             with _tracer.start_as_current_span(
                 "allocator.decide", context=context, kind=SpanKind.CONSUMER
@@ -432,6 +433,10 @@ class Allocator(Service):
                 continue
             metrics.DECISIONS.labels("assigned").inc()
             metrics.REQUEST_TO_ASSIGNMENT_SECONDS.observe(max(0.0, assignment.decided_at - req.created_at))
+            if was_pending:
+                metrics.PENDING_AGE_AT_PLACEMENT_SECONDS.observe(
+                    max(0.0, assignment.decided_at - req.created_at)
+                )
             for pair in assignment.pairs:
                 metrics.PAIRS.labels(pair.scope).inc()
             self.book.placed_now(rid)
@@ -549,23 +554,12 @@ class Allocator(Service):
                 log.warning("retry_failed", error=repr(res))
         return sum(1 for res in results if res is True)
 
-    def update_gauges(self) -> None:
-        totals = self.cluster.totals()
-        metrics.DEVICES.labels("gpu", "total").set(totals["gpus"])
-        metrics.DEVICES.labels("gpu", "free").set(totals["free_gpus"])
-        metrics.DEVICES.labels("nic", "total").set(totals["nics"])
-        metrics.DEVICES.labels("nic", "free").set(totals["free_nics"])
-        metrics.PENDING.set(len(self.book.pending))
-        for status in ("ready", "lost"):
-            metrics.NODES.labels(status).set(sum(1 for r in self.model.nodes.values() if r.status == status))
-
     async def _retry_loop(self) -> None:
-        last_gauges = 0.0
+        last_refreeze = 0.0
         while True:
             now = time.monotonic()
-            if now - last_gauges >= self.retry_interval:
-                self.update_gauges()  # walks every group: not on every capacity change
-                last_gauges = now
+            if now - last_refreeze >= self.retry_interval:
+                last_refreeze = now
                 self._refreeze()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)

@@ -46,6 +46,13 @@ def port(text: str) -> int:
     return value
 
 
+def port_or_any(text: str) -> int:
+    value = _int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is 1-65535 (0: any free one), got {value}")
+    return value
+
+
 def seconds(text: str) -> float:
     try:
         value = float(text)
@@ -148,6 +155,14 @@ def register(sub: Any) -> None:
     )
     up.add_argument(
         "--allocators", type=positive_int, default=1, help="allocator replicas to run (default 1)"
+    )
+    up.add_argument(
+        "--ops-port",
+        type=port_or_any,
+        default=9470,
+        help="first port of /metrics, /healthz and /readyz, one port per service in the order "
+        "inventory, allocator-0.., nodeagents (default 9470; 0: any free ones; a taken one: any "
+        "free one); printed at start",
     )
     up.set_defaults(func=_up)
 

@@ -81,7 +81,10 @@ async def _up(args: argparse.Namespace) -> int:
     try:
         await stack.start()
         await stack.wait_ready()
+        ops = await stack.serve_ops(port=args.ops_port)
         print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {server.url}", flush=True)
+        for name, server_ops in ops.items():
+            print(f"  {name}: http://127.0.0.1:{server_ops.port}/metrics  (/healthz, /readyz)", flush=True)
         print(
             f"  export TANDEM_NATS_URL={server.url}; tandem status; tandem submit --gpus 4 --rdma 4",
             flush=True,

@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import sys
 
+from services.inventory.metrics import InventoryState
 from services.inventory.service import Inventory
 from services.runtime.bus import Bus
 from services.runtime.lifecycle import service_main
+from services.runtime.metrics import register_state
 from services.runtime.settings import Settings
 
 
 async def build(bus: Bus, settings: Settings) -> Inventory:
-    return Inventory(bus, lost_after=settings.node_lost_after)
+    inventory = Inventory(bus, lost_after=settings.node_lost_after)
+    register_state(InventoryState(inventory))  # its gauges, computed at each scrape
+    return inventory
 
 
 if __name__ == "__main__":

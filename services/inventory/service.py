@@ -34,7 +34,7 @@ import msgspec
 from nats.aio.msg import Msg
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -54,7 +54,8 @@ from services.runtime.tasks import Service, Supervisor
 log = get_logger(__name__)
 
 NODE_TRANSITIONS = Counter("tandem_inventory_node_transitions_total", "Nodes marked lost or back", ["to"])
-NODES = Gauge("tandem_inventory_nodes", "Nodes known to this inventory replica by status", ["status"])
+for _to in ("ready", "lost"):
+    NODE_TRANSITIONS.labels(_to)  # shown from 0
 # Node events handled at once (each writes its own node's record; one node's stay in order).
 EVENT_CONCURRENCY = 64
 
@@ -131,7 +132,6 @@ class Inventory(Service):
         for node in self.status:
             # A restarted inventory gives every node a full grace period before calling it lost.
             self.last_seen[node] = now
-        self._count_nodes()
         self._subs = [
             await self.bus.nc.subscribe(subjects.NODE_HEARTBEAT_ALL, cb=self._on_heartbeat),
         ]
@@ -223,18 +223,10 @@ class Inventory(Service):
         await asyncio.gather(*(self._mark(node, "lost", now) for node in lost))
         return lost
 
-    def _count_nodes(self) -> None:
-        """The node gauges: counted on every liveness check (an O(nodes) walk, so not on
-        every event)."""
-        ready = sum(1 for s in self.status.values() if s == "ready")
-        NODES.labels("ready").set(ready)
-        NODES.labels("lost").set(len(self.status) - ready)
-
     async def _liveness_loop(self) -> None:
         while True:
             await asyncio.sleep(self.check_interval)
             await self.check_liveness()
-            self._count_nodes()
             if len(self.status) > self._frozen_at * 1.1 + 10:
                 # The node records of a fleet that joined are long-lived: out of the
                 # collector's way (see services.runtime.lifecycle.GC_THRESHOLDS).

@@ -61,6 +61,7 @@ from services.nodeagent.cleanup import (
 )
 from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.nodeagent.health import HealthTracker, recover_due
+from services.nodeagent.metrics import SUBMIT_TO_APPLIED_SECONDS
 from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
@@ -317,6 +318,8 @@ class NodeAgent(Service):
                 span.set_status(trace.StatusCode.ERROR, str(exc))
                 result = Applied(request_id=assignment.request_id, node=self.node, ok=False, error=str(exc))
             APPLIES.labels("ok" if result.ok else "failed").inc()
+            if result.ok and rec.state == "assigned" and assignment.requested_at:
+                SUBMIT_TO_APPLIED_SECONDS.observe(max(0.0, result.ts - assignment.requested_at))
             await self.bus.publish(
                 subjects.node_applied(self.node),
                 result,

@@ -55,6 +55,7 @@ from schemas import codec, limits, permissions, routing, subjects
 from schemas.messages import DeadLetter
 from services.runtime.errors import SettingsError
 from services.runtime.logging import get_logger
+from services.runtime.metrics import RECONNECTS
 from services.runtime.settings import Settings
 from services.runtime.tracing import extract, inject
 
@@ -102,6 +103,8 @@ DEAD_LETTERS_DROPPED = Counter(
 REDELIVERIES = Counter(
     "tandem_redeliveries_total", "Messages handed back for redelivery (nak)", ["service", "why"]
 )
+REDELIVERY_REASONS = ("retry", "handler_failed", "dead_letter_failed")
+DEAD_LETTER_REASONS = ("oversized", "undecodable", "mismatch", "refused", "retry_exhausted", "handler_failed")
 
 
 def _cancelling() -> bool:
@@ -243,6 +246,7 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         log.info("nats_disconnected")
 
     async def on_reconnect() -> None:
+        RECONNECTS.labels(settings.service).inc()
         log.info("nats_reconnected")
 
     async def on_closed() -> None:
@@ -254,6 +258,7 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         else:
             log.info("nats_closed")
 
+    RECONNECTS.labels(settings.service)  # shown from 0, before the first reconnect
     servers = server_list(settings.nats_url)
     opts: dict[str, Any] = credentials(settings)
     tls = tls_context(settings)
@@ -468,6 +473,14 @@ class Bus:
         self._dead_letter_budget = _Budget(
             burst=DEAD_LETTER_BURST, per_s=DEAD_LETTER_PER_S, sources=DEAD_LETTER_SOURCES
         )
+        # (stream, durable) of every consumer this bus runs: runtime.metrics polls their lag.
+        self.consumers: set[tuple[str, str]] = set()
+        # Shown from 0: increase() over a series born at 1 sees no increase.
+        DEAD_LETTERS_DROPPED.labels(service)
+        for why in DEAD_LETTER_REASONS:
+            DEAD_LETTERS.labels(service, why)
+        for why in REDELIVERY_REASONS:
+            REDELIVERIES.labels(service, why)
 
     @property
     def closed(self) -> asyncio.Event:
@@ -614,6 +627,7 @@ class Bus:
             **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
         )
         await self._ensure_consumer(stream, config)
+        self.consumers.add((stream, durable))
         puller = _Puller(self, stream=stream, durable=durable, batch=batch)
         await puller.open()
         gate = asyncio.Semaphore(concurrency)

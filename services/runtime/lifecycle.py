@@ -20,6 +20,7 @@ from services.runtime.bus import Bus, ConnectError
 from services.runtime.errors import SettingsError
 from services.runtime.logging import setup_logging
 from services.runtime.looplag import watch_loop
+from services.runtime.metrics import service_registry, watch_consumers
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tracing import setup_tracing, shutdown_tracing
@@ -135,17 +136,24 @@ def service_main(
             return bus is None or not bus.closed.is_set()
 
         ops = (
-            await OpsServer(port=settings.ops_port, ready=ready, alive=alive).start()
+            await OpsServer(
+                port=settings.ops_port,
+                ready=ready,
+                alive=alive,
+                registry=service_registry(service, ready=ready),
+            ).start()
             if settings.ops_port
             else None
         )
         lag = asyncio.get_running_loop().create_task(watch_loop(), name="loop-lag")
+        consumers: asyncio.Task[None] | None = None
         try:
             # Every wait on the way up (NATS unreachable, streams not answering) gives way
             # to SIGTERM: Kubernetes must be able to stop a service that never came up.
             opened, bus = await _unless_stopped(Bus.open(settings, provision_streams=provision_streams), stop)
             if not opened or bus is None:
                 return
+            consumers = asyncio.get_running_loop().create_task(watch_consumers([bus]), name="consumer-lag")
             built, svc = await _unless_stopped(build(bus, settings), stop)
             if not built or svc is None or not (await _unless_stopped(svc.start(), stop))[0]:
                 return
@@ -154,6 +162,8 @@ def service_main(
             await svc.stop()
         finally:
             lag.cancel()  # held above and cancelled here: not a bare task
+            if consumers is not None:
+                consumers.cancel()
             if bus is not None:
                 await bus.close()
             if ops is not None:

@@ -1,0 +1,135 @@
+"""Metrics every service shares, and what one service's ``/metrics`` shows.
+
+* :data:`RECONNECTS` (``tandem_nats_reconnects_total{service}``): counted by
+  :func:`services.runtime.bus.connect` each time nats-py reconnects;
+* :data:`CONSUMER_PENDING` (``tandem_consumer_pending_messages{service,consumer}``): the
+  messages a durable consumer has not been handed yet, from the server's consumer info,
+  polled by :func:`watch_consumers` (a lagging service shows here before it shows anywhere
+  else);
+* ``tandem_ready{service}``: 1 while the service would answer ``/readyz`` with 200, written by
+  :class:`ServiceView` at scrape time (the alert "allocator without a ready replica" sums it).
+
+Gauges that describe state (pending requests, devices, nodes) are computed from the
+service's state when Prometheus scrapes (a :class:`prometheus_client.registry.Collector` per
+service, e.g. :class:`services.allocator.metrics.AllocatorState`), never kept up by events,
+so they are right from the first scrape after any restart.
+
+One process may run several services (``tandem up``): the counters are process-wide, so
+:class:`ServiceView` shows one service its own families (by name prefix, or by the
+``service`` label of the shared ones) plus the process-wide ones (``process_*``, loop lag),
+and each service is served on its own port (:class:`services.runtime.ops.OpsServer`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from nats.js.errors import NotFoundError
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from services.runtime.logging import get_logger
+
+if TYPE_CHECKING:
+    from services.runtime.bus import Bus
+
+log = get_logger(__name__)
+
+RECONNECTS = Counter(
+    "tandem_nats_reconnects_total", "NATS reconnects of the service's connection", ["service"]
+)
+CONSUMER_PENDING = Gauge(
+    "tandem_consumer_pending_messages",
+    "Messages a durable consumer has not been handed yet (consumer info num_pending, polled)",
+    ["service", "consumer"],
+)
+# How often the consumer infos are asked for: one small request per consumer.
+CONSUMER_POLL_S = 5.0
+
+# Families that belong to one service (shown only on its port), by name prefix.
+SERVICE_PREFIXES: dict[str, tuple[str, ...]] = {
+    "allocator": ("tandem_allocator_", "tandem_cluster_", "tandem_node_devices"),
+    "inventory": ("tandem_inventory_",),
+    "nodeagent": ("tandem_nodeagent_",),
+    "admission": ("tandem_admission_", "tandem_bridge_"),
+    "authcallout": ("tandem_authcallout_",),
+}
+_OWNED = tuple(p for prefixes in SERVICE_PREFIXES.values() for p in prefixes)
+
+
+class ServiceView(Collector):
+    """One service's share of the process registry, its state collectors and ``tandem_ready``."""
+
+    def __init__(
+        self,
+        service: str,
+        *,
+        ready: Callable[[], bool],
+        source: CollectorRegistry = REGISTRY,
+        collectors: Iterable[Collector] = (),
+    ) -> None:
+        self.service = service
+        self.ready = ready
+        self.source = source
+        self.own = SERVICE_PREFIXES.get(service, ())
+        self.collectors = list(collectors)
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily(
+            "tandem_ready", "1 while the service answers /readyz with 200", labels=["service"]
+        )
+        ready.add_metric([self.service], 1.0 if self.ready() else 0.0)
+        yield ready
+        for family in self.source.collect():
+            if family.name.startswith(_OWNED) and not family.name.startswith(self.own):
+                continue  # another service's
+            family.samples = [
+                s for s in family.samples if s.labels.get("service", self.service) == self.service
+            ]
+            yield family
+        for collector in self.collectors:
+            yield from collector.collect()
+
+
+def service_registry(
+    service: str, *, ready: Callable[[], bool], collectors: Iterable[Collector] = ()
+) -> CollectorRegistry:
+    """A registry that holds only :class:`ServiceView` of ``service``: what its port serves."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ServiceView(service, ready=ready, collectors=collectors))
+    return registry
+
+
+async def watch_consumers(buses: Iterable[Bus], *, interval: float = CONSUMER_POLL_S) -> None:
+    """Keep :data:`CONSUMER_PENDING` up to date for every durable consumer the buses run."""
+    buses = list(buses)
+    while True:
+        for bus in buses:
+            for stream, durable in sorted(bus.consumers):
+                try:
+                    info = await bus.js.consumer_info(stream, durable)
+                except NotFoundError:
+                    continue  # being recreated (Bus.consume does it): the next poll sees it
+                except Exception as exc:  # NATS away: keep the last value
+                    log.debug("consumer_info_failed", consumer=durable, error=repr(exc))
+                    continue
+                CONSUMER_PENDING.labels(bus.service, durable).set(info.num_pending or 0)
+        await asyncio.sleep(interval)
+
+
+_state: dict[str, Collector] = {}
+
+
+def register_state(collector: Collector) -> None:
+    """Register a service's state collector with the process registry (one service per
+    process, as ``python -m services.<service>`` runs it); a second one of the same type
+    replaces the first."""
+    name = type(collector).__name__
+    old = _state.pop(name, None)
+    if old is not None:
+        REGISTRY.unregister(old)
+    REGISTRY.register(collector)
+    _state[name] = collector
