@@ -95,7 +95,7 @@ class CliConnection:
         opts: dict[str, Any] = {}
         user = urllib.parse.urlsplit(servers[0] if "://" in servers[0] else f"nats://{servers[0]}").username
         if settings is not None:
-            from services.runtime.bus import credentials, tls_context
+            from services.runtime.natsauth import credentials, tls_context
 
             opts.update(credentials(settings))
             tls = tls_context(settings)
@@ -161,9 +161,9 @@ class CliConnection:
         headers: dict[str, str] | None = None,
     ) -> None:
         """JetStream publish, waiting for the stream's ack (no retries: the user is waiting)."""
-        from services.runtime.tracing import inject
-
-        hdrs = inject(headers)  # the caller's span (client.submit, client.release)
+        hdrs = dict(headers or {})
+        if "services.runtime.tracing" in sys.modules:  # a command that traces (submit, release)
+            hdrs = sys.modules["services.runtime.tracing"].inject(hdrs)
         if msg_id:
             hdrs["Nats-Msg-Id"] = msg_id
         await self.js.publish(subject, codec.encode(message), headers=hdrs, timeout=PUBLISH_TIMEOUT_S)

@@ -73,11 +73,6 @@ async def with_client(args: argparse.Namespace, fn: Command) -> int:
     settings = cli_settings("cli", nats_url=args.nats)
     conn = await CliConnection.open(settings.nats_url, settings=settings)
     args.settings = settings
-    from services.runtime.tracing import setup_tracing, shutdown_tracing
-
-    # The request's trace starts here (client.submit / client.release); exported when
-    # OTEL_EXPORTER_OTLP_ENDPOINT is set, and its id printed either way.
-    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint)
     try:
         client = await TandemClient(conn).start()
         try:
@@ -95,7 +90,17 @@ async def with_client(args: argparse.Namespace, fn: Command) -> int:
         raise known from None
     finally:
         await conn.close()
-        shutdown_tracing()
+        if "services.runtime.tracing" in sys.modules:  # a command that traced (see _traced)
+            sys.modules["services.runtime.tracing"].shutdown_tracing()
+
+
+def _traced(settings: Settings) -> None:
+    """Set up tracing for a command that starts a request's trace (submit, release): the
+    spans are exported when OTEL_EXPORTER_OTLP_ENDPOINT is set, and the trace id is printed
+    either way. Only those commands pay for importing OpenTelemetry's SDK (~0.15 s)."""
+    from services.runtime.tracing import setup_tracing
+
+    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -440,6 +445,7 @@ async def submit(client: TandemClient, args: argparse.Namespace) -> int:
     req: AllocationRequest = args.request
     rid = req.request_id
     structured = args.output in ("json", "yaml")
+    _traced(args.settings)
     submitted_trace = await client.submit(req)
     if not structured:
         trace_note = f", trace {submitted_trace}" if submitted_trace else ""
@@ -577,6 +583,7 @@ async def release(client: TandemClient, args: argparse.Namespace) -> int:
         sub = await client.bus.nc.subscribe(subjects.node_cleaned(node), cb=_collect(rid, cleaned))
     try:
         parent = holder[1].traceparent if holder is not None else record.traceparent if record else ""
+        _traced(args.settings)
         await client.release(rid, node=node, pod=pod, traceparent=parent)
         print(f"release of {rid} sent" + (f" to node {node}" if node else " (not placed: cancels it)"))
         if not args.wait:

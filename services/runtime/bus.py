@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import os
 import re
 import ssl
 import urllib.parse
@@ -53,9 +52,9 @@ from prometheus_client import Counter
 
 from schemas import codec, limits, permissions, routing, subjects
 from schemas.messages import DeadLetter
-from services.runtime.errors import SettingsError
 from services.runtime.logging import get_logger
 from services.runtime.metrics import RECONNECTS
+from services.runtime.natsauth import credentials, server_list, tls_context
 from services.runtime.settings import Settings
 from services.runtime.tracing import extract, inject
 
@@ -141,15 +140,6 @@ class Delivery:
 Handler = Callable[[T, Delivery], Awaitable[None]]
 
 
-def server_list(nats_url: str) -> list[str]:
-    """``Settings.nats_url`` as the client's server list: one URL, or several comma-separated
-    (``nats://a:4222,nats://b:4222``) for a NATS cluster, so losing one server fails over."""
-    servers = [u.strip() for u in nats_url.split(",") if u.strip()]
-    if not servers:
-        raise SettingsError(f"nats_url: no server URL in {nats_url!r}")
-    return servers
-
-
 class ConnectError(Exception):
     """NATS refused this client for a reason retrying cannot mend (its TLS certificate is not
     trusted, or its credentials are wrong): the message says which setting to check."""
@@ -161,62 +151,6 @@ class ConnectError(Exception):
 # gives up with ConnectError instead of trying forever behind a green liveness probe.
 PERMANENT_CONNECT_ERRORS: tuple[type[Exception], ...] = (ssl.SSLError, nats.errors.AuthorizationError)
 PERMANENT_CONNECT_STRIKES = 3
-
-
-def tls_context(settings: Settings) -> ssl.SSLContext | None:
-    """The client's TLS context from the ``nats_tls_*`` settings (None when TLS is off);
-    raises SettingsError naming the setting and the file that cannot be used."""
-    wants = any(u.startswith("tls://") for u in server_list(settings.nats_url))
-    if not (wants or settings.nats_tls_ca or settings.nats_tls_cert):
-        return None
-    try:
-        ctx = ssl.create_default_context(cafile=settings.nats_tls_ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise SettingsError(f"nats_tls_ca: cannot use {settings.nats_tls_ca}: {exc}") from exc
-    if settings.nats_tls_cert or settings.nats_tls_key:
-        if not (settings.nats_tls_cert and settings.nats_tls_key):
-            raise SettingsError("nats_tls_cert and nats_tls_key: set both (a client certificate and its key)")
-        try:
-            ctx.load_cert_chain(settings.nats_tls_cert, settings.nats_tls_key)
-        except (OSError, ssl.SSLError) as exc:
-            raise SettingsError(
-                f"nats_tls_cert/nats_tls_key: cannot use {settings.nats_tls_cert} with "
-                f"{settings.nats_tls_key}: {exc}"
-            ) from exc
-    return ctx
-
-
-def credentials(settings: Settings) -> dict[str, Any]:
-    """nats-py's connect options for the configured credentials (files read here, so a bad
-    path fails at start naming the setting)."""
-    given = [
-        n for n in ("nats_creds", "nats_nkey_seed", "nats_user", "nats_token_file") if getattr(settings, n)
-    ]
-    if len(given) > 1:
-        raise SettingsError(f"{' and '.join(given)}: choose one way to authenticate")
-    for name in ("nats_creds", "nats_nkey_seed", "nats_password_file", "nats_token_file"):
-        path = getattr(settings, name)
-        if path and not os.access(path, os.R_OK):
-            raise SettingsError(f"{name}: cannot read {path}")
-    if settings.nats_creds:
-        return {"user_credentials": settings.nats_creds}
-    if settings.nats_nkey_seed:
-        return {"nkeys_seed": settings.nats_nkey_seed}
-    if settings.nats_token_file:
-        path = settings.nats_token_file
-
-        def token() -> str:  # read at every connect: the kubelet rotates the file
-            with open(path, encoding="utf-8") as f:
-                return f.read().strip()
-
-        return {"token": token}
-    if settings.nats_user:
-        if not settings.nats_password_file:
-            raise SettingsError("nats_user: set nats_password_file too (the password's file)")
-        with open(settings.nats_password_file, encoding="utf-8") as f:
-            password = f.read().strip()
-        return {"user": settings.nats_user, "password": password}
-    return {}
 
 
 async def connect(settings: Settings, *, name: str | None = None) -> NATS:
