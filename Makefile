@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e gpu-check clean
+.PHONY: demo test lint typecheck unit integration bench bench-e2e soak gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,15 @@ bench: $(STAMP)
 BENCH_E2E_ARGS ?= --nodes 1000 --requests 5000
 bench-e2e: $(STAMP)
 	$(BIN)/tandem loadtest $(BENCH_E2E_ARGS)
+
+# The chaos suite for long (docs/reliability.md): a 3-server NATS cluster, inventory, two
+# allocators and a simulated fleet as processes; one SIGKILL a round under load, invariants
+# read from KV after each round; one JSON line. `make test` runs 4 rounds of the same.
+SOAK_DURATION ?= 1800
+SOAK_SEED ?= 1
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/tandem chaos --duration $(SOAK_DURATION) --seed $(SOAK_SEED) $(SOAK_ARGS)
 
 gpu-check: $(STAMP)
 	$(BIN)/tandem gpu-check

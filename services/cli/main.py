@@ -11,6 +11,7 @@ from types import ModuleType
 
 from services.cli import (
     admission_cmd,
+    chaos_cmd,
     demo,
     gpu_cmd,
     loadtest_cmd,
@@ -34,6 +35,7 @@ MODULES: list[ModuleType] = [
     plan_cmd,
     nats_cmd,
     loadtest_cmd,
+    chaos_cmd,
 ]
 
 
