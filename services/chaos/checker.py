@@ -34,11 +34,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nats.js import JetStreamContext
-from nats.js.errors import KeyNotFoundError
+from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations, RequestRecord
 from services.loadtest import invariants
+from services.runtime.records import KV_OPERATION
 
 FINISHED = frozenset({"freed", "cancelled", "rejected"})
 GET_CONCURRENCY = 32
@@ -72,21 +73,27 @@ class KvState:
 
 
 async def read(js: JetStreamContext, request_ids: Iterable[str]) -> KvState:
-    """Every node record, and the record of each of ``request_ids`` (direct gets)."""
+    """Every node record, and the record of each of ``request_ids`` — each read from the
+    bucket stream's leader (``STREAM.MSG.GET``), never from a replica that may lag."""
     allocs = await invariants.snapshot(js)
-    kv = await js.key_value(subjects.KV_REQUESTS)
+    stream = subjects.kv_stream(subjects.KV_REQUESTS)
     state = KvState(allocs=allocs, requests={})
     gate = asyncio.Semaphore(GET_CONCURRENCY)
 
     async def get(rid: str) -> None:
         async with gate:
             try:
-                entry = await kv.get(subjects.kv_key(rid))
-            except KeyNotFoundError:  # also a deleted or purged key
+                msg = await js.get_last_msg(
+                    stream, subjects.kv_subject(subjects.KV_REQUESTS, subjects.kv_key(rid))
+                )
+            except NotFoundError:
                 state.requests[rid] = None
                 return
+        if (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE") or not msg.data:
+            state.requests[rid] = None  # deleted: as lost as never written
+            return
         try:
-            state.requests[rid] = codec.REQUEST_RECORD.decode(entry.value or b"")
+            state.requests[rid] = codec.REQUEST_RECORD.decode(msg.data)
         except codec.DecodeErrors:
             state.undecodable_requests.add(rid)
 
