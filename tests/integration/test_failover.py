@@ -452,6 +452,28 @@ async def test_a_crash_between_freeing_and_dropping_leaves_nothing_to_place_agai
     assert record is not None and record.state == "freed", record
 
 
+async def test_a_late_repair_of_the_request_record_never_undoes_its_release(
+    small_stack: tuple[LocalStack, TandemClient],
+) -> None:
+    """A replica that republishes a committed assignment also makes the request record say
+    ``assigned`` (its own write may have been lost). If the request was released and freed
+    meanwhile, that repair must leave ``freed`` alone: written anyway, it is a claim no node
+    holds, which another replica takes over and places again (``tandem chaos`` found it:
+    the repair lost its compare-and-set race to the ``freed`` write, re-read, overwrote it)."""
+    stack, client = small_stack
+    allocator = stack.allocators[0]
+    req = request(104)
+    await client.submit(req)
+    placed = await client.wait_for(req.request_id, (Assignment,))
+    assert isinstance(placed, Assignment)
+    await client.release(req.request_id)
+    assert isinstance(await client.wait_for(req.request_id, (Freed,), timeout=10), Freed)
+    await allocator.book.mark_assigned(req, node=placed.node)  # the late repair
+    record = await client.request_record(req.request_id)
+    assert record is not None and record.state == "freed", record
+    assert await holders(client, req.request_id) == []
+
+
 @pytest.mark.timeout(180)
 async def test_stream_leader_killed_under_the_load_harness(
     cluster: EmbeddedNatsCluster, stack: tuple[LocalStack, TandemClient, Bus]
