@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test
+.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -49,6 +49,15 @@ bench-e2e: $(STAMP)
 # How long `tandem` commands take from exec to exit (docs/benchmarks.md, "CLI start-up").
 bench-cli: $(STAMP)
 	$(BIN)/python -m bench.cli_startup
+
+# The chaos suite for long (docs/reliability.md): a 3-server NATS cluster, inventory, two
+# allocators and a simulated fleet as processes; one SIGKILL a round under load, invariants
+# read from KV after each round; one JSON line. `make test` runs 4 rounds of the same.
+SOAK_DURATION ?= 1800
+SOAK_SEED ?= 1
+SOAK_ARGS ?=
+soak: $(STAMP)
+	$(BIN)/tandem chaos --duration $(SOAK_DURATION) --seed $(SOAK_SEED) $(SOAK_ARGS)
 
 gpu-check: $(STAMP)
 	$(BIN)/tandem gpu-check

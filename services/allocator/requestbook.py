@@ -144,7 +144,12 @@ class RequestBook:
         return True
 
     async def mark_assigned(self, req: AllocationRequest, *, node: str) -> None:
-        """Make the record say what the node record says (a lost write, an earlier node)."""
+        """Make the record say what the node record says (a lost write, an earlier node) —
+        unless it has an outcome by now. This write was unconditional: when it lost its
+        compare-and-set race to the ``freed`` write of a release, it re-read the record and
+        overwrote ``freed`` with ``assigned``, a claim no node held, which another replica
+        took over after ``claim_timeout`` and placed the released request again
+        (``tandem chaos``, seed 1, round 24; ``docs/reliability.md``)."""
         record = RequestRecord(
             request=req,
             state="assigned",
@@ -152,7 +157,13 @@ class RequestBook:
             owner=self.instance,
             traceparent=self.traceparent(req.request_id),
         )
-        await self.store.update(req.request_id, commits.put_request(record))
+
+        def mutate(current: RequestRecord | None) -> RequestRecord | None:
+            if current is not None and current.state in commits.TERMINAL_STATES:
+                return None  # released (or rejected) meanwhile: the outcome stands
+            return record
+
+        await self.store.update(req.request_id, mutate)
 
     def placed_now(self, request_id: str) -> None:
         """The request's commit landed: it is not pending, and its claim is the outcome."""

@@ -654,21 +654,16 @@ class Allocator(Service):
         ) as span:
             span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
             span.set_attributes(tracing.messaging(delivery.subject, "process"))
-            dropped: list[bool] = []
-            drop = commits.drop_allocation(rid, only_from=frozenset({"releasing"}))
-
-            def drop_released(current: NodeAllocations | None) -> NodeAllocations | None:
-                new = drop(current)
-                dropped[:] = [new is not None]
-                return new
-
-            await self.node_allocs.update(cleaned.node, drop_released)
-            if not any(dropped):
-                # This replica's copy of the record may not show yet that another replica
-                # marked the allocation releasing: read it before deciding there is nothing.
-                await self.node_allocs.fetch(cleaned.node)
-                await self.node_allocs.update(cleaned.node, drop_released)
-            if not any(dropped):
+            if await self._releasing_on(cleaned.node, rid):
+                # The outcome first, then the drop. In the other order a crash between the two
+                # writes left the request "assigned" with no node holding it: the redelivered
+                # Cleaned found nothing to drop, and a replica that (re)loaded the record took
+                # it for an abandoned claim and placed the released request again. In this
+                # order the redelivery still finds the allocation releasing and drops it.
+                await self.book.freed(rid)
+                drop = commits.drop_allocation(rid, only_from=frozenset({"releasing"}))
+                await self.node_allocs.update(cleaned.node, drop)
+            else:
                 record = await self.book.record(rid)
                 if record is None or record.state != "freed" or record.node != cleaned.node:
                     # Not being released on that node (a report about an allocation nobody
@@ -676,8 +671,6 @@ class Allocator(Service):
                     log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
                     return
                 # Freed already: a redelivery because announcing it failed. Announce again.
-            else:
-                await self.book.freed(rid)
             await self.bus.publish(
                 subjects.ALLOC_FREED,
                 Freed(request_id=rid, node=cleaned.node, devices=cleaned.devices),

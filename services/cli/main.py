@@ -24,6 +24,7 @@ from typing import NoReturn
 
 from services.cli import (
     admission_cmd,
+    chaos_cmd,
     demo_cmd,
     gpu_cmd,
     loadtest_cmd,
@@ -46,6 +47,7 @@ MODULES: list[ModuleType] = [
     plan_cmd,
     nats_cmd,
     loadtest_cmd,
+    chaos_cmd,
 ]
 BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for `yes | head`
 

@@ -440,6 +440,15 @@ class LoadDriver:
     def _release_random(self) -> None:
         self.release(self._held[self.rng.randrange(len(self._held))])
 
+    def release_all(self) -> int:
+        """Release every held request and cancel every pending one (the end of a run that
+        must leave the fleet empty); returns how many were sent. Requests not answered yet
+        are left alone: drain first."""
+        chosen = [rid for rid, r in self.reqs.items() if r.released is None and (r.held_at >= 0 or r.pending)]
+        for rid in chosen:
+            self.release(rid)
+        return len(chosen)
+
     def settled(self) -> bool:
         """Every request has an answer and every release its ``Freed``."""
         return self.outstanding == 0 and all(

@@ -41,6 +41,7 @@ from typing import Any
 
 import msgspec
 import nats
+from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 
 from schemas import subjects
@@ -112,7 +113,7 @@ class LoadConfig:
         return self.start_timeout if self.start_timeout is not None else 60.0 + 0.02 * self.nodes
 
 
-class _FleetEvents:
+class FleetEvents:
     """The fleet's JSON lines on its stdout, by event name."""
 
     def __init__(self, child: Child) -> None:
@@ -165,7 +166,7 @@ class Harness:
         self.plan = fleet_plan(cfg.nodes)
         self.names = [spec.name for spec in self.plan]
         self.failed = True
-        self.fleet_events: _FleetEvents | None = None
+        self.fleet_events: FleetEvents | None = None
         self._cpu_t0: dict[str, float | None] = {}
 
     # -- the run ----------------------------------------------------------------------------
@@ -203,7 +204,7 @@ class Harness:
             args=["--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)],
             stdout_pipe=True,
         )
-        events = self.fleet_events = _FleetEvents(fleet)
+        events = self.fleet_events = FleetEvents(fleet)
         self.tasks.spawn("fleet-stdout", events.read, restart=False)
         ready = await events.wait("ready", deadline=deadline, alive=self.children.check)
         self.progress(f"fleet: {cfg.nodes} inventories stored in {ready.get('seconds')} s")
@@ -380,29 +381,14 @@ class Harness:
                 ) from exc
 
     async def _wait_registered(self, *, deadline: float) -> None:
-        """Until every fleet node has a record in KV ``tandem-nodes`` (written by inventory)."""
         assert self.bus is not None
-        loop = asyncio.get_running_loop()
-        wanted = set(self.names)
-        seen: set[str] = set()
-        kv = await self.bus.js.key_value(subjects.KV_NODES)
-        watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
-        try:
-            while not wanted <= seen:
-                if loop.time() > deadline:
-                    raise LoadtestError(
-                        f"only {len(seen & wanted)} of {len(wanted)} nodes registered after "
-                        f"{self.cfg.startup_timeout:g}s (see --start-timeout; logs: {self.run_dir})"
-                    )
-                self.children.check()
-                try:
-                    entry = await watcher.updates(timeout=0.5)  # type: ignore[no-untyped-call]
-                except nats.errors.TimeoutError:
-                    continue
-                if entry is not None and entry.operation is None:
-                    seen.add(entry.key)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+        await wait_registered(
+            self.bus.js,
+            self.names,
+            deadline=deadline,
+            alive=self.children.check,
+            why=f"after {self.cfg.startup_timeout:g}s (see --start-timeout; logs: {self.run_dir})",
+        )
 
     async def _probe(self, driver: LoadDriver, *, t0: float, deadline: float) -> float:
         loop = asyncio.get_running_loop()
@@ -553,6 +539,37 @@ class Harness:
         self.children.kill_now()
         if self.server is not None:
             self.server.stop()
+
+
+async def wait_registered(
+    js: JetStreamContext,
+    names: list[str],
+    *,
+    deadline: float,
+    alive: Callable[[], None],
+    why: str = "in time",
+) -> None:
+    """Until every node of ``names`` has a record in KV ``tandem-nodes`` (written by the
+    inventory); ``deadline`` on the loop's clock; ``alive`` raises when a child died."""
+    loop = asyncio.get_running_loop()
+    wanted = set(names)
+    seen: set[str] = set()
+    kv = await js.key_value(subjects.KV_NODES)
+    watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
+    try:
+        while not wanted <= seen:
+            if loop.time() > deadline:
+                got = len(seen & wanted)
+                raise LoadtestError(f"only {got} of {len(wanted)} nodes registered {why}")
+            alive()
+            try:
+                entry = await watcher.updates(timeout=0.5)  # type: ignore[no-untyped-call]
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.operation is None:
+                seen.add(entry.key)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
 
 
 def auto_in_flight(fleet_gpus: int, workload: Workload) -> int:

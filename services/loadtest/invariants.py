@@ -17,11 +17,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import TypeVar
 
+import msgspec
 from nats.js import JetStreamContext
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -36,9 +40,17 @@ class Violations:
 
 async def snapshot(js: JetStreamContext) -> dict[str, NodeAllocations | None]:
     """The current record of every node (None: undecodable)."""
-    kv = await js.key_value(subjects.KV_ALLOCS)
+    return await last_values(js, subjects.KV_ALLOCS, codec.NODE_ALLOCS)
+
+
+async def last_values(
+    js: JetStreamContext, bucket: str, decoder: msgspec.msgpack.Decoder[T]
+) -> dict[str, T | None]:
+    """The current value of every key of ``bucket``, decoded (None: undecodable); one ordered
+    consumer delivering the last value of each key, not a get per key."""
+    kv = await js.key_value(bucket)
     watcher = await kv.watchall(ignore_deletes=True)
-    records: dict[str, NodeAllocations | None] = {}
+    records: dict[str, T | None] = {}
     try:
         async for entry in watcher:
             if entry is None:  # end of the current values
@@ -47,7 +59,7 @@ async def snapshot(js: JetStreamContext) -> dict[str, NodeAllocations | None]:
                 records.pop(entry.key, None)
                 continue
             try:
-                records[entry.key] = codec.NODE_ALLOCS.decode(entry.value)
+                records[entry.key] = decoder.decode(entry.value)
             except codec.DecodeErrors:
                 records[entry.key] = None
     finally:

@@ -11,6 +11,7 @@ and without ``-a`` the server binds 0.0.0.0).
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import socket
@@ -300,6 +301,22 @@ class EmbeddedNatsCluster:
                 )
                 raise EmbeddedServerError(f"nats cluster not healthy after {timeout}s:\n{detail}")
             time.sleep(0.05)
+
+    def meta_leader(self) -> str | None:
+        """The name of the JetStream meta leader, as the first live server's ``/jsz`` says
+        (None while there is none, or no live server answers)."""
+        for m in self.members:
+            if not m.alive:
+                continue
+            try:
+                with _DIRECT.open(f"http://127.0.0.1:{m.monitor_port}/jsz", timeout=2) as resp:
+                    info = json.loads(resp.read())
+            except (OSError, ValueError):
+                continue
+            leader = (info.get("meta_cluster") or {}).get("leader")
+            if isinstance(leader, str) and leader:
+                return leader
+        return None
 
     def kill(self, index: int) -> None:
         """SIGKILL server ``index`` and reap it; its store stays for :meth:`restart`."""

@@ -40,7 +40,7 @@ from typing import Any, Generic, TypeVar
 
 import msgspec
 from nats.js import api
-from nats.js.errors import APIError, KeyNotFoundError
+from nats.js.errors import APIError, NotFoundError
 
 from schemas import codec, limits, subjects
 from services.runtime.bus import Bus
@@ -54,6 +54,8 @@ Mutation = Callable[[T | None], T | None]
 OnChange = Callable[[str, T | None, int], None]
 # JetStream's "wrong last sequence" error codes (as nats-py's kv.update checks them).
 WRONG_LAST_SEQUENCE = (10071, 10164)
+# The header of a KV delete or purge marker (nats-py's ``KV_OP``).
+KV_OPERATION = "KV-Operation"
 # Lost compare-and-set races in a row before a write gives up (each one re-reads the key).
 MAX_CAS_ATTEMPTS = 32
 
@@ -145,17 +147,28 @@ class RecordStore(Generic[T]):
         await self.bus.dead_letter(subject=subject, data=data, error=error, why="undecodable_record")
 
     async def fetch(self, key: str) -> tuple[T | None, int]:
-        """Read ``key`` from the server (direct get) and cache it."""
-        kv = await self.bus.kv(self.bucket)
+        """Read ``key`` from the bucket stream's *leader* and cache it.
+
+        Not a direct get: the buckets allow direct gets (a node agent reads its own record
+        that way), and with replicas every replica answers those, so one may return a record
+        that is behind the last write by the replication lag — ``tandem chaos`` caught a
+        follower that had just restarted answering an allocator's re-read with a record
+        older than the one the node had already acted on (``docs/reliability.md``). A fetch
+        is what a writer reads when its copy may be stale, and a mutation that finds nothing
+        to do on what it read is checked by no compare-and-set, so the read must be the
+        latest: ``STREAM.MSG.GET`` is answered by the leader only."""
         try:
-            entry = await kv.get(subjects.kv_key(key))
-        except KeyNotFoundError as exc:
-            revision = exc.entry.revision if getattr(exc, "entry", None) is not None else 0
-            self._set(key, None, revision or 0, force=True)
-            return None, revision or 0
-        value = self.decoder.decode(entry.value) if entry.value else None
-        self._set(key, value, entry.revision or 0, force=True)
-        return value, entry.revision or 0
+            msg = await self.bus.js.get_last_msg(
+                subjects.kv_stream(self.bucket), subjects.kv_subject(self.bucket, subjects.kv_key(key))
+            )
+        except NotFoundError:  # never written, or expired
+            self._set(key, None, 0, force=True)
+            return None, 0
+        revision = msg.seq or 0
+        deleted = (msg.headers or {}).get(KV_OPERATION) in ("DEL", "PURGE")
+        value = None if deleted or not msg.data else self.decoder.decode(msg.data)
+        self._set(key, value, revision, force=True)
+        return value, revision
 
     def _set(self, key: str, value: T | None, revision: int, *, force: bool = False) -> None:
         known = self.cache.get(key)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import msgspec
 import pytest
+from nats.aio.msg import Msg
 
 from schemas import codec, limits, subjects
 from schemas.messages import (
@@ -256,6 +257,41 @@ async def test_a_record_that_would_outgrow_its_bound_fails_only_its_own_mutation
         await too_big
     value, _ = await store.fetch("r.1")
     assert value is not None and value.request == small
+    await store.aclose()
+
+
+async def test_a_fetch_is_answered_by_the_leader_not_by_any_replica(bus_factory: BusFactory) -> None:
+    """A re-read decides, e.g. that a ``Cleaned`` has nothing to free: it must be the latest
+    record. Direct gets may be answered by a replica that is behind (``tandem chaos`` caught
+    one after a server restart), so a fetch asks the stream leader (``STREAM.MSG.GET``) — and
+    still sees the latest value, a delete and a key never written."""
+    bus = await bus_factory("allocator")
+    store: RecordStore[RequestRecord] = RecordStore(bus, subjects.KV_REQUESTS, codec.REQUEST_RECORD)
+    api_calls: list[str] = []
+
+    async def note(msg: Msg) -> None:
+        api_calls.append(msg.subject)
+
+    spy = await bus.nc.subscribe("$JS.API.>", cb=note)
+    req = AllocationRequest(request_id="r.2", pod=PodRef("ns", "p"), gpus=1)
+    first = await store.update(
+        "r.2", lambda _: RequestRecord(request=req, state="pending"), assume_absent=True
+    )
+    later = await store.update("r.2", lambda cur: msgspec.structs.replace(cur, state="assigned", node="n1"))
+    assert first is not None and later is not None
+    value, revision = await store.fetch("r.2")
+    assert value is not None and (value.state, value.node) == ("assigned", "n1") and revision > 0
+    kv = await bus.kv(subjects.KV_REQUESTS)
+    assert await kv.delete("r.2")
+    gone, marker = await store.fetch("r.2")
+    assert gone is None and marker > revision  # the delete marker's revision: a create CAS needs it
+    assert await store.fetch("never.written") == (None, 0)
+    await bus.nc.flush()
+    await spy.unsubscribe()
+    gets = [s for s in api_calls if ".GET." in s]
+    assert gets and all(
+        s == f"$JS.API.STREAM.MSG.GET.{subjects.kv_stream(subjects.KV_REQUESTS)}" for s in gets
+    ), gets
     await store.aclose()
 
 

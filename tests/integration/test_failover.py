@@ -25,6 +25,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 import msgspec
 import nats.errors
@@ -38,6 +39,7 @@ from schemas.messages import (
     AllocationRequest,
     AllocRecord,
     Assignment,
+    Cleaned,
     Freed,
     NodeAllocations,
     PodRef,
@@ -402,6 +404,74 @@ async def test_release_that_waited_for_the_decision_frees_the_placement(
     assert await holders(client, req.request_id) == []
     record = await client.request_record(req.request_id)
     assert record is not None and record.state == "freed"
+
+
+async def test_a_crash_between_freeing_and_dropping_leaves_nothing_to_place_again(
+    small_stack: tuple[LocalStack, TandemClient], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Freeing is two writes: the request record says ``freed``, the node record drops the
+    allocation. A crash between them (simulated: the second write fails once, so the
+    ``Cleaned`` is redelivered) must still end with the request freed and held by no node.
+    In the other order the redelivered ``Cleaned`` found nothing to drop and the request
+    stayed ``assigned`` with no node holding it, which a restarted replica takes for an
+    abandoned claim and places again although its pod is gone."""
+    stack, client = small_stack
+    allocator = stack.allocators[0]
+    seen = {"active": False, "writes": 0, "crashed": False}
+    real_on_cleaned = allocator._on_cleaned
+
+    async def on_cleaned(cleaned: Cleaned, delivery: object) -> None:
+        seen["active"], seen["writes"] = True, 0
+        try:
+            await real_on_cleaned(cleaned, delivery)  # type: ignore[arg-type]
+        finally:
+            seen["active"] = False
+
+    def crash_at_second_write(real: Any) -> Any:
+        async def write(*args: Any, **kwargs: Any) -> Any:
+            if seen["active"]:
+                seen["writes"] += 1
+                if seen["writes"] == 2 and not seen["crashed"]:
+                    seen["crashed"] = True
+                    raise RuntimeError("killed between the two writes")
+            return await real(*args, **kwargs)
+
+        return write
+
+    monkeypatch.setattr(allocator, "_on_cleaned", on_cleaned)
+    monkeypatch.setattr(allocator.book, "freed", crash_at_second_write(allocator.book.freed))
+    monkeypatch.setattr(allocator.node_allocs, "update", crash_at_second_write(allocator.node_allocs.update))
+    req = request(103)
+    await client.submit(req)
+    assert isinstance(await client.wait_for(req.request_id, (Assignment,)), Assignment)
+    await client.release(req.request_id)
+    freed = await client.wait_for(req.request_id, (Freed,), timeout=20)
+    assert isinstance(freed, Freed) and seen["crashed"]
+    assert await holders(client, req.request_id) == []
+    record = await client.request_record(req.request_id)
+    assert record is not None and record.state == "freed", record
+
+
+async def test_a_late_repair_of_the_request_record_never_undoes_its_release(
+    small_stack: tuple[LocalStack, TandemClient],
+) -> None:
+    """A replica that republishes a committed assignment also makes the request record say
+    ``assigned`` (its own write may have been lost). If the request was released and freed
+    meanwhile, that repair must leave ``freed`` alone: written anyway, it is a claim no node
+    holds, which another replica takes over and places again (``tandem chaos`` found it:
+    the repair lost its compare-and-set race to the ``freed`` write, re-read, overwrote it)."""
+    stack, client = small_stack
+    allocator = stack.allocators[0]
+    req = request(104)
+    await client.submit(req)
+    placed = await client.wait_for(req.request_id, (Assignment,))
+    assert isinstance(placed, Assignment)
+    await client.release(req.request_id)
+    assert isinstance(await client.wait_for(req.request_id, (Freed,), timeout=10), Freed)
+    await allocator.book.mark_assigned(req, node=placed.node)  # the late repair
+    record = await client.request_record(req.request_id)
+    assert record is not None and record.state == "freed", record
+    assert await holders(client, req.request_id) == []
 
 
 @pytest.mark.timeout(180)

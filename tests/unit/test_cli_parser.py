@@ -67,3 +67,10 @@ def test_help_imports_no_heavy_library() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_chaos_components_spelled_in_the_cli_are_the_runners() -> None:
+    from services.chaos.victims import COMPONENTS
+    from services.cli.chaos_cmd import COMPONENTS as SPELLED
+
+    assert SPELLED == COMPONENTS
