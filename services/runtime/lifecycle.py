@@ -135,7 +135,7 @@ def service_main(
             return bus is None or not bus.closed.is_set()
 
         ops = (
-            await OpsServer(port=settings.ops_port, ready=ready, alive=alive).start()
+            await OpsServer(port=settings.ops_port, host=settings.ops_host, ready=ready, alive=alive).start()
             if settings.ops_port
             else None
         )
