@@ -264,10 +264,15 @@ async def api_emulator(tmp_path: Path) -> AsyncIterator[tuple[Any, int, bytes]]:
 
 
 def render_pod_values(*, nats_url: str) -> dict[str, Any]:
-    """Chart values for one pod: free ports (host network), the built image, simulated nodes."""
+    """Chart values for one pod: free ports (host network), the built image, simulated nodes.
+
+    NATS security is switched off here on purpose (the chart's default is TLS and the auth
+    callout): this test runs the workloads on one machine without a TokenReview API or
+    projected tokens. The secure render's NATS side is run against a real nats-server in
+    tests/chart/test_chart_nats.py instead."""
     return {
         "image": {"repository": host.IMAGE_REPOSITORY},
-        "nats": {"url": nats_url},
+        "nats": {"bundled": False, "url": nats_url, "auth": {"mode": "none"}, "tls": {"enabled": False}},
         "metrics": {"port": free_port(), "nodeagentPort": free_port()},
         "admission": {"port": free_port()},
         "nodeagent": {"backend": "simulated", "topologyFile": TOPOLOGY},
