@@ -1,11 +1,14 @@
 """The Helm chart, rendered and linted by the Helm SDK (``helm-python-sdk``, no helm binary),
 every manifest validated against the Kubernetes OpenAPI schema (``kubernetes-validate --strict``).
 
-Variants: default values (chart-generated CA, external NATS), cert-manager, bundled NATS, and
-external NATS with a credentials Secret. Beyond schema validity the tests check the wiring a
-schema cannot see: the webhook's caBundle signs the serving certificate whose names cover the
-Service the webhook calls; only the node agent is privileged; RBAC is the minimum the bridge
-needs; the rendered config file loads into the services' Settings.
+Variants: default values (secure: bundled NATS with TLS and the auth callout, chart-generated
+CAs, NetworkPolicies, the admission VAP), cert-manager, metrics, external NATS with per-component
+credentials or with the callout, and everything off. Beyond schema validity the tests check the
+wiring a schema cannot see: the webhook's caBundle signs the serving certificate whose names
+cover the Service the webhook calls; only the node agent is privileged; RBAC is the minimum each
+component needs; every component's NATS token, account and role agree with the callout's
+identities; no ConfigMap holds secret material; the rendered config file loads into the
+services' Settings. test_chart_nats.py runs the secure render's NATS side on real servers.
 """
 
 from __future__ import annotations
