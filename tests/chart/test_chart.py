@@ -14,6 +14,7 @@ services' Settings. test_chart_nats.py runs the secure render's NATS side on rea
 from __future__ import annotations
 
 import base64
+import copy
 import importlib.util
 import re
 import shlex
@@ -29,6 +30,7 @@ import yaml
 from cryptography import x509
 
 from services.admission import names as admission_names
+from services.admission import policy as admission_policy
 from services.runtime.settings import load_settings
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
@@ -800,3 +802,84 @@ def test_nodeagent_ops_port_binds_its_nodes_address() -> None:
     )
     for comp in ("allocator", "inventory", "admission"):
         assert "TANDEM_OPS_HOST" not in container_env(pod_of(render(), comp))  # their own pod network
+
+
+def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
+    """The policy's CEL, evaluated (cel-python) on the pods the bridge really patches."""
+    import celpy
+
+    from tests.unit.test_admission_helpers import deployment_pod, merge_patch
+    from tests.unit.test_admission_policy import assignment, persisted
+
+    spec = one(render(), "ValidatingAdmissionPolicy")["spec"]
+    env = celpy.Environment()
+    (condition,) = spec["matchConditions"]
+    applies = env.program(env.compile(condition["expression"]))
+    checks = [(v["message"], env.program(env.compile(v["expression"]))) for v in spec["validations"]]
+    bridge = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-admission"
+
+    def denied(old: dict[str, Any], new: dict[str, Any], user: str = bridge) -> list[str]:
+        activation = {
+            "request": celpy.json_to_cel({"userInfo": {"username": user}}),
+            "oldObject": celpy.json_to_cel(old),
+            "object": celpy.json_to_cel(new),
+        }
+
+        def run(program: Any) -> bool:
+            result = program.evaluate(activation)
+            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
+            return bool(result)
+
+        if not run(applies):
+            return []
+        return [message for message, check in checks if not run(check)]
+
+    gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
+    bound = merge_patch(gated, admission_policy.bind_patch(gated, assignment("gpu-7")))
+    assert denied(gated, bound) == []  # the bridge's own bind
+
+    stranger = copy.deepcopy(gated)
+    del stranger["metadata"]["labels"][admission_names.MANAGED]
+    stranger["spec"]["schedulingGates"] = []
+    assert any("tandem.io/managed" in m for m in denied(stranger, merge_patch(stranger, {"metadata": {}})))
+    started = merge_patch(bound, {"metadata": {"annotations": {"x": "y"}}})
+    assert any("scheduling gate" in m for m in denied(bound, started))  # no longer gated
+    unlabelled = merge_patch(gated, {"metadata": {"labels": {admission_names.MANAGED: None}}})
+    assert any("tandem.io/managed" in m for m in denied(gated, unlabelled))
+    swapped = copy.deepcopy(gated)
+    swapped["spec"]["containers"][0]["image"] = "evil.example/miner:latest"
+    assert any("images" in m for m in denied(gated, swapped))
+    assert denied(stranger, swapped, user="system:serviceaccount:kube-system:replicaset-controller") == []
+
+
+def test_webhook_match_condition_selects_pods_that_ask_for_tandem_devices() -> None:
+    """The webhook's matchConditions CEL, evaluated (cel-python) on real pod shapes."""
+    import celpy
+
+    from tests.unit.test_admission_helpers import deployment_pod
+
+    (webhook,) = one(render(), "MutatingWebhookConfiguration")["webhooks"]
+    (condition,) = webhook["matchConditions"]
+    env = celpy.Environment()
+    program = env.program(env.compile(condition["expression"]))
+
+    def sent(pod: dict[str, Any]) -> bool:
+        result = program.evaluate({"object": celpy.json_to_cel(pod)})
+        assert isinstance(result, celpy.celtypes.BoolType), result
+        return bool(result)
+
+    asks = deployment_pod(gpu="2", rdma="2")
+    assert sent(asks)
+    plain = copy.deepcopy(asks)
+    for c in plain["spec"]["containers"]:
+        c["resources"] = {"limits": {"cpu": "1"}}
+    assert not sent(plain)
+    bare = copy.deepcopy(plain)
+    for c in bare["spec"]["containers"]:
+        del c["resources"]
+    assert not sent(bare)
+    init = copy.deepcopy(bare)
+    init["spec"]["initContainers"] = [
+        {"name": "i", "image": "x", "resources": {"requests": {"tandem.io/gpu": "1"}}}
+    ]
+    assert sent(init)
