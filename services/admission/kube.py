@@ -194,3 +194,18 @@ class KubeClient:
             "spec": {"token": token, "audiences": audiences},
         }
         return await self._json(self.authentication.create_token_review(body, _preload_content=False))
+
+    # Secrets: only for the chart's install hook (``tandem nats-config --secret``), not part of
+    # :class:`KubeApi` (no service reads or writes a Secret).
+    async def get_secret(self, namespace: str, name: str) -> Obj:
+        return await self._json(self.core.read_namespaced_secret(name, namespace, _preload_content=False))
+
+    async def create_secret(self, namespace: str, body: Obj) -> Obj:
+        return await self._json(self.core.create_namespaced_secret(namespace, body, _preload_content=False))
+
+    async def patch_secret(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.core.patch_namespaced_secret(
+                name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )

@@ -16,6 +16,7 @@ user to its password and, with ``--server``, to its ready-to-use ``nats_url``.
 from __future__ import annotations
 
 import argparse
+import base64
 import os
 import string
 import sys
@@ -27,6 +28,7 @@ from services.cli.errors import CliError
 
 if TYPE_CHECKING:
     from schemas import permissions
+    from services.admission.kube import KubeClient
 
 _ALPHABET = string.ascii_letters + string.digits
 CONTROL_PLANE = ("allocator", "inventory", "admission", "cli")
@@ -52,6 +54,12 @@ def register(sub: Any) -> None:
         metavar="DIR",
         help="instead of static users: write DIR/server.conf (accounts + auth_callout), the issuer "
         "seed DIR/issuer.nk and DIR/auth-password for `python -m services.authcallout`; kept if present",
+    )
+    p.add_argument(
+        "--secret",
+        metavar="NAMESPACE/NAME",
+        help="with --auth-callout: keep the three files in this Kubernetes Secret (in-cluster "
+        "service account, else the kubeconfig); keys already in it are kept, missing ones added",
     )
     p.set_defaults(func=_run, light=True)
 
@@ -128,7 +136,14 @@ def _run(args: argparse.Namespace) -> int:
 
     from schemas import permissions
 
+    if args.secret and not args.auth_callout:
+        raise CliError("--secret needs --auth-callout DIR (the files it keeps)")
     if args.auth_callout:
+        if args.secret:
+            import asyncio  # here: `tandem --help` imports no asyncio (tests/unit/test_cli_parser.py)
+
+            namespace, name = _secret_ref(args.secret)
+            return asyncio.run(_callout_in_secret(args.auth_callout, namespace, name))
         return _callout(args.auth_callout)
     nodes = _node_names(args)
     if not nodes:
@@ -157,6 +172,98 @@ def _callout(directory: Path) -> int:
     """The server side of per-component, per-node identities (services.authcallout): no user
     per node is written anywhere; the callout turns each component's service-account token
     into its permissions. Existing keys are kept, so re-running changes nothing."""
+    issuer = _write_callout_files(directory)
+    print(f"wrote {directory}/server.conf, issuer.nk, auth-password (issuer {issuer})", file=sys.stderr)
+    return 0
+
+
+# The files of --auth-callout: the server's config block, and the two keys it is made from
+# (kept once generated: a new issuer or password means restarting NATS and the callout).
+CALLOUT_FILES = ("server.conf", "issuer.nk", "auth-password")
+CALLOUT_KEYS = ("issuer.nk", "auth-password")
+
+
+def _secret_ref(ref: str) -> tuple[str, str]:
+    namespace, _, name = ref.partition("/")
+    if not namespace or not name or "/" in name:
+        raise CliError(f"--secret {ref!r}: expected NAMESPACE/NAME")
+    return namespace, name
+
+
+async def _callout_in_secret(directory: Path, namespace: str, name: str) -> int:
+    from services.admission.errors import KubeError
+    from services.admission.kube import KubeClient
+
+    try:
+        kube = await KubeClient.connect()
+    except Exception as exc:  # no in-cluster account and no usable kubeconfig
+        raise CliError(f"--secret: cannot reach the Kubernetes API: {exc}") from None
+    try:
+        outcome = await store_callout_secret(kube, directory, namespace=namespace, name=name)
+    except KubeError as exc:
+        raise CliError(f"--secret {namespace}/{name}: {exc}") from None
+    finally:
+        await kube.close()
+    print(f"Secret {namespace}/{name}: {outcome}", file=sys.stderr)
+    return 0
+
+
+async def store_callout_secret(kube: KubeClient, directory: Path, *, namespace: str, name: str) -> str:
+    """Make ``directory``'s callout files agree with Secret ``namespace/name``; returns what was
+    done (``created``, ``added <keys>``, ``unchanged``). The Secret's keys win over the files:
+    a key that exists is never replaced, so every run of the hook leaves the issuer as it was."""
+    import asyncio
+
+    from services.admission.errors import Conflict, NotFound
+
+    for attempt in (1, 2):  # a concurrent create (409) is read back and joined once
+        try:
+            current = (await kube.get_secret(namespace, name)).get("data") or {}
+            exists = True
+        except NotFound:
+            current, exists = {}, False
+        data = await asyncio.to_thread(_files_from_secret, directory, current)
+        if not exists:
+            labels = {"app.kubernetes.io/part-of": "tandem", "app.kubernetes.io/component": "nats-auth"}
+            body = {
+                "apiVersion": "v1",
+                "kind": "Secret",
+                "metadata": {"name": name, "namespace": namespace, "labels": labels},
+                "type": "Opaque",
+                "data": data,
+            }
+            try:
+                await kube.create_secret(namespace, body)
+            except Conflict:
+                if attempt == 2:
+                    raise
+                continue
+            return "created"
+        changed = {k: v for k, v in data.items() if current.get(k) != v}
+        if not changed:
+            return "unchanged"
+        await kube.patch_secret(namespace, name, {"data": changed})
+        return f"updated {', '.join(sorted(changed))}"
+    raise AssertionError("unreachable")
+
+
+def _files_from_secret(directory: Path, current: dict[str, str]) -> dict[str, str]:
+    """Copy the Secret's keys into ``directory``, generate what is missing; the files as the
+    Secret's base64 ``data``."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        for key in CALLOUT_KEYS:
+            if key in current:
+                _write_private(directory / key, base64.b64decode(current[key]).decode())
+        _write_callout_files(directory)
+        return {k: base64.b64encode((directory / k).read_bytes()).decode() for k in CALLOUT_FILES}
+    except OSError as exc:
+        raise CliError(f"{directory}: cannot write: {exc.strerror}") from None
+
+
+def _write_callout_files(directory: Path) -> str:
+    """Write (or keep) DIR/issuer.nk and DIR/auth-password, and DIR/server.conf from them;
+    return the issuer's public key."""
     import secrets
 
     from schemas import permissions
@@ -178,5 +285,4 @@ def _callout(directory: Path) -> int:
         raise CliError(f"{directory}: cannot write: {exc.strerror}") from None
     except natsjwt.JwtError as exc:
         raise CliError(f"{directory / 'issuer.nk'}: {exc}") from None
-    print(f"wrote {directory}/server.conf, issuer.nk, auth-password (issuer {issuer})", file=sys.stderr)
-    return 0
+    return issuer

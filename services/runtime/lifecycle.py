@@ -138,6 +138,7 @@ def service_main(
         ops = (
             await OpsServer(
                 port=settings.ops_port,
+                host=settings.ops_host,
                 ready=ready,
                 alive=alive,
                 registry=service_registry(service, ready=ready),

@@ -65,6 +65,10 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     node_name: str = msgspec.field(default_factory=socket.gethostname)
     log_level: str = "info"
     ops_port: int | None = None  # /healthz, /readyz, /metrics (services.runtime.ops)
+    # The address the ops port binds: every interface by default (a pod's own network); a
+    # host-network pod (the node agent) binds its node's address, where kubelet probes it,
+    # rather than every interface of the host.
+    ops_host: str = "0.0.0.0"
     log_json: bool = True
     otlp_endpoint: str | None = None
     heartbeat_interval: float = 2.0

@@ -1,17 +1,22 @@
 """The Helm chart, rendered and linted by the Helm SDK (``helm-python-sdk``, no helm binary),
 every manifest validated against the Kubernetes OpenAPI schema (``kubernetes-validate --strict``).
 
-Variants: default values (chart-generated CA, external NATS), cert-manager, bundled NATS, and
-external NATS with a credentials Secret. Beyond schema validity the tests check the wiring a
-schema cannot see: the webhook's caBundle signs the serving certificate whose names cover the
-Service the webhook calls; only the node agent is privileged; RBAC is the minimum the bridge
-needs; the rendered config file loads into the services' Settings.
+Variants: default values (secure: bundled NATS with TLS and the auth callout, chart-generated
+CAs, NetworkPolicies, the admission VAP), cert-manager, metrics, external NATS with per-component
+credentials or with the callout, and everything off. Beyond schema validity the tests check the
+wiring a schema cannot see: the webhook's caBundle signs the serving certificate whose names
+cover the Service the webhook calls; only the node agent is privileged; RBAC is the minimum each
+component needs; every component's NATS token, account and role agree with the callout's
+identities; no ConfigMap holds secret material; the rendered config file loads into the
+services' Settings. test_chart_nats.py runs the secure render's NATS side on real servers.
 """
 
 from __future__ import annotations
 
 import base64
+import copy
 import importlib.util
+import re
 import shlex
 import subprocess
 import tomllib
@@ -24,6 +29,8 @@ import pytest
 import yaml
 from cryptography import x509
 
+from services.admission import names as admission_names
+from services.admission import policy as admission_policy
 from services.runtime.settings import load_settings
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
@@ -33,13 +40,30 @@ K8S = kubernetes_validate.latest_version()
 CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 
 VARIANTS: dict[str, dict[str, Any]] = {
+    # Secure by default: bundled NATS with TLS and the auth callout, NetworkPolicies, the VAP.
     "default": {},
-    "cert-manager": {"admission": {"certManager": {"enabled": True}}},
-    "bundled-nats": {"nats": {"bundled": True}, "metrics": {"serviceMonitor": {"enabled": True}}},
+    "cert-manager": {
+        "admission": {"certManager": {"enabled": True}},
+        "nats": {"tls": {"certManager": {"enabled": True}}},
+    },
+    "metrics": {
+        "metrics": {"serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "metricsFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ],
+            "natsMonitoringFrom": [
+                {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+            ],
+            "nodeAgentCIDRs": ["10.0.0.0/16"],
+        },
+    },
     "external-nats": {
         "nats": {
+            "bundled": False,
             "url": "tls://nats.messaging.svc:4222",
-            "credentialsSecret": {"name": "tandem-nats-creds", "key": "tandem.creds"},
+            "auth": {"mode": "creds", "credentialsSecret": {"name": "tandem-nats-creds"}},
+            "tls": {"caSecret": {"name": "messaging-ca", "key": "ca.pem"}},
             "streamReplicas": 3,
         },
         "otlp": {"endpoint": "http://jaeger-collector.observability:4318"},
@@ -54,12 +78,26 @@ VARIANTS: dict[str, dict[str, Any]] = {
         },
         "nodeagent": {"backend": "simulated", "topologyFile": "dgx-h100"},
     },
+    "external-callout": {
+        "nats": {
+            "bundled": False,
+            "url": "tls://nats.messaging.svc:4222",
+            "tls": {"caSecret": {"name": "ca"}},
+        }
+    },
+    # Everything off, as a test cluster might run it (and as tests/image runs it).
+    "insecure": {
+        "nats": {"auth": {"mode": "none"}, "tls": {"enabled": False}, "replicas": 1},
+        "networkPolicy": {"enabled": False},
+        "admission": {"podPatchPolicy": {"enabled": False}},
+    },
 }
+COMPONENTS = ("allocator", "inventory", "admission", "nodeagent")  # every NATS client but the callout
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def render(values: dict[str, Any] | None = None, *, release: str = RELEASE) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
-        files = chart.render(values or {}, name=RELEASE, namespace=NAMESPACE, is_install=True)
+        files = chart.render(values or {}, name=release, namespace=NAMESPACE, is_install=True)
     docs: list[dict[str, Any]] = []
     for name, text in files.items():
         if name.endswith("NOTES.txt"):
@@ -86,6 +124,12 @@ def one(docs: list[dict[str, Any]], kind: str, name: str | None = None) -> dict[
 
 def workloads(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] in ("Deployment", "DaemonSet", "StatefulSet")]
+
+
+def tandem_images(docs: list[dict[str, Any]]) -> set[str]:
+    """The images of every Tandem container (all but the bundled NATS), the install hook's too."""
+    pods = [w for w in workloads(docs) if component(w) != "nats"] + find(docs, "Job")
+    return {c["image"] for w in pods for c in w["spec"]["template"]["spec"]["containers"]}
 
 
 def component(doc: dict[str, Any]) -> str:
@@ -123,6 +167,11 @@ def test_schema_rejects_bad_values_naming_the_key() -> None:
         "/nodeagent/topologyFile": {"nodeagent": {"backend": "simulated"}},
         "/nats/bundled": {"nats": {"bundled": "yes"}},
         "/admission/webhook/failurePolicy": {"admission": {"webhook": {"failurePolicy": "Maybe"}}},
+        # A password in the URL would land in the ConfigMap: refused, credentials come from nats.auth.
+        "/nats/url": {"nats": {"bundled": False, "url": "nats://tandem:s3cret@nats.nats.svc:4222"}},
+        "/nats/auth/mode": {"nats": {"auth": {"mode": "password"}}},
+        "/nats/auth/credentialsSecret": {"nats": {"auth": {"mode": "creds"}}},
+        "/networkPolicy/nodeAgentCIDRs/0": {"networkPolicy": {"nodeAgentCIDRs": ["gpu-nodes"]}},
     }
     with helm.Chart.load(CHART) as chart:
         chart.validate_schema({})
@@ -144,7 +193,7 @@ def test_generated_ca_signs_the_serving_cert_for_the_webhook_service() -> None:
         {"name": "webhook", "port": 443, "targetPort": "webhook", "protocol": "TCP"}
     ]
 
-    secret = one(docs, "Secret")
+    secret = one(docs, "Secret", f"{RELEASE}-admission-tls")
     assert secret["type"] == "kubernetes.io/tls"
     assert webhook["clientConfig"]["caBundle"] == secret["data"]["ca.crt"]
     ca = x509.load_pem_x509_certificate(base64.b64decode(webhook["clientConfig"]["caBundle"]))
@@ -195,18 +244,18 @@ def test_webhook_scope_failure_policy_and_opt_out() -> None:
 
 def test_cert_manager_variant_injects_the_ca_into_the_webhook() -> None:
     docs = render(VARIANTS["cert-manager"])
-    assert find(docs, "Secret") == []  # cert-manager writes it
+    assert find(docs, "Secret") == []  # cert-manager writes them
     hook = one(docs, "MutatingWebhookConfiguration")
     (webhook,) = hook["webhooks"]
     assert "caBundle" not in webhook["clientConfig"]
-    cert = one(docs, "Certificate")
+    cert = one(docs, "Certificate", f"{RELEASE}-admission")
     assert (
         hook["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
         == f"{NAMESPACE}/{cert['metadata']['name']}"
     )
     svc = webhook["clientConfig"]["service"]["name"]
     assert f"{svc}.{NAMESPACE}.svc" in cert["spec"]["dnsNames"]
-    issuer = one(docs, "Issuer")
+    issuer = one(docs, "Issuer", f"{RELEASE}-admission-selfsigned")
     assert issuer["spec"] == {"selfSigned": {}}
     assert cert["spec"]["issuerRef"] == {
         "name": issuer["metadata"]["name"],
@@ -224,8 +273,11 @@ def test_cert_manager_variant_injects_the_ca_into_the_webhook() -> None:
             }
         }
     )
-    assert find(own, "Issuer") == []
-    assert one(own, "Certificate")["spec"]["issuerRef"] == {"name": "corp-ca", "kind": "ClusterIssuer"}
+    assert find(own, "Issuer", f"{RELEASE}-admission-selfsigned") == []
+    assert one(own, "Certificate", f"{RELEASE}-admission")["spec"]["issuerRef"] == {
+        "name": "corp-ca",
+        "kind": "ClusterIssuer",
+    }
 
 
 def test_only_the_nodeagent_is_privileged(variant: tuple[str, list[dict[str, Any]]]) -> None:
@@ -281,11 +333,13 @@ def rules(role: dict[str, Any]) -> set[tuple[str, str, str, tuple[str, ...]]]:
     return out
 
 
-def test_rbac_is_the_minimum_the_bridge_needs(variant: tuple[str, list[dict[str, Any]]]) -> None:
-    _, docs = variant
-    admission_sa = f"{RELEASE}-admission"
-    (cluster_role,) = find(docs, "ClusterRole")
-    assert rules(cluster_role) == {
+def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = variant
+    admission_sa, callout_sa = f"{RELEASE}-admission", f"{RELEASE}-authcallout"
+    hook_sa = f"{RELEASE}-nats-auth-hook"
+    callout = one(render(VARIANTS[name]), "ConfigMap", f"{RELEASE}-config")["data"]["tandem.yaml"]
+    has_callout = "auth_identities" in callout
+    assert rules(one(docs, "ClusterRole", admission_sa)) == {
         ("", "pods", "get", ()),
         ("", "pods", "list", ()),
         ("", "pods", "watch", ()),
@@ -294,22 +348,37 @@ def test_rbac_is_the_minimum_the_bridge_needs(variant: tuple[str, list[dict[str,
         ("", "events", "get", ()),
         ("", "events", "patch", ()),
     }
-    (role,) = find(docs, "Role")
-    assert rules(role) == {
+    assert rules(one(docs, "Role", f"{admission_sa}-lease")) == {
         ("coordination.k8s.io", "leases", "create", ()),
         ("coordination.k8s.io", "leases", "get", (f"{RELEASE}-bridge",)),
         ("coordination.k8s.io", "leases", "patch", (f"{RELEASE}-bridge",)),
     }
+    expected_roles = {admission_sa}
+    if has_callout:
+        # TokenReviews (cluster-scoped), and the node agents' pods for API servers before 1.30.
+        assert rules(one(docs, "ClusterRole", callout_sa)) == {
+            ("authentication.k8s.io", "tokenreviews", "create", ())
+        }
+        assert rules(one(docs, "Role", callout_sa)) == {("", "pods", "get", ())}
+        # The install hook: only its Secret by name (create cannot be limited by name in RBAC).
+        assert rules(one(docs, "Role", hook_sa)) == {
+            ("", "secrets", "create", ()),
+            ("", "secrets", "get", (f"{RELEASE}-nats-auth",)),
+            ("", "secrets", "patch", (f"{RELEASE}-nats-auth",)),
+        }
+        expected_roles |= {callout_sa}
+    assert {r["metadata"]["name"] for r in find(docs, "ClusterRole")} == expected_roles
     for binding in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding"):
-        assert binding["subjects"] == [
-            {"kind": "ServiceAccount", "name": admission_sa, "namespace": NAMESPACE}
-        ]
+        bound = binding["roleRef"]["name"].removesuffix("-lease")
+        assert binding["subjects"] == [{"kind": "ServiceAccount", "name": bound, "namespace": NAMESPACE}]
     for doc in docs:
         assert "*" not in str(doc.get("rules", "")), doc["metadata"]["name"]
-    # Components that do not talk to the Kubernetes API get no token.
+    # Components that do not talk to the Kubernetes API get no API token.
     for w in workloads(docs):
         pod = w["spec"]["template"]["spec"]
-        assert pod["automountServiceAccountToken"] is (component(w) == "admission"), component(w)
+        assert pod["automountServiceAccountToken"] is (component(w) in ("admission", "authcallout")), (
+            component(w)
+        )
     lease_arg = next(w for w in workloads(docs) if component(w) == "admission")["spec"]["template"]["spec"][
         "containers"
     ][0]["args"]
@@ -320,7 +389,8 @@ def test_single_admission_replica_runs_without_leader_election() -> None:
     docs = render({"admission": {"replicas": 1}})
     deploy = one(docs, "Deployment", f"{RELEASE}-admission")
     assert "--leader-elect" not in deploy["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert find(docs, "Role") == [] and find(docs, "PodDisruptionBudget", f"{RELEASE}-admission") == []
+    assert find(docs, "Role", f"{RELEASE}-admission-lease") == []
+    assert find(docs, "PodDisruptionBudget", f"{RELEASE}-admission") == []
 
 
 def test_commands_run_existing_modules_with_the_shared_config(
@@ -349,7 +419,7 @@ def test_pdbs_cover_the_replicated_services(variant: tuple[str, list[dict[str, A
     pdbs = {component(p): p for p in find(docs, "PodDisruptionBudget")}
     for w in workloads(docs):
         comp = component(w)
-        if comp == "nodeagent":
+        if comp == "nodeagent" or int(w["spec"]["replicas"]) < 2:  # nothing to keep available
             continue
         pdb = pdbs[comp]
         assert (
@@ -376,20 +446,28 @@ def test_rendered_config_loads_into_settings(tmp_path: Path) -> None:
     assert (s.backend, s.topology_file) == ("simulated", "dgx-h100")
 
 
-def test_external_nats_credentials_are_mounted_where_settings_point(tmp_path: Path) -> None:
+def test_external_nats_credentials_are_per_component_and_mounted_where_settings_point() -> None:
     docs = render(VARIANTS["external-nats"])
-    assert find(docs, "StatefulSet") == []
+    assert find(docs, "StatefulSet") == [] and find(docs, "Job") == []
     for w in workloads(docs):
         (c,) = w["spec"]["template"]["spec"]["containers"]
         env = {e["name"]: e.get("value") for e in c["env"]}
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
         volumes = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
-        assert volumes["nats-creds"]["secret"]["secretName"] == "tandem-nats-creds"
-        assert env["TANDEM_NATS_CREDS"] == f"{mounts['nats-creds']}/tandem.creds"
+        creds = volumes["nats-creds"]["secret"]
+        # Each component sees only its own key of the Secret (the node agent's runs on every node).
+        assert creds["secretName"] == "tandem-nats-creds"
+        key = f"{component(w)}.creds"
+        assert creds["items"] == [{"key": key, "path": key}]
+        assert env["TANDEM_NATS_CREDS"] == f"{mounts['nats-creds']}/{key}"
+        assert "TANDEM_NATS_TOKEN_FILE" not in env
+        ca = volumes["nats-ca"]["secret"]
+        assert ca == {"secretName": "messaging-ca", "items": [{"key": "ca.pem", "path": "ca.crt"}]}
+        assert mounts["nats-ca"] == "/etc/tandem/nats-ca"
 
 
 def test_bundled_nats_is_a_clustered_jetstream_statefulset(tmp_path: Path) -> None:
-    docs = render(VARIANTS["bundled-nats"])
+    docs = render()
     sts = one(docs, "StatefulSet")
     assert sts["spec"]["replicas"] == 3
     (c,) = sts["spec"]["template"]["spec"]["containers"]
@@ -401,14 +479,16 @@ def test_bundled_nats_is_a_clustered_jetstream_statefulset(tmp_path: Path) -> No
     assert routes == [
         f"nats://{sts['metadata']['name']}-{i}.{headless}.{NAMESPACE}.svc:6222" for i in range(3)
     ]
-    one(docs, "Service", headless)
+    # Monitoring is for kubelet's probes: no Service exposes it.
+    for name in (headless, sts["metadata"]["name"]):
+        assert "monitor" not in {p["name"] for p in one(docs, "Service", name)["spec"]["ports"]}
     client = one(docs, "Service", sts["metadata"]["name"])
     s = settings_from(docs, tmp_path)
-    assert s.nats_url == f"nats://{client['metadata']['name']}.{NAMESPACE}.svc:4222"
+    assert s.nats_url == f"tls://{client['metadata']['name']}.{NAMESPACE}.svc:4222"
     assert s.stream_replicas == 3  # R3 streams on the 3-server cluster
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
     assert one(docs, "PodDisruptionBudget", sts["metadata"]["name"])["spec"]["maxUnavailable"] == 1
-    monitor = one(docs, "ServiceMonitor")
+    monitor = one(render(VARIANTS["metrics"]), "ServiceMonitor")
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
 
 
@@ -447,7 +527,7 @@ def test_chart_image_make_image_and_pyproject_agree_on_the_version() -> None:
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
     assert chart["appVersion"] == version, "Chart.yaml appVersion must follow pyproject.toml's version"
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    images = {c["image"] for w in workloads(render()) for c in w["spec"]["template"]["spec"]["containers"]}
+    images = tandem_images(render())
     assert images == {f"{values['image']['repository']}:{version}"}
 
     dry = subprocess.run(
@@ -459,9 +539,347 @@ def test_chart_image_make_image_and_pyproject_agree_on_the_version() -> None:
     assert tag in images, (tag, images)
     assert f"VERSION={version}" in built
     # An explicit tag still wins over appVersion.
-    pinned = {
-        c["image"]
-        for w in workloads(render({"image": {"tag": "9.9.9"}}))
-        for c in w["spec"]["template"]["spec"]["containers"]
-    }
+    pinned = tandem_images(render({"image": {"tag": "9.9.9"}}))
     assert pinned == {f"{values['image']['repository']}:9.9.9"}
+
+
+# --- Secure by default ---------------------------------------------------------------------
+
+
+def pod_of(docs: list[dict[str, Any]], comp: str) -> dict[str, Any]:
+    (w,) = [w for w in workloads(docs) if component(w) == comp]
+    return dict(w["spec"]["template"]["spec"])
+
+
+def container_env(pod: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in pod["containers"][0]["env"]}
+
+
+def mounts_of(pod: dict[str, Any]) -> dict[str, str]:
+    return {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+
+
+def test_every_component_authenticates_with_its_own_projected_token(tmp_path: Path) -> None:
+    docs = render()
+    settings = settings_from(docs, tmp_path)
+    assert settings.auth_namespace == NAMESPACE and settings.auth_audience == "tandem-nats"
+    accounts = {sa["metadata"]["name"] for sa in find(docs, "ServiceAccount")}
+    roles = set()
+    for comp in COMPONENTS:
+        pod = pod_of(docs, comp)
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        (source,) = volumes["nats-token"]["projected"]["sources"]
+        assert source == {
+            "serviceAccountToken": {"audience": "tandem-nats", "expirationSeconds": 3600, "path": "token"}
+        }, comp
+        env = container_env(pod)
+        assert env["TANDEM_NATS_TOKEN_FILE"] == f"{mounts_of(pod)['nats-token']}/token", comp
+        assert not {"TANDEM_NATS_CREDS", "TANDEM_NATS_USER"} & set(env), comp
+        # Its account is one the callout knows, as the role of this very component.
+        account = pod["serviceAccountName"]
+        assert account in accounts and settings.auth_identities[account] == comp, (comp, account)
+        roles.add(settings.auth_identities[account])
+    assert roles == set(COMPONENTS)
+    # The operators' account for `kubectl create token ... --audience tandem-nats`.
+    assert settings.auth_identities[f"{RELEASE}-cli"] == "cli" and f"{RELEASE}-cli" in accounts
+    assert set(settings.auth_identities) <= accounts  # every identity is a rendered account
+    assert settings.auth_identities == load_settings("x", environ={}).auth_identities  # release "tandem"
+
+
+def test_identities_follow_the_release_name(tmp_path: Path) -> None:
+    docs = render(release="gpu")
+    cm = one(docs, "ConfigMap", "gpu-tandem-config")
+    path = tmp_path / "tandem.yaml"
+    path.write_text(cm["data"]["tandem.yaml"])
+    identities = load_settings("x", config=path, environ={}).auth_identities
+    assert identities == {f"gpu-tandem-{r}": r for r in (*COMPONENTS, "cli")}
+    for comp in COMPONENTS:
+        assert identities[pod_of(docs, comp)["serviceAccountName"]] == comp
+
+
+def test_the_auth_callout_runs_with_its_keys_from_the_hooks_secret(tmp_path: Path) -> None:
+    docs = render()
+    deploy = one(docs, "Deployment", f"{RELEASE}-authcallout")
+    assert deploy["spec"]["replicas"] == 2
+    pod = deploy["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert c["command"] == ["python", "-m", "services.authcallout"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-authcallout"
+    env, mounts = container_env(pod), mounts_of(pod)
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    auth = volumes["nats-auth"]["secret"]
+    assert auth["secretName"] == f"{RELEASE}-nats-auth"
+    # The seed and the password, not the server's config; and no token of its own for NATS.
+    assert {i["key"] for i in auth["items"]} == {"issuer.nk", "auth-password"}
+    assert env["TANDEM_AUTH_ISSUER_SEED_FILE"] == f"{mounts['nats-auth']}/issuer.nk"
+    assert env["TANDEM_NATS_PASSWORD_FILE"] == f"{mounts['nats-auth']}/auth-password"
+    assert env["TANDEM_NATS_USER"] == "auth" and "nats-token" not in volumes
+    s = settings_from(docs, tmp_path)
+    assert (s.auth_user_ttl, s.nats_tls_ca) == (3600, f"{mounts['nats-ca']}/ca.crt")
+
+    # The NATS servers include only server.conf from that Secret, next to their own config.
+    sts = one(docs, "StatefulSet")
+    (config,) = [v for v in sts["spec"]["template"]["spec"]["volumes"] if v["name"] == "config"]
+    sources = config["projected"]["sources"]
+    assert {
+        "secret": {"name": f"{RELEASE}-nats-auth", "items": [{"key": "server.conf", "path": "auth.conf"}]}
+    } in (sources)
+    conf = one(docs, "ConfigMap", f"{RELEASE}-nats-config")["data"]["nats.conf"]
+    assert "include ./auth.conf" in conf
+
+
+def test_the_install_hook_makes_the_callout_keys_before_nats_starts() -> None:
+    docs = render()
+    job = one(docs, "Job", f"{RELEASE}-nats-auth-hook")
+    hook = job["metadata"]["annotations"]
+    assert hook["helm.sh/hook"] == "pre-install,pre-upgrade"
+    pod = job["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    secret = f"{NAMESPACE}/{RELEASE}-nats-auth"
+    assert c["command"] == ["tandem", "nats-config", "--auth-callout", "/tmp/nats-auth", "--secret", secret]
+    assert (
+        c["image"]
+        == one(docs, "Deployment", f"{RELEASE}-authcallout")["spec"]["template"]["spec"]["containers"][0][
+            "image"
+        ]
+    )
+    assert mounts_of(pod)["tmp"] == "/tmp"  # where it writes; the root filesystem is read-only
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True and pod["securityContext"]["runAsNonRoot"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-nats-auth-hook" and pod["automountServiceAccountToken"]
+    # Its account, role and binding exist before it runs (lower weight) and go with it.
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        meta = one(docs, kind, f"{RELEASE}-nats-auth-hook")["metadata"]["annotations"]
+        assert meta["helm.sh/hook"] == hook["helm.sh/hook"]
+        assert int(meta["helm.sh/hook-weight"]) < int(hook["helm.sh/hook-weight"])
+        assert "hook-succeeded" in meta["helm.sh/hook-delete-policy"]
+    assert (
+        find(render(VARIANTS["insecure"]), "Job") == []
+        and find(render(VARIANTS["external-nats"]), "Job") == []
+    )
+
+
+def test_generated_nats_ca_signs_a_certificate_for_the_service_and_every_server(tmp_path: Path) -> None:
+    docs = render()
+    secret = one(docs, "Secret", f"{RELEASE}-nats-tls")
+    ca = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["ca.crt"]))
+    cert = x509.load_pem_x509_certificate(base64.b64decode(secret["data"]["tls.crt"]))
+    cert.verify_directly_issued_by(ca)
+    names = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    )
+    assert f"{RELEASE}-nats.{NAMESPACE}.svc" in names  # what the clients dial
+    assert f"*.{RELEASE}-nats-headless.{NAMESPACE}.svc" in names  # what the routes dial
+    usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    assert {x509.ExtendedKeyUsageOID.SERVER_AUTH, x509.ExtendedKeyUsageOID.CLIENT_AUTH} <= set(usages)
+
+    sts = one(docs, "StatefulSet")
+    volumes = {v["name"]: v for v in sts["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["tls"]["secret"]["secretName"] == secret["metadata"]["name"]
+    tls_dir = mounts_of(sts["spec"]["template"]["spec"])["tls"]
+    conf = one(docs, "ConfigMap", f"{RELEASE}-nats-config")["data"]["nats.conf"]
+    assert conf.count(f"cert_file: {tls_dir}/tls.crt") == 2  # clients and routes
+    assert f"ca_file: {tls_dir}/ca.crt" in conf  # routes verify each other
+
+    # Clients: tls:// and the CA, and only the CA of that Secret (never the server's key).
+    for comp in (*COMPONENTS, "authcallout"):
+        pod = pod_of(docs, comp)
+        ca_volume = next(v for v in pod["volumes"] if v["name"] == "nats-ca")
+        assert ca_volume["secret"] == {
+            "secretName": secret["metadata"]["name"],
+            "items": [{"key": "ca.crt", "path": "ca.crt"}],
+        }, comp
+        assert mounts_of(pod)["nats-ca"] == "/etc/tandem/nats-ca"
+    assert settings_from(docs, tmp_path).nats_tls_ca == "/etc/tandem/nats-ca/ca.crt"
+
+    cm = render(VARIANTS["cert-manager"])
+    cert_spec = one(cm, "Certificate", f"{RELEASE}-nats")["spec"]
+    assert cert_spec["secretName"] == secret["metadata"]["name"]
+    assert {"server auth", "client auth"} <= set(cert_spec["usages"])
+    assert cert_spec["issuerRef"]["name"] == f"{RELEASE}-nats-ca"
+    assert one(cm, "Certificate", f"{RELEASE}-nats-ca")["spec"]["isCA"] is True
+    # nats-server reads its certificate at start: the renewed one is loaded by a reload.
+    pod = one(cm, "StatefulSet")["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True
+    reloader = next(c for c in pod["containers"] if c["name"] == "tls-reloader")
+    assert "--signal reload=/tmp/nats.pid" in reloader["command"][-1]
+    assert {m["name"] for m in reloader["volumeMounts"]} == {"tls", "tmp"}
+    assert [c["name"] for c in one(docs, "StatefulSet")["spec"]["template"]["spec"]["containers"]] == ["nats"]
+
+
+# Key material, passwords, the callout's server block, an nkey seed (S + key type + base32).
+SECRET_MARKERS = ("PRIVATE KEY", "BEGIN CERTIFICATE", "password", "auth_users", "accounts:")
+NKEY_SEED = re.compile(r"\bS[AOUNCX][A-Z2-7]{50,}")
+
+
+def test_no_configmap_holds_secret_material(variant: tuple[str, list[dict[str, Any]]]) -> None:
+    name, docs = variant
+    maps = find(docs, "ConfigMap")
+    assert maps, name
+    for cm in maps:
+        for key, text in (cm.get("data") or {}).items():
+            for marker in SECRET_MARKERS:
+                assert marker not in text, (name, cm["metadata"]["name"], key, marker)
+            assert not re.search(r"(nats|tls)://[^/\s\"]*@", text), (name, cm["metadata"]["name"], key)
+            assert not NKEY_SEED.search(text), (name, cm["metadata"]["name"], key)
+        assert not cm.get("binaryData"), cm["metadata"]["name"]
+    # Nor a copy of anything the render keeps in a Secret (certificates and keys).
+    texts = [t for cm in maps for t in (cm.get("data") or {}).values()]
+    for secret in find(docs, "Secret"):
+        for key, value in secret.get("data", {}).items():
+            plain = base64.b64decode(value).decode()
+            body = plain.split("-----")[2].strip()[:64]  # a PEM's first base64 line
+            leaked = [t for t in texts if body in t or value[:64] in t]
+            assert not leaked, (name, secret["metadata"]["name"], key)
+
+
+def test_network_policies_admit_only_tandem_to_nats() -> None:
+    docs = render()
+    by_name = {p["metadata"]["name"]: p for p in find(docs, "NetworkPolicy")}
+    deny = by_name[f"{RELEASE}-default-deny"]["spec"]
+    assert deny == {
+        "podSelector": {
+            "matchLabels": {"app.kubernetes.io/name": "tandem", "app.kubernetes.io/instance": RELEASE}
+        },
+        "policyTypes": ["Ingress"],
+    }
+    nats = by_name[f"{RELEASE}-nats"]["spec"]
+    sts = one(docs, "StatefulSet")
+    assert nats["podSelector"]["matchLabels"].items() <= sts["spec"]["template"]["metadata"]["labels"].items()
+    ingress = {r["ports"][0]["port"]: r.get("from") for r in nats["ingress"]}
+    assert set(ingress) == {"client", "cluster"}  # monitoring: from nothing by default
+    clients = ingress["client"]
+    assert clients is not None
+    (tandem,) = [p for p in clients if "podSelector" in p]
+    (expr,) = tandem["podSelector"]["matchExpressions"]
+    assert set(expr["values"]) == {"allocator", "inventory", "admission", "authcallout"}
+    assert {p["ipBlock"]["cidr"] for p in clients if "ipBlock" in p} == {"0.0.0.0/0", "::/0"}  # node agents
+    assert ingress["cluster"] == [{"podSelector": {"matchLabels": nats["podSelector"]["matchLabels"]}}]
+    webhook = by_name[f"{RELEASE}-admission-webhook"]["spec"]
+    assert webhook["ingress"] == [{"ports": [{"port": "webhook", "protocol": "TCP"}]}]
+    assert f"{RELEASE}-metrics" not in by_name  # nobody scrapes until told who may
+
+    monitored = {p["metadata"]["name"]: p["spec"] for p in find(render(VARIANTS["metrics"]), "NetworkPolicy")}
+    monitoring = VARIANTS["metrics"]["networkPolicy"]["metricsFrom"]
+    assert monitored[f"{RELEASE}-metrics"]["ingress"] == [
+        {"from": monitoring, "ports": [{"port": "ops", "protocol": "TCP"}]}
+    ]
+    nats_rules = {r["ports"][0]["port"]: r["from"] for r in monitored[f"{RELEASE}-nats"]["ingress"]}
+    assert nats_rules["monitor"] == monitoring
+    assert [p["ipBlock"]["cidr"] for p in nats_rules["client"] if "ipBlock" in p] == ["10.0.0.0/16"]
+    assert find(render(VARIANTS["insecure"]), "NetworkPolicy") == []
+
+
+def test_admission_may_change_only_gated_tandem_pods() -> None:
+    docs = render()
+    policy = one(docs, "ValidatingAdmissionPolicy")
+    spec = policy["spec"]
+    assert spec["failurePolicy"] == "Fail"
+    assert spec["matchConstraints"]["resourceRules"] == [
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"]}
+    ]
+    (who,) = spec["matchConditions"]
+    account = one(docs, "ClusterRoleBinding", f"{RELEASE}-admission")["subjects"][0]
+    assert (
+        who["expression"]
+        == f"request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:{account['name']}'"
+    )
+    checks = " ".join(v["expression"] for v in spec["validations"])
+    # The label and the gate the webhook sets (services.admission.names), before and after.
+    assert f"oldObject.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
+    assert f"object.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
+    assert f"g.name == '{admission_names.GATE}'" in checks
+    binding = one(docs, "ValidatingAdmissionPolicyBinding")["spec"]
+    assert binding == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+
+
+def test_nodeagent_ops_port_binds_its_nodes_address() -> None:
+    pod = pod_of(render(), "nodeagent")
+    env = {e["name"]: e for e in pod["containers"][0]["env"]}
+    assert env["HOST_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.hostIP"
+    names = [e["name"] for e in pod["containers"][0]["env"]]
+    assert env["TANDEM_OPS_HOST"]["value"] == "$(HOST_IP)" and names.index("HOST_IP") < names.index(
+        "TANDEM_OPS_HOST"
+    )
+    for comp in ("allocator", "inventory", "admission"):
+        assert "TANDEM_OPS_HOST" not in container_env(pod_of(render(), comp))  # their own pod network
+
+
+def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
+    """The policy's CEL, evaluated (cel-python) on the pods the bridge really patches."""
+    import celpy
+
+    from tests.unit.test_admission_helpers import deployment_pod, merge_patch
+    from tests.unit.test_admission_policy import assignment, persisted
+
+    spec = one(render(), "ValidatingAdmissionPolicy")["spec"]
+    env = celpy.Environment()
+    (condition,) = spec["matchConditions"]
+    applies = env.program(env.compile(condition["expression"]))
+    checks = [(v["message"], env.program(env.compile(v["expression"]))) for v in spec["validations"]]
+    bridge = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-admission"
+
+    def denied(old: dict[str, Any], new: dict[str, Any], user: str = bridge) -> list[str]:
+        activation = {
+            "request": celpy.json_to_cel({"userInfo": {"username": user}}),
+            "oldObject": celpy.json_to_cel(old),
+            "object": celpy.json_to_cel(new),
+        }
+
+        def run(program: Any) -> bool:
+            result = program.evaluate(activation)
+            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
+            return bool(result)
+
+        if not run(applies):
+            return []
+        return [message for message, check in checks if not run(check)]
+
+    gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
+    bound = merge_patch(gated, admission_policy.bind_patch(gated, assignment("gpu-7")))
+    assert denied(gated, bound) == []  # the bridge's own bind
+
+    stranger = copy.deepcopy(gated)
+    del stranger["metadata"]["labels"][admission_names.MANAGED]
+    stranger["spec"]["schedulingGates"] = []
+    assert any("tandem.io/managed" in m for m in denied(stranger, merge_patch(stranger, {"metadata": {}})))
+    started = merge_patch(bound, {"metadata": {"annotations": {"x": "y"}}})
+    assert any("scheduling gate" in m for m in denied(bound, started))  # no longer gated
+    unlabelled = merge_patch(gated, {"metadata": {"labels": {admission_names.MANAGED: None}}})
+    assert any("tandem.io/managed" in m for m in denied(gated, unlabelled))
+    swapped = copy.deepcopy(gated)
+    swapped["spec"]["containers"][0]["image"] = "evil.example/miner:latest"
+    assert any("images" in m for m in denied(gated, swapped))
+    assert denied(stranger, swapped, user="system:serviceaccount:kube-system:replicaset-controller") == []
+
+
+def test_webhook_match_condition_selects_pods_that_ask_for_tandem_devices() -> None:
+    """The webhook's matchConditions CEL, evaluated (cel-python) on real pod shapes."""
+    import celpy
+
+    from tests.unit.test_admission_helpers import deployment_pod
+
+    (webhook,) = one(render(), "MutatingWebhookConfiguration")["webhooks"]
+    (condition,) = webhook["matchConditions"]
+    env = celpy.Environment()
+    program = env.program(env.compile(condition["expression"]))
+
+    def sent(pod: dict[str, Any]) -> bool:
+        result = program.evaluate({"object": celpy.json_to_cel(pod)})
+        assert isinstance(result, celpy.celtypes.BoolType), result
+        return bool(result)
+
+    asks = deployment_pod(gpu="2", rdma="2")
+    assert sent(asks)
+    plain = copy.deepcopy(asks)
+    for c in plain["spec"]["containers"]:
+        c["resources"] = {"limits": {"cpu": "1"}}
+    assert not sent(plain)
+    bare = copy.deepcopy(plain)
+    for c in bare["spec"]["containers"]:
+        del c["resources"]
+    assert not sent(bare)
+    init = copy.deepcopy(bare)
+    init["spec"]["initContainers"] = [
+        {"name": "i", "image": "x", "resources": {"requests": {"tandem.io/gpu": "1"}}}
+    ]
+    assert sent(init)

@@ -3,8 +3,9 @@
 This is the small part of kubelet the image test needs, written out so that what the chart
 renders is what runs: the container's command and args, its env (``$(VAR)`` references and
 ``fieldRef`` values resolved as kubelet resolves them), its volumes (ConfigMap and Secret
-volumes filled from the rendered objects, emptyDir, hostPath), the pod and container security
-context, host namespaces, and the service-account token mount when the pod asks for one.
+volumes filled from the rendered objects, with their ``items``; projected volumes of those and
+of service-account tokens; emptyDir, hostPath), the pod and container security context, host
+namespaces, and the service-account token mount when the pod asks for one.
 
 What differs from a cluster, on purpose:
 
@@ -25,6 +26,7 @@ from __future__ import annotations
 import base64
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,6 +49,10 @@ class ApiAccess:
     port: int
     token: str
     ca_pem: bytes
+
+
+# A projected service-account token for (pod, audience): what kubelet asks the API server for.
+TokenIssuer = Callable[["Pod", str], str]
 
 
 @dataclass
@@ -155,6 +161,7 @@ def podman_run_args(
     container_name: str,
     labels: dict[str, str],
     api: ApiAccess | None = None,
+    tokens: TokenIssuer | None = None,
 ) -> list[str]:
     """``podman run`` arguments (after ``podman run``) that start ``pod``'s container detached."""
     spec, c = pod.spec, pod.container
@@ -197,7 +204,7 @@ def podman_run_args(
         vol = volumes.get(mount["name"])
         if vol is None:
             raise UnsupportedSpec(f"{pod.name}: volumeMount {mount['name']!r} has no volume")
-        source = _volume_source(pod, vol, pod_dir=pod_dir, node_root=node_root)
+        source = _volume_source(pod, vol, pod_dir=pod_dir, node_root=node_root, tokens=tokens)
         opts = ["ro" if mount.get("readOnly") else "rw"]
         if mount.get("subPath"):
             raise UnsupportedSpec(f"{pod.name}: subPath on {mount['name']!r}")
@@ -230,22 +237,15 @@ def podman_run_args(
     return args
 
 
-def _volume_source(pod: Pod, vol: dict[str, Any], *, pod_dir: Path, node_root: Path) -> Path:
+def _volume_source(
+    pod: Pod, vol: dict[str, Any], *, pod_dir: Path, node_root: Path, tokens: TokenIssuer | None = None
+) -> Path:
     name = vol["name"]
-    if "configMap" in vol:
-        cm = find_object(pod.objects, "ConfigMap", vol["configMap"]["name"])
-        if vol["configMap"].get("items"):
-            raise UnsupportedSpec(f"{pod.name}: configMap items on volume {name!r}")
-        files = {k: v.encode() for k, v in (cm.get("data") or {}).items()}
-        files |= {k: base64.b64decode(v) for k, v in (cm.get("binaryData") or {}).items()}
-        _write_files(pod_dir / "volumes" / name, files)
-        return pod_dir / "volumes" / name
-    if "secret" in vol:
-        secret = find_object(pod.objects, "Secret", vol["secret"]["secretName"])
-        if vol["secret"].get("items"):
-            raise UnsupportedSpec(f"{pod.name}: secret items on volume {name!r}")
-        files = {k: base64.b64decode(v) for k, v in (secret.get("data") or {}).items()}
-        files |= {k: v.encode() for k, v in (secret.get("stringData") or {}).items()}
+    if "configMap" in vol or "secret" in vol or "projected" in vol:
+        sources = vol["projected"]["sources"] if "projected" in vol else [vol]
+        files: dict[str, bytes] = {}
+        for source in sources:
+            files |= _source_files(pod, name, source, tokens)
         _write_files(pod_dir / "volumes" / name, files)
         return pod_dir / "volumes" / name
     if "emptyDir" in vol:
@@ -264,3 +264,34 @@ def _volume_source(pod: Pod, vol: dict[str, Any], *, pod_dir: Path, node_root: P
         path.mkdir(parents=True, exist_ok=True)  # "Directory": it exists on a real node
         return path
     raise UnsupportedSpec(f"{pod.name}: volume {name!r} of kind {sorted(set(vol) - {'name'})}")
+
+
+def _source_files(
+    pod: Pod, volume: str, source: dict[str, Any], tokens: TokenIssuer | None
+) -> dict[str, bytes]:
+    """The files one volume source (a configMap, secret or serviceAccountToken) puts in a volume,
+    by path; ``items`` pick and rename keys as kubelet does."""
+    if "serviceAccountToken" in source:
+        sat = source["serviceAccountToken"]
+        if tokens is None:
+            raise UnsupportedSpec(f"{pod.name}: volume {volume!r} wants a token but no issuer was given")
+        return {sat["path"]: tokens(pod, sat.get("audience", "")).encode()}
+    if "configMap" in source:
+        ref = source["configMap"]
+        obj = find_object(pod.objects, "ConfigMap", ref["name"])
+        data = {k: v.encode() for k, v in (obj.get("data") or {}).items()}
+        data |= {k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()}
+    elif "secret" in source:
+        ref = source["secret"]
+        obj = find_object(pod.objects, "Secret", ref.get("secretName") or ref["name"])
+        data = {k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()}
+        data |= {k: v.encode() for k, v in (obj.get("stringData") or {}).items()}
+    else:
+        raise UnsupportedSpec(f"{pod.name}: volume {volume!r} source {sorted(source)}")
+    items = ref.get("items")
+    if not items:
+        return data
+    missing = [i["key"] for i in items if i["key"] not in data]
+    if missing:
+        raise UnsupportedSpec(f"{pod.name}: volume {volume!r}: no key {missing} in {ref}")
+    return {i["path"]: data[i["key"]] for i in items}

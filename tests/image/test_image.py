@@ -9,6 +9,14 @@ admission service talking to the Kubernetes API emulator over its in-cluster ser
 A pod then goes through the webhook and the API: assigned, applied, bound, deleted, released,
 cleaned, freed. Every container must answer its rendered readiness probe and ``/readyz``, and
 stop with status 0 on SIGTERM. Containers are removed whatever happens.
+
+Twice: with NATS security off (``nats.auth.mode=none``, no TLS), which observes every message,
+and with the chart's default security against an external NATS: the install hook's Job runs
+first and writes its Secret through the API emulator, NATS runs with that Secret's
+``server.conf`` and TLS, the auth callout's replicas review every component's projected token
+through the emulator's TokenReview, and the components connect over TLS with the rendered CA.
+(The bundled NATS StatefulSet itself runs the official nats image, which is not built here; its
+rendered config is run on real nats-servers in tests/chart/test_chart_nats.py.)
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ import base64
 import contextlib
 import functools
 import json
+import secrets
 import socket
 import ssl
 import time
@@ -33,12 +42,13 @@ import nats
 import pytest
 from aiohttp.test_utils import RawTestServer
 
-from schemas import codec, messages
+from schemas import codec, messages, permissions
 from services.admission import names
-from tests.chart.test_chart import NAMESPACE, component, one, render, workloads
+from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA
+from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.image import host
 from tests.image.conftest import VERSION, BuiltImage
-from tests.image.pods import ApiAccess, Pod, podman_run_args
+from tests.image.pods import ApiAccess, Pod, TokenIssuer, podman_run_args
 from tests.integration.test_bridge import Apiserver
 from tests.unit.test_admission_helpers import deployment_pod, review, write_self_signed
 
@@ -122,17 +132,20 @@ class Cluster:
     def name(self, pod: str) -> str:
         return f"tandem-image-test-{self.run_id}-{pod}"
 
-    async def start_nats(self, port: int, monitor: int) -> None:
+    async def start_nats(self, port: int, monitor: int, *, config_dir: Path | None = None) -> None:
+        """The image's nats-server; with ``config_dir``, its ``nats.conf`` (mounted at /etc/nats)."""
         name = self.name("nats")
+        config = ["--volume", f"{config_dir}:/etc/nats:ro"] if config_dir else []
+        conf_args = ["--config", "/etc/nats/nats.conf"] if config_dir else []
         await podman(
             "run", "--detach", "--init", "--name", name, "--network", "host",
-            "--label", f"tandem-image-test={self.run_id}", "--tmpfs", "/data:rw,mode=1777",
-            self.image.ref, "nats-server", "--jetstream", "--addr", "127.0.0.1", "--port", str(port),
-            "--http_port", str(monitor), "--store_dir", "/data",
+            "--label", f"tandem-image-test={self.run_id}", "--tmpfs", "/data:rw,mode=1777", *config,
+            self.image.ref, "nats-server", *conf_args, "--jetstream", "--addr", "127.0.0.1",
+            "--port", str(port), "--http_port", str(monitor), "--store_dir", "/data",
         )  # fmt: skip
         self.containers[name] = None
 
-    async def start(self, pod: Pod, api: ApiAccess | None = None) -> None:
+    async def start(self, pod: Pod, api: ApiAccess | None = None, tokens: TokenIssuer | None = None) -> None:
         name = self.name(pod.name)
         args = podman_run_args(
             pod,
@@ -141,15 +154,25 @@ class Cluster:
             container_name=name,
             labels={"tandem-image-test": self.run_id},
             api=api,
+            tokens=tokens,
         )
         self.containers[name] = pod
         self.started_at[pod.name] = time.monotonic()
         await podman("run", *args)
 
-    async def start_all(self, pods: list[Pod], api: ApiAccess | None = None) -> None:
+    async def run_job(self, pod: Pod, api: ApiAccess) -> tuple[int, str]:
+        """Run a Job's pod to its end, as the Job controller would once: (exit code, logs)."""
+        await self.start(pod, api)
+        name = self.name(pod.name)
+        code = int((await podman("wait", name, timeout=120)).strip() or -1)
+        return code, await podman("logs", name, check=False, stderr=True)
+
+    async def start_all(
+        self, pods: list[Pod], api: ApiAccess | None = None, tokens: TokenIssuer | None = None
+    ) -> None:
         """Start pods concurrently; every start has finished (so cleanup sees it) before a
         failure is raised."""
-        results = await asyncio.gather(*(self.start(p, api) for p in pods), return_exceptions=True)
+        results = await asyncio.gather(*(self.start(p, api, tokens) for p in pods), return_exceptions=True)
         for result in results:
             if isinstance(result, BaseException):
                 raise result
@@ -244,6 +267,40 @@ class TlsServer(RawTestServer):
         await super().start_server(loop, ssl=self.ssl_context, **kwargs)
 
 
+class ReviewingApiserver(Apiserver):
+    """The emulator plus the API server's TokenReview, for the projected tokens this test's
+    kubelet stand-in hands out (``issue``): a 1.30+ API server's answer for pod-bound tokens."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: dict[str, tuple[str, dict[str, Any]]] = {}  # token -> (audience, status.user)
+        self.authenticated: list[str] = []  # the user of every review answered "authenticated"
+
+    def issue(self, pod: Pod, audience: str) -> str:
+        token = secrets.token_urlsafe(32)
+        account = f"system:serviceaccount:{pod.namespace}:{pod.spec['serviceAccountName']}"
+        extra = {POD_NAME_EXTRA: [pod.name], NODE_NAME_EXTRA: [pod.node]}
+        self.tokens[token] = (audience, {"username": account, "extra": extra})
+        return token
+
+    async def __call__(self, raw_request: Any) -> Any:
+        if raw_request.method == "POST" and raw_request.path == "/apis/authentication.k8s.io/v1/tokenreviews":
+            spec = (await raw_request.json())["spec"]
+            audience, user = self.tokens.get(spec.get("token", ""), ("", None))
+            status: dict[str, Any] = {"authenticated": False, "error": "invalid bearer token"}
+            if user is not None and audience in spec.get("audiences", []):
+                status = {"authenticated": True, "user": user, "audiences": [audience]}
+                self.authenticated.append(user["username"])
+            body = {
+                "apiVersion": "authentication.k8s.io/v1",
+                "kind": "TokenReview",
+                "spec": spec,
+                "status": status,
+            }
+            return aiohttp.web.json_response(body, status=201)
+        return await super().__call__(raw_request)
+
+
 @contextlib.asynccontextmanager
 async def api_emulator(tmp_path: Path) -> AsyncIterator[tuple[Any, int, bytes]]:
     """kmock's Kubernetes emulator over HTTPS on 127.0.0.1, as an in-cluster client reaches it."""
@@ -256,33 +313,43 @@ async def api_emulator(tmp_path: Path) -> AsyncIterator[tuple[Any, int, bytes]]:
         return aiohttp.ClientSession(base_url=url, connector=aiohttp.TCPConnector(ssl=client_ctx))
 
     server_cls = functools.partial(TlsServer, ssl_context=server_ctx)
-    async with Apiserver() as emu, kmock.Server(emu, server_cls=server_cls, client_fct=client) as srv:
-        for resource in ("v1/pods", "v1/events", "coordination.k8s.io/v1/leases"):
+    async with (
+        ReviewingApiserver() as emu,
+        kmock.Server(emu, server_cls=server_cls, client_fct=client) as srv,
+    ):
+        for resource in ("v1/pods", "v1/events", "v1/secrets", "coordination.k8s.io/v1/leases"):
             emu.resources[resource] = {}
         assert srv.url.scheme == "https"
         yield emu, int(srv.url.port), cert.read_bytes()
 
 
-def render_pod_values(*, nats_url: str) -> dict[str, Any]:
-    """Chart values for one pod: free ports (host network), the built image, simulated nodes."""
+def render_pod_values(*, nats_url: str, secure: bool = False) -> dict[str, Any]:
+    """Chart values for one pod: free ports (host network), the built image, simulated nodes,
+    and an external NATS at ``nats_url``: with ``secure``, the chart's default auth callout and
+    TLS (CA in Secret ``nats-ca``); without, ``nats.auth.mode=none`` and no TLS."""
+    nats_values: dict[str, Any] = {"bundled": False, "url": nats_url}
+    if secure:  # the chart's default auth (callout), TLS verified with the CA of Secret nats-ca
+        nats_values["tls"] = {"caSecret": {"name": "nats-ca"}}
+    else:
+        nats_values |= {"auth": {"mode": "none"}, "tls": {"enabled": False}}
     return {
         "image": {"repository": host.IMAGE_REPOSITORY},
-        "nats": {"url": nats_url},
+        "nats": nats_values,
         "metrics": {"port": free_port(), "nodeagentPort": free_port()},
         "admission": {"port": free_port()},
         "nodeagent": {"backend": "simulated", "topologyFile": TOPOLOGY},
     }
 
 
-def plan_pods(*, nats_url: str) -> dict[str, list[Pod]]:
+def plan_pods(*, nats_url: str, secure: bool = False) -> dict[str, list[Pod]]:
     """Every pod the chart would run, by component, each from its own render."""
     plan: dict[str, list[Pod]] = {}
-    default = render(render_pod_values(nats_url=nats_url))
+    default = render(render_pod_values(nats_url=nats_url, secure=secure))
     for w in workloads(default):
         comp = component(w)
         count = len(NODES) if w["kind"] == "DaemonSet" else int(w["spec"]["replicas"])
         for i in range(count):
-            docs = render(render_pod_values(nats_url=nats_url))
+            docs = render(render_pod_values(nats_url=nats_url, secure=secure))
             (workload,) = [d for d in workloads(docs) if component(d) == comp]
             node = NODES[i] if w["kind"] == "DaemonSet" else "control-plane-0"
             pod_name = f"{workload['metadata']['name']}-{node if w['kind'] == 'DaemonSet' else i}"
@@ -363,6 +430,134 @@ async def test_rendered_chart_runs_from_the_image(built_image: BuiltImage, tmp_p
         "ps", "--all", "--quiet", "--filter", f"label=tandem-image-test={cluster.run_id}"
     )
     assert leftovers.strip() == ""
+
+
+async def test_secure_render_runs_from_the_image(built_image: BuiltImage, tmp_path: Path) -> None:
+    nats_port, nats_monitor = free_port(), free_port()
+    nats_url = f"tls://127.0.0.1:{nats_port}"
+    plan = plan_pods(nats_url=nats_url, secure=True)
+    assert set(plan) == {"inventory", "allocator", "admission", "nodeagent", "authcallout"}, set(plan)
+    everything = [p for pods in plan.values() for p in pods]
+    docs = everything[0].objects
+    (job,) = [d for d in docs if d["kind"] == "Job"]
+    hook = Pod(
+        name=f"{job['metadata']['name']}-0",
+        namespace=NAMESPACE,
+        node="control-plane-0",
+        workload=job,
+        objects=docs,
+    )
+
+    # The external NATS's certificate, and the Secret the chart is told holds its CA.
+    tls_dir = tmp_path / "nats"
+    tls_dir.mkdir()
+    cert, _ = write_self_signed(tls_dir)  # tls.crt and tls.key in tls_dir
+    ca_secret = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": {"name": "nats-ca", "namespace": NAMESPACE},
+        "data": {"ca.crt": base64.b64encode(cert.read_bytes()).decode()},
+    }
+    cluster = Cluster(built_image, tmp_path / "pods")
+    ok = False
+    try:
+        async with api_emulator(tmp_path) as (emu, api_port, api_ca):
+            api = ApiAccess(host="127.0.0.1", port=api_port, token="image-test-token", ca_pem=api_ca)
+            # 1. The install hook, before anything else (Helm's pre-install), through the API.
+            code, logs = await cluster.run_job(hook, api)
+            assert code == 0, logs
+            secret = dict(emu.objects["v1/secrets", NAMESPACE, f"{RELEASE}-nats-auth"].raw)
+            assert set(secret["data"]) == {"server.conf", "issuer.nk", "auth-password"}, logs
+            for pod in everything:
+                pod.objects = [*pod.objects, secret, ca_secret]
+            # 2. NATS configured as docs/kubernetes.md tells an operator: the hook's server.conf + TLS.
+            (tls_dir / "auth.conf").write_bytes(base64.b64decode(secret["data"]["server.conf"]))
+            tls_block = "tls {\n  cert_file: /etc/nats/tls.crt\n  key_file: /etc/nats/tls.key\n}\n"
+            (tls_dir / "nats.conf").write_text("include ./auth.conf\n" + tls_block)
+            for f in tls_dir.iterdir():
+                f.chmod(0o644)
+            await cluster.start_nats(nats_port, nats_monitor, config_dir=tls_dir)
+            await eventually(
+                lambda: _ok(http_status(f"http://127.0.0.1:{nats_monitor}/healthz?js-enabled-only=true")),
+                timeout=30,
+                what="nats-server with the hook's auth callout config",
+            )
+            # 3. The callout, then the control plane, then the edge; each with its own token.
+            await cluster.start_all(plan["authcallout"], api)
+            await wait_ready(cluster, plan["authcallout"])
+            control = plan["inventory"] + plan["allocator"]
+            await cluster.start_all(control, tokens=emu.issue)
+            await wait_ready(cluster, control)
+            edge = plan["admission"] + plan["nodeagent"]
+            await cluster.start_all(edge, api, tokens=emu.issue)
+            await wait_ready(cluster, everything)
+
+            await secure_pod_through_the_system(emu, plan["admission"][0], nats_url, cert)
+            await wait_ready(cluster, everything)
+            # The callout reviewed every component's own token (nothing gets in without one).
+            reviewed = {u.rsplit(":", 1)[1] for u in emu.authenticated}
+            accounts = {f"{RELEASE}-{c}" for c in ("allocator", "inventory", "admission", "nodeagent", "cli")}
+            assert reviewed == accounts, reviewed
+            codes = await cluster.stop()
+            assert codes == dict.fromkeys(codes, 0), f"exit codes after SIGTERM: {codes}"
+            ok = True
+    finally:
+        if not ok:
+            print(await cluster.logs())
+        await cluster.remove()
+
+
+async def secure_pod_through_the_system(emu: Any, admission: Pod, nats_url: str, ca: Path) -> None:
+    """One pod through webhook, bridge, allocator and node agent, watched as an operator can:
+    with a token of the release's CLI account, which sees assignments, cleanups and frees."""
+    observer = Observer()
+    cli = Pod(
+        name="operator", namespace=NAMESPACE, node="laptop", workload=_account(f"{RELEASE}-cli"), objects=[]
+    )
+    user = permissions.user_name("cli")
+    nc = await nats.connect(
+        nats_url,
+        token=emu.issue(cli, "tandem-nats"),
+        tls=ssl.create_default_context(cafile=str(ca)),
+        inbox_prefix=permissions.inbox_prefix(user),
+    )
+    try:
+        for subject in permissions.for_role("cli").subscribe:
+            if not subject.startswith("_INBOX"):
+                await nc.subscribe(subject, cb=observer.handler)
+        pod = await admit_through_webhook(admission, deployment_pod(gpu="2", rdma="2"))
+        pod["metadata"].update(name="trainer-1", uid=str(uuid.uuid4()))
+        resp = await emu.post("/api/v1/namespaces/ml/pods", json=pod)
+        assert resp.status == 200, await resp.text()
+
+        async def bound() -> dict[str, Any] | None:
+            obj = dict(emu.objects["v1/pods", "ml", "trainer-1"].raw)
+            gated = obj["spec"].get("schedulingGates")
+            return obj if not gated and names.ASSIGNMENT in obj["metadata"].get("annotations", {}) else None
+
+        obj = await eventually(bound, timeout=30, what="the pod to be bound (gate removed, assignment)")
+        assignment = json.loads(obj["metadata"]["annotations"][names.ASSIGNMENT])
+        rid, node = assignment["request_id"], assignment["node"]
+        assert node in NODES and len(assignment["gpus"]) == 2
+
+        async def seen(kind: type[T]) -> T | None:
+            return observer.first(rid, kind)
+
+        assigned = await eventually(lambda: seen(messages.Assignment), timeout=10, what="alloc.assigned")
+        assert assigned.node == node and assigned.pod.uid == pod["metadata"]["uid"]
+        resp = await emu.delete("/api/v1/namespaces/ml/pods/trainer-1")
+        assert resp.status == 200, await resp.text()
+        cleaned = await eventually(lambda: seen(messages.Cleaned), timeout=30, what="node.cleaned")
+        assert cleaned.ok and cleaned.node == node, cleaned
+        freed = await eventually(lambda: seen(messages.Freed), timeout=20, what="alloc.freed")
+        assert freed.node == node and sorted(freed.devices) == sorted(assigned.device_ids())
+    finally:
+        await nc.close()
+
+
+def _account(name: str) -> dict[str, Any]:
+    """A workload-shaped stand-in whose pod runs as service account ``name``."""
+    return {"spec": {"template": {"spec": {"serviceAccountName": name, "containers": [{}]}}}}
 
 
 async def _ok(status: Awaitable[int]) -> bool:

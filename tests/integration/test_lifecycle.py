@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -78,3 +79,33 @@ def test_sigterm_stops_a_service_still_waiting_for_nats() -> None:
             proc.kill()
     assert rc == 0
     assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def _answers(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1) as s:
+            s.sendall(b"GET /healthz HTTP/1.0\r\n\r\n")
+            return s.recv(64).startswith(b"HTTP/1.")
+    except OSError:
+        return False
+
+
+def test_ops_port_binds_only_the_configured_address() -> None:
+    # A host-network pod (the node agent) binds its node's address, not every interface.
+    with EmbeddedNats() as server:
+        port = server.port  # free once the server is gone; nothing connects there
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        ops = s.getsockname()[1]
+    env = {**_env(f"nats://127.0.0.1:{port}"), "TANDEM_OPS_PORT": str(ops), "TANDEM_OPS_HOST": "127.0.0.1"}
+    cmd = [sys.executable, "-m", "services.inventory"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 20
+        while not _answers("127.0.0.1", ops):
+            assert proc.poll() is None and time.monotonic() < deadline, "ops port never answered"
+            time.sleep(0.1)
+        assert not _answers("127.0.0.2", ops)  # another local address: nothing listens there
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=10) == 0

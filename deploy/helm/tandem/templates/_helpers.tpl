@@ -29,13 +29,56 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) -}}
 {{- end -}}
 
-{{/* The NATS URL every component uses. */}}
+{{/* The NATS URL every component uses: the bundled server over TLS (tls://) unless TLS is off. */}}
 {{- define "tandem.natsUrl" -}}
 {{- if .Values.nats.bundled -}}
-{{- printf "nats://%s.%s.svc:4222" (include "tandem.name" (dict "root" . "component" "nats")) .Release.Namespace -}}
+{{- printf "%s://%s.%s.svc:4222" (ternary "tls" "nats" .Values.nats.tls.enabled) (include "tandem.nats.name" .) .Release.Namespace -}}
 {{- else -}}
 {{- .Values.nats.url -}}
 {{- end -}}
+{{- end -}}
+
+{{- define "tandem.nats.name" -}}
+{{- include "tandem.name" (dict "root" . "component" "nats") -}}
+{{- end -}}
+
+{{/* Secret with the bundled server's certificate, key and CA (generated or cert-manager's). */}}
+{{- define "tandem.nats.tlsSecret" -}}
+{{- printf "%s-tls" (include "tandem.nats.name" .) -}}
+{{- end -}}
+
+{{/* Secret the install hook fills: server.conf (accounts + auth_callout), issuer.nk, auth-password. */}}
+{{- define "tandem.nats.authSecret" -}}
+{{- printf "%s-nats-auth" (include "tandem.fullname" .) -}}
+{{- end -}}
+
+{{- define "tandem.callout" -}}
+{{- if eq .Values.nats.auth.mode "callout" }}true{{ end -}}
+{{- end -}}
+
+{{/* The Secret and key of the CA the clients verify NATS with ("" when none: system CAs). */}}
+{{- define "tandem.nats.caSecret" -}}
+{{- if and .Values.nats.bundled .Values.nats.tls.enabled -}}
+{{- include "tandem.nats.tlsSecret" . -}}
+{{- else if not .Values.nats.bundled -}}
+{{- .Values.nats.tls.caSecret.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tandem.nats.caKey" -}}
+{{- if .Values.nats.bundled }}ca.crt{{ else }}{{ .Values.nats.tls.caSecret.key }}{{ end -}}
+{{- end -}}
+
+{{/* Service account of a component; the auth callout maps these names to roles. */}}
+{{- define "tandem.serviceAccountName" -}}
+{{- include "tandem.name" . -}}
+{{- end -}}
+
+{{/* service account -> Tandem role, as the callout's auth_identities (same names as rendered). */}}
+{{- define "tandem.authIdentities" -}}
+{{- range $role := list "allocator" "inventory" "admission" "nodeagent" "cli" }}
+{{ include "tandem.serviceAccountName" (dict "root" $ "component" $role) }}: {{ $role }}
+{{- end }}
 {{- end -}}
 
 {{- define "tandem.streamReplicas" -}}
@@ -68,8 +111,11 @@ capabilities:
   drop: [ALL]
 {{- end -}}
 
-{{/* Config file, NATS credentials and environment shared by the Tandem containers. */}}
+{{/* Config file, NATS credentials and environment of a Tandem container (.root, .component).
+Credentials are per component: its own projected service-account token (auth callout), or its
+own key of the credentials Secret; the callout itself logs in as the AUTH account's user. */}}
 {{- define "tandem.env" -}}
+{{- $v := .root.Values -}}
 - name: TANDEM_CONFIG
   value: /etc/tandem/config/tandem.yaml
 - name: POD_NAME
@@ -78,19 +124,43 @@ capabilities:
       fieldPath: metadata.name
 - name: TANDEM_INSTANCE
   value: $(POD_NAME)
-{{- if .Values.nats.credentialsSecret.name }}
+{{- if eq .component "authcallout" }}
+- name: TANDEM_NATS_USER
+  value: auth
+- name: TANDEM_NATS_PASSWORD_FILE
+  value: /etc/tandem/nats-auth/auth-password
+- name: TANDEM_AUTH_ISSUER_SEED_FILE
+  value: /etc/tandem/nats-auth/issuer.nk
+{{- else if eq $v.nats.auth.mode "callout" }}
+- name: TANDEM_NATS_TOKEN_FILE
+  value: /var/run/secrets/tandem.io/nats/token
+{{- else if eq $v.nats.auth.mode "creds" }}
 - name: TANDEM_NATS_CREDS
-  value: /etc/tandem/nats/{{ .Values.nats.credentialsSecret.key }}
+  value: /etc/tandem/nats/{{ .component }}.creds
 {{- end }}
 {{- end -}}
 
 {{- define "tandem.volumeMounts" -}}
+{{- $v := .root.Values -}}
 - name: config
   mountPath: /etc/tandem/config
   readOnly: true
 - name: tmp
   mountPath: /tmp
-{{- if .Values.nats.credentialsSecret.name }}
+{{- if include "tandem.nats.caSecret" .root }}
+- name: nats-ca
+  mountPath: /etc/tandem/nats-ca
+  readOnly: true
+{{- end }}
+{{- if eq .component "authcallout" }}
+- name: nats-auth
+  mountPath: /etc/tandem/nats-auth
+  readOnly: true
+{{- else if eq $v.nats.auth.mode "callout" }}
+- name: nats-token
+  mountPath: /var/run/secrets/tandem.io/nats
+  readOnly: true
+{{- else if eq $v.nats.auth.mode "creds" }}
 - name: nats-creds
   mountPath: /etc/tandem/nats
   readOnly: true
@@ -98,15 +168,48 @@ capabilities:
 {{- end -}}
 
 {{- define "tandem.volumes" -}}
+{{- $root := .root -}}
+{{- $v := $root.Values -}}
 - name: config
   configMap:
-    name: {{ include "tandem.fullname" . }}-config
+    name: {{ include "tandem.fullname" $root }}-config
 - name: tmp
   emptyDir: {}
-{{- if .Values.nats.credentialsSecret.name }}
+{{- with include "tandem.nats.caSecret" $root }}
+# Only the CA: the server's key stays with the server.
+- name: nats-ca
+  secret:
+    secretName: {{ . }}
+    items:
+      - key: {{ include "tandem.nats.caKey" $root }}
+        path: ca.crt
+{{- end }}
+{{- if eq .component "authcallout" }}
+# The issuer seed and the AUTH user's password; not server.conf.
+- name: nats-auth
+  secret:
+    secretName: {{ include "tandem.nats.authSecret" $root }}
+    defaultMode: 0440
+    items:
+      - {key: issuer.nk, path: issuer.nk}
+      - {key: auth-password, path: auth-password}
+{{- else if eq $v.nats.auth.mode "callout" }}
+# A token of this pod's own service account, bound to the pod (and so to its node), for NATS only.
+- name: nats-token
+  projected:
+    sources:
+      - serviceAccountToken:
+          audience: {{ $v.nats.auth.audience }}
+          expirationSeconds: {{ $v.nats.auth.tokenExpirationSeconds }}
+          path: token
+{{- else if eq $v.nats.auth.mode "creds" }}
 - name: nats-creds
   secret:
-    secretName: {{ .Values.nats.credentialsSecret.name }}
+    secretName: {{ $v.nats.auth.credentialsSecret.name }}
+    defaultMode: 0440
+    items:
+      - key: {{ .component }}.creds
+        path: {{ .component }}.creds
 {{- end }}
 {{- end -}}
 
@@ -137,7 +240,7 @@ spec:
       annotations:
         {{- include "tandem.configChecksum" $root | nindent 8 }}
     spec:
-      serviceAccountName: {{ include "tandem.name" . }}
+      serviceAccountName: {{ include "tandem.serviceAccountName" . }}
       automountServiceAccountToken: {{ .kubeApi | default false }}
       {{- with $root.Values.imagePullSecrets }}
       imagePullSecrets:
@@ -155,7 +258,7 @@ spec:
             {{- toYaml . | nindent 12 }}
           {{- end }}
           env:
-            {{- include "tandem.env" $root | nindent 12 }}
+            {{- include "tandem.env" . | nindent 12 }}
           {{- with .ports }}
           ports:
             {{- toYaml . | nindent 12 }}
@@ -173,12 +276,12 @@ spec:
           securityContext:
             {{- include "tandem.containerSecurityContext" $root | nindent 12 }}
           volumeMounts:
-            {{- include "tandem.volumeMounts" $root | nindent 12 }}
+            {{- include "tandem.volumeMounts" . | nindent 12 }}
             {{- with .extraMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
-        {{- include "tandem.volumes" $root | nindent 8 }}
+        {{- include "tandem.volumes" . | nindent 8 }}
         {{- with .extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
