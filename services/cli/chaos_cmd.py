@@ -14,8 +14,6 @@ stderr), 130 when interrupted.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -135,6 +133,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 async def _main(runner: ChaosRunner) -> ChaosReport | None:
+    import asyncio
+    import signal
+
     loop = asyncio.get_running_loop()
     task = asyncio.current_task()
     assert task is not None
