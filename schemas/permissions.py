@@ -298,20 +298,20 @@ def authorization_block(users: Sequence[User]) -> str:
     return f"authorization {{\n  users = {_value(entries, '  ')}\n}}\n"
 
 
-def callout_block(*, issuer: str, auth_user: str, auth_password: str, account: str = "TANDEM") -> str:
+def callout_block(*, issuer: str, auth_nkey: str, account: str = "TANDEM") -> str:
     """The accounts and ``auth_callout`` blocks of a nats-server that hands every connection
     to Tandem's auth callout (``services.authcallout``): ``AUTH`` holds only the callout's own
     user, ``account`` (JetStream on) every Tandem component, ``SYS`` the system account.
-    ``issuer`` is the public nkey whose signature the server accepts on the users it is given."""
+    ``issuer`` is the public nkey whose signature the server accepts on the users it is given;
+    ``auth_nkey`` the callout's own user, a public user nkey (the callout holds its seed). Both
+    are public keys: the block holds no secret, so no password is stored in plain text."""
     config: dict[str, object] = {
         "accounts": {
-            "AUTH": {"users": [{"user": auth_user, "password": auth_password}]},
+            "AUTH": {"users": [{"nkey": auth_nkey}]},
             account: {"jetstream": "enabled"},
             "SYS": {},
         },
         "system_account": "SYS",
-        "authorization": {
-            "auth_callout": {"issuer": issuer, "auth_users": [auth_user], "account": "AUTH"}
-        },
+        "authorization": {"auth_callout": {"issuer": issuer, "auth_users": [auth_nkey], "account": "AUTH"}},
     }
     return "".join(f"{k}: {_value(v, '')}\n" for k, v in config.items())

@@ -609,11 +609,11 @@ def test_the_auth_callout_runs_with_its_keys_from_the_hooks_secret(tmp_path: Pat
     volumes = {v["name"]: v for v in pod["volumes"]}
     auth = volumes["nats-auth"]["secret"]
     assert auth["secretName"] == f"{RELEASE}-nats-auth"
-    # The seed and the password, not the server's config; and no token of its own for NATS.
-    assert {i["key"] for i in auth["items"]} == {"issuer.nk", "auth-password"}
+    # The two seeds, not the server's config; and no token of its own for NATS.
+    assert {i["key"] for i in auth["items"]} == {"issuer.nk", "auth.nk"}
     assert env["TANDEM_AUTH_ISSUER_SEED_FILE"] == f"{mounts['nats-auth']}/issuer.nk"
-    assert env["TANDEM_NATS_PASSWORD_FILE"] == f"{mounts['nats-auth']}/auth-password"
-    assert env["TANDEM_NATS_USER"] == "auth" and "nats-token" not in volumes
+    assert env["TANDEM_NATS_NKEY_SEED"] == f"{mounts['nats-auth']}/auth.nk"
+    assert "nats-token" not in volumes and "TANDEM_NATS_TOKEN_FILE" not in env
     s = settings_from(docs, tmp_path)
     assert (s.auth_user_ttl, s.nats_tls_ca) == (3600, f"{mounts['nats-ca']}/ca.crt")
 

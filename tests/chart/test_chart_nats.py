@@ -123,7 +123,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     hook = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(root / "hook")]
     subprocess.run(hook, check=True, timeout=60)
     write(root / "etc/tandem/nats-ca/ca.crt", secret_files(docs, f"{RELEASE}-nats-tls")["ca.crt"])
-    for key in ("issuer.nk", "auth-password"):
+    for key in ("issuer.nk", "auth.nk"):
         write(root / "etc/tandem/nats-auth" / key, (root / "hook" / key).read_bytes())
     return Rendered(docs, root)
 
@@ -215,9 +215,9 @@ def urls(cluster: list[tuple[int, int]]) -> str:
 async def callout(
     rendered: Rendered, cluster: list[tuple[int, int]], apiserver: tuple[TokenReviews, str]
 ) -> AsyncIterator[AuthCallout]:
-    # The Deployment's settings: the AUTH user and its password, the issuer seed, the CA.
+    # The Deployment's settings: the AUTH user's seed, the issuer seed, the CA.
     settings = rendered.settings("authcallout", TANDEM_NATS_URL=urls(cluster))
-    assert settings.nats_user == "auth" and settings.nats_tls_ca and settings.auth_issuer_seed_file
+    assert settings.nats_nkey_seed and settings.nats_tls_ca and settings.auth_issuer_seed_file
     bus = await Bus.open(settings, provision_streams=False)
     reviewer = Reviewer(
         KubeClient.for_host(apiserver[1]),

@@ -467,7 +467,7 @@ async def test_secure_render_runs_from_the_image(built_image: BuiltImage, tmp_pa
             code, logs = await cluster.run_job(hook, api)
             assert code == 0, logs
             secret = dict(emu.objects["v1/secrets", NAMESPACE, f"{RELEASE}-nats-auth"].raw)
-            assert set(secret["data"]) == {"server.conf", "issuer.nk", "auth-password"}, logs
+            assert set(secret["data"]) == {"server.conf", "issuer.nk", "auth.nk"}, logs
             for pod in everything:
                 pod.objects = [*pod.objects, secret, ca_secret]
             # 2. NATS configured as docs/kubernetes.md tells an operator: the hook's server.conf + TLS.

@@ -96,18 +96,17 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedN
     d = tmp_path_factory.mktemp("nats-callout")
     cmd = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(d)]
     subprocess.run(cmd, check=True, timeout=60)
-    assert all((d / f).stat().st_mode & 0o077 == 0 for f in ("server.conf", "issuer.nk", "auth-password"))
-    seed, password = (d / "issuer.nk").read_bytes(), (d / "auth-password").read_text().strip()
+    assert all((d / f).stat().st_mode & 0o077 == 0 for f in ("server.conf", "issuer.nk", "auth.nk"))
     with EmbeddedNats(config_file=str(d / "server.conf")) as s:
-        yield s, seed, password
+        yield s, (d / "issuer.nk").read_bytes(), str(d / "auth.nk")
 
 
 @pytest.fixture(scope="module")
 async def callout(
     server: tuple[EmbeddedNats, bytes, str], apiserver: tuple[TokenReviews, str]
 ) -> AsyncIterator[AuthCallout]:
-    nats_server, seed, password = server
-    nc = await nats.connect(f"nats://auth:{password}@127.0.0.1:{nats_server.port}")
+    nats_server, seed, auth_seed_file = server
+    nc = await nats.connect(f"nats://127.0.0.1:{nats_server.port}", nkeys_seed=auth_seed_file)
     reviewer = Reviewer(
         KubeClient.for_host(apiserver[1]),
         namespace=NAMESPACE,

@@ -50,10 +50,13 @@ async def test_first_run_creates_the_secret_and_later_runs_keep_its_keys(
     try:
         assert await store_callout_secret(kube, tmp_path / "a", namespace=NS, name=NAME) == "created"
         first = stored(emu)
-        assert set(first) == {"server.conf", "issuer.nk", "auth-password"}
+        assert set(first) == {"server.conf", "issuer.nk", "auth.nk"}
         issuer = natsjwt.public_key(first["issuer.nk"].encode())
+        auth = natsjwt.public_key(first["auth.nk"].encode())
         assert f"issuer: {issuer}" in first["server.conf"].replace('"', "")
-        assert first["auth-password"].strip() in first["server.conf"]
+        assert auth in first["server.conf"]  # the callout's user: its public key only
+        assert first["auth.nk"].strip() not in first["server.conf"]
+        assert first["issuer.nk"].strip() not in first["server.conf"]
 
         # A later run (upgrade) in a fresh directory: nothing is generated anew.
         assert await store_callout_secret(kube, tmp_path / "b", namespace=NS, name=NAME) == "unchanged"
@@ -61,20 +64,22 @@ async def test_first_run_creates_the_secret_and_later_runs_keep_its_keys(
         assert (tmp_path / "b" / "issuer.nk").read_text() == first["issuer.nk"]
         assert (tmp_path / "b" / "issuer.nk").stat().st_mode & 0o077 == 0
 
-        # A Secret missing the password (edited by hand): the issuer stays, the password is added
-        # and server.conf follows both.
+        # A Secret missing the callout's key (edited by hand): the issuer stays, a new key is
+        # added and server.conf follows both.
         resp = await emu.patch(
             f"/api/v1/namespaces/{NS}/secrets/{NAME}",
-            json={"data": {"auth-password": None, "server.conf": None}},
+            json={"data": {"auth.nk": None, "server.conf": None}},
             headers={"Content-Type": "application/merge-patch+json"},
         )
         assert resp.status == 200, await resp.text()
         outcome = await store_callout_secret(kube, tmp_path / "c", namespace=NS, name=NAME)
-        assert outcome == "updated auth-password, server.conf"
+        assert outcome == "updated auth.nk, server.conf"
         now = stored(emu)
         assert now["issuer.nk"] == first["issuer.nk"]
-        assert now["auth-password"] != first["auth-password"]
-        assert now["auth-password"].strip() in now["server.conf"] and issuer in now["server.conf"]
+        assert now["auth.nk"] != first["auth.nk"]
+        assert (
+            natsjwt.public_key(now["auth.nk"].encode()) in now["server.conf"] and issuer in now["server.conf"]
+        )
     finally:
         await kube.close()
 

@@ -47,7 +47,7 @@ app.kubernetes.io/component: {{ .component }}
 {{- printf "%s-tls" (include "tandem.nats.name" .) -}}
 {{- end -}}
 
-{{/* Secret the install hook fills: server.conf (accounts + auth_callout), issuer.nk, auth-password. */}}
+{{/* Secret the install hook fills: server.conf (accounts + auth_callout), issuer.nk, auth.nk. */}}
 {{- define "tandem.nats.authSecret" -}}
 {{- printf "%s-nats-auth" (include "tandem.fullname" .) -}}
 {{- end -}}
@@ -113,7 +113,7 @@ capabilities:
 
 {{/* Config file, NATS credentials and environment of a Tandem container (.root, .component).
 Credentials are per component: its own projected service-account token (auth callout), or its
-own key of the credentials Secret; the callout itself logs in as the AUTH account's user. */}}
+own key of the credentials Secret; the callout itself logs in as the AUTH account's nkey user. */}}
 {{- define "tandem.env" -}}
 {{- $v := .root.Values -}}
 - name: TANDEM_CONFIG
@@ -125,10 +125,8 @@ own key of the credentials Secret; the callout itself logs in as the AUTH accoun
 - name: TANDEM_INSTANCE
   value: $(POD_NAME)
 {{- if eq .component "authcallout" }}
-- name: TANDEM_NATS_USER
-  value: auth
-- name: TANDEM_NATS_PASSWORD_FILE
-  value: /etc/tandem/nats-auth/auth-password
+- name: TANDEM_NATS_NKEY_SEED
+  value: /etc/tandem/nats-auth/auth.nk
 - name: TANDEM_AUTH_ISSUER_SEED_FILE
   value: /etc/tandem/nats-auth/issuer.nk
 {{- else if eq $v.nats.auth.mode "callout" }}
@@ -185,14 +183,14 @@ own key of the credentials Secret; the callout itself logs in as the AUTH accoun
         path: ca.crt
 {{- end }}
 {{- if eq .component "authcallout" }}
-# The issuer seed and the AUTH user's password; not server.conf.
+# The issuer seed and the callout's own user seed; not server.conf.
 - name: nats-auth
   secret:
     secretName: {{ include "tandem.nats.authSecret" $root }}
     defaultMode: 0440
     items:
       - {key: issuer.nk, path: issuer.nk}
-      - {key: auth-password, path: auth-password}
+      - {key: auth.nk, path: auth.nk}
 {{- else if eq $v.nats.auth.mode "callout" }}
 # A token of this pod's own service account, bound to the pod (and so to its node), for NATS only.
 - name: nats-token
