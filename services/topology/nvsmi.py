@@ -7,8 +7,12 @@ Pure: text in, tree out; no hardware, no file I/O (the CLI reads the file). Two 
    the header, ``#`` comment lines before the matrix, ``NIC#`` columns named by a trailing
    "NIC Legend" or older ``mlx5_#`` columns named directly, optional ``CPU Affinity`` /
    ``NUMA Affinity`` / ``GPU NUMA ID`` columns (absent, ``N/A``, or empty in NIC rows), the
-   old ``SOC`` spelling of ``SYS``, and ``NV#`` cells. Anything else that is not a square,
-   symmetric relation matrix raises :class:`NvsmiFormatError` naming the file and line.
+   old ``SOC`` spelling of ``SYS``, and ``NV#`` cells. Grace-era output too: ``NUMA Affinity``
+   as an id list (``0,3-9,11-17``, read by :func:`parse_id_list`; the lowest id is the row's
+   NUMA node), a numeric ``GPU NUMA ID`` (kept in ``gpu_numa_id``), and tab-separated rows
+   with empty cells (a GPU outside a container's cpuset has no CPU Affinity). Anything else
+   that is not a square, symmetric relation matrix raises :class:`NvsmiFormatError` naming
+   the file and line.
 
 2. :func:`build_topology` infers the tree. Each relation is evidence about shared ancestors:
    ``PIX``/``PXB`` → same PCIe switch, ``PHB`` → same root complex, ``NODE`` → same NUMA node,
@@ -17,9 +21,12 @@ Pure: text in, tree out; no hardware, no file I/O (the CLI reads the file). Two 
    GPUs are also joined by equal NUMA affinity (or, lacking that column, equal CPU affinity),
    which is how GPU pairs whose PCIe relation is hidden behind ``NV#`` get their NUMA node.
    A NIC takes the NUMA node of whatever it is PCIe-related to; a group with no non-``SYS``
-   relation to any GPU (e.g. a NIC pair alone on a NUMA node without GPUs) gets the smallest
-   NUMA id no other group uses. Sockets: one per NUMA node, or ``sockets=N`` spreads NUMA
-   ids evenly over N sockets (Linux numbers NUMA nodes socket by socket).
+   relation to any GPU (e.g. a NIC pair alone on a NUMA node without GPUs, or every NIC of a
+   Grace system, whose GPUs attach by C2C) gets the smallest NUMA id no other group uses and
+   the text never names; ids past every real one share one extra socket, so such NICs sit at
+   node scope from every GPU, with no invented PCIe or NUMA locality. Sockets: one per NUMA
+   node, or ``sockets=N`` spreads NUMA ids evenly over N sockets (Linux numbers NUMA nodes
+   socket by socket).
 
    A device that shares no switch with anything hangs directly under its root complex; a GPU
    whose only PCIe evidence is hidden behind NVLink cells gets a root complex of its own
@@ -67,6 +74,7 @@ from services.topology.errors import NvsmiFormatError
 from services.topology.files import decode_topology
 
 __all__ = [
+    "MAX_NUMA_ID",
     "UUID_NAMESPACE",
     "ImportResult",
     "MatrixDevice",
@@ -77,6 +85,7 @@ __all__ = [
     "cell_scope",
     "import_nvidia_smi",
     "matrix_relations",
+    "parse_id_list",
     "parse_matrix",
     "relations",
     "tree_relation",
@@ -91,6 +100,10 @@ _GPU_LABEL = re.compile(r"^GPU(\d+)$")
 _NIC_LEGEND = re.compile(r"^\s*(NIC\d+)\s*:\s*(\S+)\s*$")
 _DEVICE_LABEL = re.compile(r"^[A-Za-z][A-Za-z0-9_.:-]*$")
 _NV = re.compile(r"^NV(\d+)$")
+_ID_ITEM = re.compile(r"^(\d+)(?:-(\d+))?$")
+# Linux caps NUMA node ids far below this (MAX_NUMNODES is 1024 on arm64 and x86); a larger
+# id is damaged text, and refusing it keeps a range like 0-99999999 from expanding.
+MAX_NUMA_ID = 4095
 _RELATION_WORD = re.compile(r"^[A-Za-z]+\d*$")  # what a relation cell looks like, valid or not
 # Trailing non-device columns, longest first ("GPU NUMA ID" before anything starting "GPU").
 _EXTRA_COLUMNS: tuple[tuple[str, ...], ...] = (
@@ -122,7 +135,12 @@ class MatrixDevice:
 @dataclass(frozen=True)
 class TopoMatrix:
     """The parsed matrix. ``cells[(a, b)]`` is the relation token from row a to column b
-    (labels as printed); affinity maps hold only rows that had a usable value."""
+    (labels as printed); affinity maps hold only rows that had a usable value.
+
+    ``numa_affinity`` is the row's NUMA node: the lowest id of its ``NUMA Affinity`` list
+    (``0`` of ``0,3-9,11-17`` on Grace systems, where the rest are GPU-memory NUMA nodes);
+    ``numa_affinity_ids`` keeps the whole list. ``gpu_numa_id`` is the ``GPU NUMA ID``
+    column: the NUMA node of the GPU's own memory on coherent (C2C-attached) systems."""
 
     devices: tuple[MatrixDevice, ...]
     cells: dict[tuple[str, str], str]
@@ -131,6 +149,13 @@ class TopoMatrix:
     comments: tuple[str, ...] = ()
     source: str | None = None
     extra_columns: tuple[str, ...] = ()
+    numa_affinity_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    gpu_numa_id: dict[str, int] = field(default_factory=dict)
+
+    def mentioned_numa_ids(self) -> set[int]:
+        """Every NUMA id the text names (affinity lists and GPU NUMA IDs)."""
+        ids = {n for ids in self.numa_affinity_ids.values() for n in ids}
+        return ids | set(self.numa_affinity.values()) | set(self.gpu_numa_id.values())
 
     @property
     def gpus(self) -> list[MatrixDevice]:
@@ -174,6 +199,57 @@ def cell_scope(cell: str) -> Scope | None:
 
 def _valid_cell(cell: str) -> bool:
     return cell == "X" or cell in _CELL_SCOPE or _NV.match(cell) is not None
+
+
+def parse_id_list(
+    value: str,
+    *,
+    column: str,
+    row: str,
+    source: str | Path | None = None,
+    line: int | None = None,
+) -> tuple[int, ...]:
+    """Parse a Linux id list such as ``0``, ``0,3-9,11-17`` (the ``NUMA Affinity`` format of
+    Grace systems) into sorted, distinct ids. Raises :class:`NvsmiFormatError` naming the row,
+    the column and, where known, the file and line."""
+
+    def bad(why: str) -> NvsmiFormatError:
+        return NvsmiFormatError(
+            f"row {row}, column {column}: {value!r} is not a list of ids like 0,3-9,11-17 ({why})",
+            path=source,
+            line=line,
+        )
+
+    ids: set[int] = set()
+    for item in value.split(","):
+        m = _ID_ITEM.match(item)
+        if m is None:
+            raise bad(f"item {item!r} is neither a number nor a range a-b" if item else "empty item")
+        lo = int(m.group(1))
+        hi = lo if m.group(2) is None else int(m.group(2))
+        if hi < lo:
+            raise bad(f"range {item} runs backwards")
+        if hi > MAX_NUMA_ID:
+            raise bad(f"id {hi} is above {MAX_NUMA_ID}")
+        ids.update(range(lo, hi + 1))
+    return tuple(sorted(ids))
+
+
+def _row_values(raw: str, tokens: list[str], n: int) -> list[str]:
+    """The values after a row's ``n`` relation cells.
+
+    Tab-separated output (what ``nvidia-smi`` writes) keeps empty cells: a GPU whose CPU
+    affinity is hidden (a container's cpuset) prints ``\t\t1\t\tN/A``, which whitespace
+    splitting would shift left. ``nvidia-smi`` also pads ``NUMA Affinity`` with a second tab,
+    so one empty field between values is padding, not a value. Space-aligned text (a
+    terminal copy) cannot show an empty cell and is split on whitespace."""
+    fields = raw.split("\t")
+    if len(fields) > n + 1 and [f.strip() for f in fields[: n + 1]] == tokens[: n + 1]:
+        values = [f.strip() for f in fields[n + 1 :]]
+        while values and not values[-1]:
+            values.pop()
+        return values
+    return tokens[1 + n :]
 
 
 # --------------------------------------------------------------------------------------------
@@ -249,6 +325,8 @@ def parse_matrix(text: str, *, source: str | Path | None = None) -> TopoMatrix:
     cells: dict[tuple[str, str], str] = {}
     cpu: dict[str, str] = {}
     numa: dict[str, int] = {}
+    numa_ids: dict[str, tuple[int, ...]] = {}
+    gpu_numa: dict[str, int] = {}
     row_line: dict[str, int] = {}
     for i in range(header_at + 1, len(lines)):
         tokens = lines[i].split()
@@ -275,7 +353,10 @@ def parse_matrix(text: str, *, source: str | Path | None = None) -> TopoMatrix:
             )
         if cells[(label, label)] != "X":
             raise fail(f"row {label}: expected X on the diagonal, got {cells[(label, label)]!r}", lineno)
-        values = tokens[1 + n :]
+        values = _row_values(lines[i], tokens, n)
+        # Drop padding: empty fields past the first, while there are more values than columns.
+        while len(values) > len(extras) and "" in values[1:]:
+            del values[values.index("", 1)]
         if len(values) > len(extras):
             raise fail(
                 f"row {label} has {len(values)} values after the matrix; the header names "
@@ -283,15 +364,22 @@ def parse_matrix(text: str, *, source: str | Path | None = None) -> TopoMatrix:
                 lineno,
             )
         for name, value in zip(extras, values, strict=False):
-            if value.upper() == "N/A":
+            if not value or value.upper() == "N/A":
                 continue
             if name == "CPU Affinity":
                 cpu[label] = value
             elif name == "NUMA Affinity":
-                try:
-                    numa[label] = int(value)
-                except ValueError:
-                    raise fail(f"row {label}: NUMA Affinity {value!r} is not a number", lineno) from None
+                ids = parse_id_list(value, column=name, row=label, source=src, line=lineno)
+                numa_ids[label] = ids
+                numa[label] = ids[0]
+            elif name == "GPU NUMA ID":
+                if not value.isdigit() or int(value) > MAX_NUMA_ID:
+                    raise fail(
+                        f"row {label}, column {name}: {value!r} is not a NUMA id (a number up to "
+                        f"{MAX_NUMA_ID}, or N/A)",
+                        lineno,
+                    )
+                gpu_numa[label] = int(value)
     missing = [c for c in columns if c not in row_line]
     if missing:
         after = max(row_line.values(), default=hline) + 1
@@ -325,6 +413,8 @@ def parse_matrix(text: str, *, source: str | Path | None = None) -> TopoMatrix:
         comments=tuple(comments),
         source=src,
         extra_columns=tuple(extras),
+        numa_affinity_ids=numa_ids,
+        gpu_numa_id=gpu_numa,
     )
 
 
@@ -433,28 +523,56 @@ def build_topology(
                 f"placed on NUMA {ids[0]}"
             )
         numa_of_group[same_numa.find(group[0])] = ids[0]
-    used = set(numa_of_group.values())
+    # Ids for groups without NUMA information: the smallest ids no group uses and the text
+    # never names (on Grace systems the NUMA Affinity lists and GPU NUMA IDs name the GPU
+    # memory nodes 2-33, which must not be handed to a NIC).
+    used = set(numa_of_group.values()) | matrix.mentioned_numa_ids()
+    real_top = max(used, default=-1)
+    beyond: set[int] = set()  # synthetic ids past every real one: their own socket
     for group in unassigned:
         fresh = next(k for k in range(len(labels) + len(used) + 1) if k not in used)
         used.add(fresh)
         numa_of_group[same_numa.find(group[0])] = fresh
         if hints:
-            notes.append(
-                f"{', '.join(by_label[m].name for m in group)}: no NUMA information (only SYS to "
-                f"devices with a known NUMA node); assumed NUMA {fresh}"
-            )
+            names = ", ".join(by_label[m].name for m in group)
+            gpu_free = all(matrix.scope(by_label[m], g) is Scope.NODE for m in group for g in matrix.gpus)
+            if fresh > real_top:
+                beyond.add(fresh)
+            if gpu_free and matrix.gpus:
+                notes.append(
+                    f"{names}: no NUMA information: SYS to every GPU, no PCIe locality to any "
+                    f"(as on Grace systems, whose GPUs attach to the CPU by C2C); placed at node "
+                    f"scope on NUMA {fresh}, an id the matrix does not name"
+                    + (", in a socket of its own" if fresh > real_top else "")
+                )
+            else:
+                notes.append(
+                    f"{names}: no NUMA information (only SYS to devices with a known NUMA "
+                    f"node); assumed NUMA {fresh}"
+                )
     if not hints and len(unassigned) > 1:
         notes.append("no affinity columns: NUMA nodes numbered in order of their first device")
+    c2c = {g: n for g, n in matrix.gpu_numa_id.items()}
+    if c2c:
+        notes.append(
+            "GPU NUMA ID column: "
+            + ", ".join(f"{by_label[g].name} memory is NUMA node {n}" for g, n in c2c.items())
+            + " (coherent, C2C-attached GPUs); the tree places each GPU on its NUMA Affinity "
+            "node, the CPU it is attached to"
+        )
 
     def numa_id(label: str) -> int:
         return numa_of_group[same_numa.find(label)]
 
     numa_ids = sorted(set(numa_of_group.values()))
+    core = [n for n in numa_ids if n not in beyond]
     if sockets is None:
-        socket_of = {n: k for k, n in enumerate(numa_ids)}
+        socket_of = {n: k for k, n in enumerate(core)}
     else:
-        span = max(numa_ids) + 1
-        socket_of = {n: n * sockets // span for n in numa_ids}
+        span = max(core) + 1
+        socket_of = {n: n * sockets // span for n in core}
+    extra_socket = max(socket_of.values(), default=-1) + 1
+    socket_of.update({n: extra_socket for n in beyond})
 
     # Roots in tree order (socket, NUMA node, then first device in matrix order); they and
     # the switches are numbered in that order, so root0 is the first root of socket 0.
