@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from services.cli.errors import CliError
 
 if TYPE_CHECKING:  # the runner is imported when the command runs: `tandem --help` stays fast
-    from services.chaos import ChaosConfig, ChaosReport, ChaosRunner
+    from services.chaos import ChaosConfig
 
 # services.chaos.victims.COMPONENTS, spelled here so that registering the command imports nothing.
 COMPONENTS = ("allocator", "inventory", "fleet", "nats")
@@ -100,6 +100,7 @@ def _config(args: argparse.Namespace) -> ChaosConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.chaos import ChaosRunner, summary, to_json_line
+    from services.cli.interrupt import until_interrupted
     from services.loadtest import LoadtestError
     from services.runtime.errors import SettingsError
     from services.runtime.lifecycle import run_loop
@@ -118,7 +119,7 @@ def _run(args: argparse.Namespace) -> int:
 
     runner = ChaosRunner(cfg, settings, progress=progress)
     try:
-        report = run_loop(_main(runner))
+        report = run_loop(until_interrupted(runner.run(), runner))
     except LoadtestError as exc:
         raise CliError(str(exc)) from exc
     finally:
@@ -130,33 +131,3 @@ def _run(args: argparse.Namespace) -> int:
         print(summary(report))
     print(to_json_line(report), flush=True)
     return 0 if report.violations == 0 else 1
-
-
-async def _main(runner: ChaosRunner) -> ChaosReport | None:
-    import asyncio
-    import signal
-
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    interrupted = False
-
-    def on_signal() -> None:
-        nonlocal interrupted
-        if interrupted:  # a second Ctrl-C: do not wait for a graceful stop
-            runner.kill_now()
-            return
-        interrupted = True
-        task.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        return await runner.run()
-    except asyncio.CancelledError:
-        if interrupted:
-            return None
-        raise
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

@@ -13,14 +13,13 @@ when one did not, 2 when the run could not be done (one line on stderr), 130 whe
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from typing import TYPE_CHECKING, Any
 
 from services.cli.errors import CliError
 
 if TYPE_CHECKING:  # imported when the command runs (services/cli/main.py: fast --help)
-    from services.loadtest import Harness, LoadConfig, Report
+    from services.loadtest import LoadConfig
 
 
 def register(sub: Any) -> None:
@@ -110,6 +109,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from services.cli.interrupt import until_interrupted
     from services.loadtest import Harness, LoadtestError, summary, to_json_line
     from services.runtime.errors import SettingsError
     from services.runtime.lifecycle import run_loop
@@ -128,7 +128,8 @@ def _run(args: argparse.Namespace) -> int:
 
     harness = Harness(cfg, settings, progress=progress)
     try:
-        report = run_loop(_main(harness))  # uvloop, as the services run: the harness shares the cores
+        # uvloop, as the services run: the harness shares the cores
+        report = run_loop(until_interrupted(harness.run(), harness))
     except LoadtestError as exc:
         raise CliError(str(exc)) from exc
     finally:
@@ -141,32 +142,3 @@ def _run(args: argparse.Namespace) -> int:
     print(to_json_line(report), flush=True)
     ok = report.lost == 0 and report.double_held == 0 and report.double_placed == 0
     return 0 if ok else 1
-
-
-async def _main(harness: Harness) -> Report | None:
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    task = asyncio.current_task()
-    assert task is not None
-    interrupted = False
-
-    def on_signal() -> None:
-        nonlocal interrupted
-        if interrupted:  # a second Ctrl-C: do not wait for a graceful stop
-            harness.kill_now()
-            return
-        interrupted = True
-        task.cancel()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    try:
-        return await harness.run()
-    except asyncio.CancelledError:
-        if interrupted:
-            return None
-        raise
-    finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)

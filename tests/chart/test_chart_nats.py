@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import re
-import secrets
 import socket
 import ssl
 import subprocess
@@ -32,17 +31,17 @@ from typing import Any
 
 import nats
 import pytest
-from aiohttp import web
 
 from schemas import permissions
 from schemas.messages import Assignment, Freed
 from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
-from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA, AuthCallout, Reviewer
+from services.authcallout.service import AuthCallout, Reviewer
 from services.runtime.bus import Bus, ConnectError
 from services.runtime.settings import Settings, load_settings
 from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.conftest import make_settings
+from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack
 
 pytestmark = pytest.mark.integration
@@ -55,29 +54,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-class TokenReviews:
-    """The API server's TokenReview for the tokens handed out here."""
-
-    def __init__(self, audience: str) -> None:
-        self.audience = audience
-        self.users: dict[str, dict[str, Any]] = {}
-
-    def issue(self, account: str, *, node: str | None = None) -> str:
-        token = secrets.token_urlsafe(24)
-        extra = {POD_NAME_EXTRA: [f"{account}-{node}"], NODE_NAME_EXTRA: [node]} if node else {}
-        self.users[token] = {"username": f"system:serviceaccount:{NAMESPACE}:{account}", "extra": extra}
-        return token
-
-    async def handle(self, request: web.Request) -> web.Response:
-        spec = (await request.json())["spec"]
-        user = self.users.get(spec["token"])
-        ok = user is not None and spec.get("audiences") == [self.audience]
-        status = {"authenticated": True, "user": user} if ok else {"authenticated": False, "error": "invalid"}
-        return web.json_response(
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "status": status}
-        )
 
 
 @dataclass
@@ -195,16 +171,9 @@ def healthy(monitor: int) -> bool:
 
 @pytest.fixture(scope="module")
 async def apiserver(rendered: Rendered) -> AsyncIterator[tuple[TokenReviews, str]]:
-    reviews = TokenReviews(rendered.settings("authcallout").auth_audience)
-    app = web.Application()
-    app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", reviews.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield reviews, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    reviews = TokenReviews(namespace=NAMESPACE, audience=rendered.settings("authcallout").auth_audience)
+    async with token_review_server(reviews) as url:
+        yield reviews, url
 
 
 def urls(cluster: list[tuple[int, int]]) -> str:

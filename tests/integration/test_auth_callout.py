@@ -20,21 +20,20 @@ import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
 
 import nats
 import nats.errors
 import pytest
-from aiohttp import web
 
 from schemas import permissions, subjects
 from schemas.messages import Assignment, Freed
 from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
-from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA, AuthCallout, Denied, Reviewer
+from services.authcallout.service import AuthCallout, Denied, Reviewer
 from services.runtime.bus import Bus, ConnectError
 from services.runtime.embedded import EmbeddedNats
 from tests.conftest import make_settings
+from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack
 
 pytestmark = pytest.mark.integration
@@ -43,51 +42,11 @@ NAMESPACE = "tandem"
 AUDIENCE = "tandem-nats"
 
 
-class TokenReviews:
-    """The API server's TokenReview, for the tokens this test hands out."""
-
-    def __init__(self) -> None:
-        self.tokens: dict[str, dict[str, Any]] = {}  # token → status.user
-        self.reviews: list[dict[str, Any]] = []
-
-    def issue(self, account: str, *, node: str | None = None, pod: str | None = None) -> str:
-        token = secrets.token_urlsafe(24)
-        extra: dict[str, list[str]] = {}
-        if pod:
-            extra[POD_NAME_EXTRA] = [pod]
-        if node:
-            extra[NODE_NAME_EXTRA] = [node]
-        self.tokens[token] = {"username": f"system:serviceaccount:{NAMESPACE}:{account}", "extra": extra}
-        return token
-
-    async def handle(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.reviews.append(body)
-        spec = body.get("spec") or {}
-        user = self.tokens.get(spec.get("token", ""))
-        ok = user is not None and AUDIENCE in (spec.get("audiences") or [])
-        status: dict[str, Any] = {"authenticated": ok, "audiences": [AUDIENCE] if ok else []}
-        if ok:
-            status["user"] = user
-        else:
-            status["error"] = "[invalid bearer token, token lookup failed]"
-        return web.json_response(
-            {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview", "spec": spec, "status": status}
-        )
-
-
 @pytest.fixture(scope="module")
 async def apiserver() -> AsyncIterator[tuple[TokenReviews, str]]:
-    reviews = TokenReviews()
-    app = web.Application()
-    app.router.add_post("/apis/authentication.k8s.io/v1/tokenreviews", reviews.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield reviews, f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    reviews = TokenReviews(namespace=NAMESPACE, audience=AUDIENCE)
+    async with token_review_server(reviews) as url:
+        yield reviews, url
 
 
 @pytest.fixture(scope="module")
