@@ -10,7 +10,6 @@ agent per node, the admission user playing the bridge's part on the bus, and the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from services.runtime.embedded import EmbeddedNats
 from services.runtime.tasks import Supervisor
 from services.topology import load_topology
 from tests.conftest import make_settings
+from tests.waiting import wait_until
 
 NODES = ("gpu-a.example", "gpu-b.example")  # dots: node names are DNS subdomains
 DENIED_TIMEOUT = 0.5  # a denied request is dropped by the server: it can only time out
@@ -161,9 +161,10 @@ async def start_stack(
                 handler=outcome,
             ),
         )
-    async with asyncio.timeout(10):
-        while not all(n in allocator.nodes and allocator.nodes[n].status == "ready" for n in nodes):
-            await asyncio.sleep(0.05)
+    await wait_until(
+        lambda: all(n in allocator.nodes and allocator.nodes[n].status == "ready" for n in nodes),
+        what="every node ready in the allocator's view",
+    )
     return s
 
 
@@ -184,9 +185,8 @@ class Intruder:
     errors: list[str]
 
     async def violations(self, expected: int) -> list[str]:
-        async with asyncio.timeout(2):  # the server's -ERR arrives asynchronously
-            while len(self.errors) < expected:
-                await asyncio.sleep(0.02)
+        # The server's -ERR arrives asynchronously.
+        await wait_until(lambda: len(self.errors) >= expected, timeout=2, what=f"{expected} server errors")
         # nats-py lower-cases the server's error text, subjects included.
         return [e.lower() for e in self.errors if "permissions violation" in e.lower()]
 

@@ -47,6 +47,7 @@ from tests.secured import (
     secured_server,
     start_stack,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -91,9 +92,10 @@ def dead_letters(service: str, why: str) -> float:
 
 async def refused(service: str, why: str, *, before: float, count: int = 1) -> None:
     """Wait until ``service`` dead-lettered ``count`` more messages for ``why``."""
-    async with asyncio.timeout(10):
-        while dead_letters(service, why) < before + count:
-            await asyncio.sleep(0.02)
+    await wait_until(
+        lambda: dead_letters(service, why) >= before + count,
+        what=f"{count} dead letter(s) of {service} ({why})",
+    )
 
 
 _serial = iter(range(1, 1_000_000))
@@ -122,12 +124,16 @@ async def place_and_free(stack: Stack, *, node: str | None = None) -> None:
     """The system still serves: a valid request is placed, applied, released and freed."""
     req = request(node=node)
     assigned = await place(stack, req)
-    async with asyncio.timeout(10):
-        while req.request_id not in stack.appliers[assigned.node].applied:
-            await asyncio.sleep(0.02)
+    await wait_until(lambda: req.request_id in stack.appliers[assigned.node].applied, what="the apply")
     await stack.client.release(req.request_id)
     freed = await stack.client.wait_for(req.request_id, (Freed,))
     assert isinstance(freed, Freed) and freed.node == assigned.node
+
+
+def generation_of(stack: Stack, node: str) -> int | None:
+    """The generation of ``node``'s record as the inventory holds it."""
+    known = stack.inventory.records.cached(node)
+    return known[0].generation if known is not None and known[0] is not None else None
 
 
 def held(stack: Stack, node: str) -> dict[str, str]:
@@ -147,9 +153,7 @@ async def test_a_node_cannot_speak_for_another_node(stack: Stack, intruder: Intr
     a, b = NODES
     victim_run = await place(stack, request(gpus=2, node=b))
     rid = victim_run.request_id
-    async with asyncio.timeout(10):
-        while rid not in stack.appliers[b].applied:
-            await asyncio.sleep(0.02)
+    await wait_until(lambda: rid in stack.appliers[b].applied, what="the victim's apply")
     b_record = stack.inventory.records.cached(b)
     assert b_record is not None and b_record[0] is not None
     b_before = b_record[0]
@@ -187,36 +191,32 @@ async def test_a_snapshot_dated_ahead_does_not_hide_the_ones_after_it(
     assert agent.topology is not None
     ahead = NodeInventory(node=a, topology=agent.topology, generation=10**6, ts=time.time() + 365 * 24 * 3600)
     await js_publish(intruder.nc, subjects.node_inventory(a), ahead)
-    async with asyncio.timeout(10):
-        while (
-            (rec := stack.inventory.records.cached(a)) is None or rec[0] is None or rec[0].generation != 10**6
-        ):
-            await asyncio.sleep(0.02)
+    await wait_until(lambda: generation_of(stack, a) == 10**6, what="the snapshot dated ahead")
     await agent.publish_inventory()  # the genuine agent, with its honest clock
-    async with asyncio.timeout(10):
-        while (
-            (rec := stack.inventory.records.cached(a)) is None
-            or rec[0] is None
-            or rec[0].generation != agent.generation
-        ):
-            await asyncio.sleep(0.02)
+    await wait_until(lambda: generation_of(stack, a) == agent.generation, what="the honest snapshot")
     await place_and_free(stack, node=a)
 
 
 async def test_heartbeats_naming_another_node_do_not_keep_it_alive(stack: Stack, intruder: Intruder) -> None:
     a, b = NODES
+    forged = codec.encode(Heartbeat(node=b, seq=1))
+
+    async def beat_in_bs_name() -> None:
+        while True:  # at an agent's cadence
+            await intruder.nc.publish(subjects.node_heartbeat(a), forged)
+            await asyncio.sleep(0.1)
+
     stack.agents[b].heartbeats_paused = True  # B goes silent ...
+    forger = asyncio.create_task(beat_in_bs_name())  # ... while A beats in B's name
     try:
-        async with asyncio.timeout(LOST_AFTER * 5):
-            while stack.inventory.status.get(b) != "lost":  # ... while A beats in B's name
-                await intruder.nc.publish(subjects.node_heartbeat(a), codec.encode(Heartbeat(node=b, seq=1)))
-                await asyncio.sleep(0.1)
+        await wait_until(
+            lambda: stack.inventory.status.get(b) == "lost", timeout=LOST_AFTER * 5, what="B lost"
+        )
         assert stack.inventory.status.get(a) == "ready"
     finally:
+        forger.cancel()
         stack.agents[b].heartbeats_paused = False
-    async with asyncio.timeout(10):
-        while stack.allocator.nodes[b].status != "ready":
-            await asyncio.sleep(0.05)
+    await wait_until(lambda: stack.allocator.nodes[b].status == "ready", what="B ready again")
     await place_and_free(stack, node=b)
 
 
@@ -236,9 +236,9 @@ async def test_reports_for_allocations_a_node_does_not_hold_change_nothing(
     with structlog.testing.capture_logs() as logs:
         for rid, ok in ((pending.request_id, True), (running.request_id, False), (running.request_id, True)):
             await js_publish(intruder.nc, subjects.node_cleaned(a), Cleaned(request_id=rid, node=a, ok=ok))
-        async with asyncio.timeout(10):
-            while sum(1 for e in logs if e.get("event") == "cleaned_ignored") < 3:
-                await asyncio.sleep(0.02)
+        await wait_until(
+            lambda: sum(1 for e in logs if e.get("event") == "cleaned_ignored") >= 3, what="3 reports ignored"
+        )
     record = await stack.client.request_record(pending.request_id)
     assert record is not None and record.state == "pending"
     running_record = await stack.client.request_record(running.request_id)
@@ -300,10 +300,17 @@ async def test_a_junk_flood_from_one_node_does_not_flap_the_others(stack: Stack,
     js = intruder.nc.jetstream()
     for i in range(500):  # junk on A's inventory subject (JetStream): refused, mostly uncounted
         await js.publish(subjects.node_inventory(a), b"\xc1junk%d" % i)
-    async with asyncio.timeout(30):
-        while dead_letters("inventory", "undecodable") < letters_before + 500:
-            await asyncio.sleep(0.05)
-    await asyncio.sleep(LOST_AFTER)  # past the point where B would have been called lost
+    await wait_until(
+        lambda: dead_letters("inventory", "undecodable") >= letters_before + 500,
+        timeout=30,
+        what="the 500 junk inventories refused",
+    )
+    # B's first heartbeat sent after the flood has been taken: the flood's backlog is behind it,
+    # so had it held B's heartbeats back past LOST_AFTER, B would have been marked lost by now.
+    flood_end = time.time()
+    await wait_until(
+        lambda: stack.inventory.last_seen.get(b, 0.0) > flood_end, what="B's heartbeat after the flood"
+    )
     watch.set()
     await watcher
     assert flapped == []
@@ -395,8 +402,10 @@ async def test_finished_request_records_expire(stack: Stack) -> None:
     kv = await stack.client.bus.kv(subjects.KV_REQUESTS)
     entry = await kv.get(subjects.kv_key(req.request_id))
     assert entry.revision is not None
-    async with asyncio.timeout(FINISHED_TTL + 10):
-        while await stack.client.request_record(req.request_id) is not None:
-            await asyncio.sleep(0.2)
+
+    async def expired() -> bool:
+        return await stack.client.request_record(req.request_id) is None
+
+    await wait_until(expired, timeout=FINISHED_TTL + 10, what="the finished record to expire")
     with pytest.raises(KeyNotFoundError):  # gone, not back at an older revision
         await kv.get(subjects.kv_key(req.request_id))

@@ -43,6 +43,7 @@ from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, w
 from tests.conftest import make_settings
 from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -237,9 +238,7 @@ async def test_every_component_runs_over_tls_with_its_service_account_token(
         await stack.client.submit(req)
         assigned = await stack.client.wait_for(req.request_id)
         assert isinstance(assigned, Assignment) and assigned.node in NODES
-        async with asyncio.timeout(10):
-            while req.request_id not in stack.appliers[assigned.node].applied:
-                await asyncio.sleep(0.02)
+        await wait_until(lambda: req.request_id in stack.appliers[assigned.node].applied, what="the apply")
         await stack.client.release(req.request_id)
         freed = await stack.client.wait_for(req.request_id, (Freed,))
         assert isinstance(freed, Freed) and freed.node == assigned.node

@@ -23,6 +23,7 @@ import pytest
 
 from services.runtime.embedded import EmbeddedNats
 from tests.otlp import ReceivedSpan, otlp_receiver
+from tests.waiting import wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -69,17 +70,25 @@ async def test_a_request_pending_then_placed_then_released_is_one_trace(tmp_path
                 for p in procs:
                     p.send_signal(signal.SIGTERM)
                 codes = [await asyncio.wait_for(p.wait(), 30) for p in procs]
-            await asyncio.sleep(0.5)  # the last batches the processes flushed on the way out
             assert codes == [0, 0, 0]
+            # Each process flushed its spans on the way out; the receiver has taken them.
+            await wait_until(
+                lambda: (
+                    {"allocator.free", "nodeagent.cleanup", "client.release"}
+                    <= {s.name for s in receiver.trace(trace_id)}
+                ),
+                what="the trace's last spans",
+            )
             trace = receiver.trace(trace_id)
     _check_one_trace(trace)
 
 
 async def _run_the_request(env: dict[str, str]) -> str:
     # Wait for the node, then fill it so that the next request must wait.
-    async with asyncio.timeout(30):
-        while "box-0" not in (await tandem("status", env=env)).stdout:
-            await asyncio.sleep(0.3)
+    async def node_up() -> bool:
+        return "box-0" in (await tandem("status", env=env)).stdout
+
+    await wait_until(node_up, timeout=30, poll=0.3, what="node box-0")
     blocker = await tandem("submit", "--pod", "t/blocker", "--gpus", "4", env=env)
     assert blocker.returncode == 0, blocker.stdout + blocker.stderr
     blocker_id = re.search(r"request (\S+) \(pod t/blocker\)", blocker.stdout)
@@ -91,13 +100,13 @@ async def _run_the_request(env: dict[str, str]) -> str:
     waiter_id, trace_id = found.groups()
     released = await tandem("release", blocker_id.group(1), env=env)
     assert released.returncode == 0, released.stdout + released.stderr
-    async with asyncio.timeout(60):  # placed by a retry of the allocator's pending loop
-        while True:
-            listed = await tandem("requests", "--namespace", "t", env=env)
-            row = next((ln for ln in listed.stdout.splitlines() if "t/waiter" in ln), "")
-            if re.search(r"\b(assigned|applied)\b", row):
-                break
-            await asyncio.sleep(0.5)
+
+    async def waiter_placed() -> bool:  # by a retry of the allocator's pending loop
+        listed = await tandem("requests", "--namespace", "t", env=env)
+        row = next((ln for ln in listed.stdout.splitlines() if "t/waiter" in ln), "")
+        return re.search(r"\b(assigned|applied)\b", row) is not None
+
+    await wait_until(waiter_placed, timeout=60, poll=0.5, what="the waiter placed")
     done = await tandem("release", waiter_id, env=env)
     assert done.returncode == 0 and "freed on box-0" in done.stdout, done.stdout + done.stderr
     return trace_id

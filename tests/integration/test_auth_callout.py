@@ -14,7 +14,6 @@ the reason.
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from services.runtime.embedded import EmbeddedNats
 from tests.conftest import make_settings
 from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -114,9 +114,7 @@ async def test_the_whole_flow_runs_on_service_account_tokens(
     await stack.client.submit(req)
     assigned = await stack.client.wait_for(req.request_id)
     assert isinstance(assigned, Assignment)
-    async with asyncio.timeout(10):
-        while req.request_id not in stack.appliers[assigned.node].applied:
-            await asyncio.sleep(0.02)
+    await wait_until(lambda: req.request_id in stack.appliers[assigned.node].applied, what="the apply")
     await stack.client.release(req.request_id)
     freed = await stack.client.wait_for(req.request_id, (Freed,))
     assert isinstance(freed, Freed) and freed.node == assigned.node
@@ -148,9 +146,7 @@ async def test_a_node_agents_token_gives_it_its_own_node_only(
         await nc.publish(subjects.node_heartbeat(a), b"own")
         await nc.subscribe(subjects.node_allocs(b))
         await nc.flush()
-        async with asyncio.timeout(5):
-            while len(errors) < 2:
-                await asyncio.sleep(0.02)
+        await wait_until(lambda: len(errors) >= 2, timeout=5, what="the server's two -ERR")
     finally:
         await nc.close()
     violations = [e for e in errors if "permissions violation" in e]

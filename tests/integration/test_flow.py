@@ -29,6 +29,7 @@ from services.allocator.core import Placement
 from services.client import TandemClient
 from services.localstack import FleetEntry, LocalStack
 from tests.conftest import BusFactory, make_settings
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -37,17 +38,6 @@ def request(name: str, gpus: int, rdma: int = 0, **kw: object) -> AllocationRequ
     return AllocationRequest(
         request_id=f"uid-{name}.1", pod=PodRef("ns", name, f"uid-{name}"), gpus=gpus, rdma=rdma, **kw
     )  # type: ignore[arg-type]
-
-
-async def wait_until(predicate: object, *, timeout: float = 10.0, what: str = "condition") -> None:
-    async def poll() -> None:
-        while not predicate():  # type: ignore[operator]
-            await asyncio.sleep(0.05)
-
-    try:
-        await asyncio.wait_for(poll(), timeout)
-    except TimeoutError:
-        pytest.fail(f"timed out after {timeout}s waiting for {what}")
 
 
 @pytest.fixture
@@ -297,12 +287,11 @@ async def test_device_still_broken_after_its_clean_period_stays_out_of_service(
     backend.broken.clear()  # back (NVML reports no recovery; the probe finds it readable)
     await wait_until(lambda: agent.health.state["gpu1"].healthy, what="recovery", timeout=5)
     assert agent.health.state["gpu1"].reason == "clean for 0.5s"
-    for _ in range(100):  # the recovery was published: the inventory's record says so too
-        if (await client.nodes("pcie-0"))[0].health["gpu1"].healthy:
-            break
-        await asyncio.sleep(0.05)
-    else:
-        pytest.fail("the inventory never saw gpu1 recover")
+
+    async def inventory_sees_recovery() -> bool:  # the recovery was published: the record says so too
+        return (await client.nodes("pcie-0"))[0].health["gpu1"].healthy
+
+    await wait_until(inventory_sees_recovery, timeout=5, what="the inventory to see gpu1 recover")
 
 
 async def test_cleanup_report_that_could_not_be_published_is_made_again(stack_factory) -> None:  # type: ignore[no-untyped-def]

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 
@@ -62,15 +63,17 @@ def test_sigterm_stops_a_service_still_waiting_for_nats() -> None:
     # Nothing listens on this port: the service keeps trying to connect until told to stop.
     with EmbeddedNats() as server:
         port = server.port
+    ops = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "services.inventory"],
-        env=_env(f"nats://127.0.0.1:{port}"),
+        env={**_env(f"nats://127.0.0.1:{port}"), "TANDEM_OPS_PORT": str(ops)},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
     )
     try:
-        time.sleep(3.0)  # well into its connection attempts
+        # Its ops port answers while it is still trying to connect (nothing listens on `port`).
+        _wait_answering(proc, "127.0.0.1", ops)
         assert proc.poll() is None
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=10)
@@ -79,6 +82,20 @@ def test_sigterm_stops_a_service_still_waiting_for_nats() -> None:
             proc.kill()
     assert rc == 0
     assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_answering(proc: subprocess.Popen[Any], host: str, port: int, *, timeout: float = 20) -> None:
+    """Until the service's ops port answers (it serves while the service connects)."""
+    deadline = time.monotonic() + timeout
+    while not _answers(host, port):
+        assert proc.poll() is None and time.monotonic() < deadline, "ops port never answered"
+        time.sleep(0.1)
 
 
 def _answers(host: str, port: int) -> bool:
@@ -94,17 +111,12 @@ def test_ops_port_binds_only_the_configured_address() -> None:
     # A host-network pod (the node agent) binds its node's address, not every interface.
     with EmbeddedNats() as server:
         port = server.port  # free once the server is gone; nothing connects there
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        ops = s.getsockname()[1]
+    ops = _free_port()
     env = {**_env(f"nats://127.0.0.1:{port}"), "TANDEM_OPS_PORT": str(ops), "TANDEM_OPS_HOST": "127.0.0.1"}
     cmd = [sys.executable, "-m", "services.inventory"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 20
-        while not _answers("127.0.0.1", ops):
-            assert proc.poll() is None and time.monotonic() < deadline, "ops port never answered"
-            time.sleep(0.1)
+        _wait_answering(proc, "127.0.0.1", ops)
         assert not _answers("127.0.0.2", ops)  # another local address: nothing listens there
     finally:
         proc.send_signal(signal.SIGTERM)

@@ -193,7 +193,10 @@ def loaded(up: tuple[str, dict[str, int]], prometheus: str) -> str:
     second = tandem(nats_url, "submit", "--gpus", "8", "--rdma", "8", "--pod", "default/second", ok=False)
     assert "\npending: " in second, second
     tandem(nats_url, "submit", "--gpus", "2", "--pod", "default/small")
-    time.sleep(3 * SCRAPE_S)  # the pending request is seen pending
+    wait_for(
+        "Prometheus to see the request pending",
+        lambda: bool(query(prometheus, "max(tandem_allocator_pending_requests) >= 1")),
+    )
     tandem(nats_url, "release", "--pod", "default/first")
     tandem(nats_url, "requests")
     explain = ("explain", "--pod", "default/second")
@@ -201,7 +204,16 @@ def loaded(up: tuple[str, dict[str, int]], prometheus: str) -> str:
     tandem(nats_url, "device", "fail", "pcie-0", "gpu3")
     tandem(nats_url, "device", "cordon", "pcie-0", "gpu2")
     asyncio.run(dead_letter(nats_url))
-    time.sleep(6 * SCRAPE_S)  # consumer lag polls every 5 s; a few scrapes after the load
+    after_load = (
+        'sum(tandem_node_devices{node="pcie-0",kind="gpu",state="unhealthy"}) == 1',
+        'sum(tandem_node_devices{node="pcie-0",kind="gpu",state="cordoned"}) == 1',
+        'sum(tandem_dead_letters_total{service="allocator"}) >= 1',
+        "tandem_consumer_pending_messages",  # polled every 5 s by the services
+    )
+    wait_for(
+        "Prometheus to have scraped the state after the load",
+        lambda: all(query(prometheus, expr) for expr in after_load),
+    )
     return prometheus
 
 

@@ -1,0 +1,38 @@
+"""Waiting in tests: for a condition, with a deadline — never for a fixed time.
+
+``wait_until`` polls ``predicate`` (a plain function, or one returning an awaitable, for
+conditions read over NATS) until it is true, and fails the test naming ``what`` when the
+deadline passes. A fixed sleep either wastes time or, on a loaded machine, is too short."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+POLL_S = 0.02
+
+
+async def wait_until(
+    predicate: Callable[[], object | Awaitable[object]],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    poll: float = POLL_S,
+) -> None:
+    async def check() -> bool:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        return bool(result)
+
+    async def loop() -> None:
+        while not await check():
+            await asyncio.sleep(poll)
+
+    try:
+        await asyncio.wait_for(loop(), timeout)
+    except TimeoutError:
+        pytest.fail(f"timed out after {timeout}s waiting for {what}")
