@@ -16,6 +16,7 @@ EXPORTED: tuple[type[msgspec.Struct], ...] = (
     messages.AllocatorHeartbeat,
     messages.DeviceCommand,
     messages.AllocationRequest,
+    messages.JobRequest,
     messages.Assignment,
     messages.AllocationFailed,
     messages.Applied,

@@ -38,6 +38,9 @@ MAX_SELECTOR_TERMS = 64
 MAX_ADDRESSES = 64
 MAX_PROBLEMS = 256
 MAX_DEVICES = 1024
+# Pods in one job (a gang placed all-or-nothing; core.gang); fabric tiers configured.
+MAX_JOB_PODS = 1024
+MAX_FABRIC_TIERS = 8
 
 
 def clip(text: str, limit: int = TEXT) -> str:

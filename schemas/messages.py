@@ -44,6 +44,7 @@ __all__ = [
     "Heartbeat",
     "InventoryQuery",
     "InventoryReply",
+    "JobRequest",
     "NetworkSpec",
     "NodeAllocations",
     "NodeInventory",
@@ -69,6 +70,10 @@ LabelKey = Annotated[str, msgspec.Meta(min_length=1, max_length=limits.LABEL_KEY
 LabelValue = Annotated[str, msgspec.Meta(max_length=limits.LABEL_VALUE)]
 DeviceList = Annotated[list[DeviceName], msgspec.Meta(max_length=limits.MAX_DEVICES)]
 Policy = Literal["required", "preferred"]
+# A fabric tier's name (``tandem.io/fabric-<tier>`` labels; allocator config orders them).
+TierName = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=40, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
+]
 Pairing = Literal["per-gpu", "shared"]
 
 
@@ -165,6 +170,58 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     ] = {}
     network: NetworkSpec | None = None
     created_at: float = msgspec.field(default_factory=now)
+
+
+class JobRequest(_Msg, tag="job.request"):
+    """A whole job: ``pods`` identical pods placed all-or-nothing (see ``core.gang``).
+
+    Each pod asks the per-pod template (``gpus`` … ``node_selector``, the same fields and
+    bounds as :class:`AllocationRequest`). ``fabric`` names a fabric tier (``leaf``) the job
+    wants to stay within: ``required`` never spans above it, ``preferred`` falls back to the
+    smallest tier that can take the job. ``nvlink_domain``: all pods in one multi-node NVLink
+    domain (same cluster UUID and clique id), required or preferred; None ignores domains.
+    Pod ``i`` (0-based) is held under :meth:`pod_id` (``JOB/i``).
+    """
+
+    job_id: RequestId
+    pods: Annotated[int, msgspec.Meta(ge=1, le=limits.MAX_JOB_PODS)]
+    gpus: Count
+    namespace: Annotated[str, msgspec.Meta(max_length=limits.K8S_NAMESPACE)] = ""
+    rdma: Count = 0
+    scope: ScopeName | None = None
+    policy: Policy | None = None
+    pairing: Pairing | None = None
+    device_class: Annotated[str, msgspec.Meta(min_length=1, max_length=limits.LABEL_VALUE)] = "default"
+    priority: Annotated[int, msgspec.Meta(ge=-(2**31), le=2**31 - 1)] = 0
+    node_selector: Annotated[
+        dict[LabelKey, LabelValue], msgspec.Meta(max_length=limits.MAX_SELECTOR_TERMS)
+    ] = {}
+    network: NetworkSpec | None = None
+    fabric: TierName | None = None
+    fabric_policy: Policy = "preferred"
+    nvlink_domain: Policy | None = None
+    created_at: float = msgspec.field(default_factory=now)
+
+    def pod_id(self, index: int) -> str:
+        """The hold / request id of pod ``index``: ``JOB/INDEX``."""
+        return f"{self.job_id}/{index}"
+
+    def template(self) -> AllocationRequest:
+        """One pod's request (``request_id`` = the job id; the core reads only the template)."""
+        return AllocationRequest(
+            request_id=self.job_id,
+            pod=PodRef(namespace=self.namespace, name=self.job_id),
+            gpus=self.gpus,
+            rdma=self.rdma,
+            scope=self.scope,
+            policy=self.policy,
+            pairing=self.pairing,
+            device_class=self.device_class,
+            priority=self.priority,
+            node_selector=self.node_selector,
+            network=self.network,
+            created_at=self.created_at,
+        )
 
 
 class AssignedGpu(msgspec.Struct, gc=False, omit_defaults=True):

@@ -30,6 +30,7 @@ __all__ = [
     "Nic",
     "NodeTopology",
     "NumaNode",
+    "NvlinkDomain",
     "PcieRoot",
     "PcieSwitch",
     "Scope",
@@ -146,6 +147,21 @@ class Socket(msgspec.Struct, gc=False, omit_defaults=True):
     numa_nodes: list[NumaNode] = []
 
 
+class NvlinkDomain(msgspec.Struct, gc=False, omit_defaults=True, frozen=True, forbid_unknown_fields=True):
+    """The multi-node NVLink domain a node's GPUs belong to (GB200 NVL72: 18 trays, one
+    domain), as NVML's GPU fabric info reports it (``nvmlDeviceGetGpuFabricInfo``:
+    ``clusterUuid``, ``cliqueId``). Nodes with equal ``cluster_uuid`` *and* ``clique_id`` can
+    reach each other's GPUs over NVLink; a job may require or prefer one domain."""
+
+    cluster_uuid: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9-]+$")]
+    clique_id: Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)] = 0
+
+    @property
+    def key(self) -> str:
+        """One string naming the domain: ``<cluster uuid>/<clique id>``."""
+        return f"{self.cluster_uuid}/{self.clique_id}"
+
+
 class NodeTopology(msgspec.Struct, gc=False, omit_defaults=True):
     """One node's hardware tree; also the topology file format.
 
@@ -159,6 +175,9 @@ class NodeTopology(msgspec.Struct, gc=False, omit_defaults=True):
     description: str = ""
     labels: dict[str, str] = {}
     nvlink_partitions: list[list[int]] = []
+    # Added later (defaults keep older files and messages valid): the node's multi-node
+    # NVLink domain, when its GPUs are in one (NVML fabric info, or set in the file).
+    nvlink_domain: NvlinkDomain | None = None
 
     def gpus(self) -> list[Gpu]:
         return [loc.device for loc in locate(self) if isinstance(loc.device, Gpu)]

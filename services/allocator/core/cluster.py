@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -458,6 +458,24 @@ class Cluster:
             if rec is not None and isinstance(rec[1], Refusal):
                 impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
         return self._unschedulable(spec, st.refused, st.codes, impaired)
+
+    # ------------------------------------------------------------------------------------
+    # whole jobs: what core.gang reads (the same cached in-node search as decide)
+
+    def job_nodes(self) -> Iterator[tuple[str, Mapping[str, str], NodeTopology, Shape, int]]:
+        """``(name, labels, topology, shape, free mask)`` of every node, in registration
+        order. The labels are the node's own mapping: read it, never change it."""
+        for node in self._nodes.values():
+            yield node.name, node.labels, node.topology, node.shape, node.mask
+
+    def evaluate_free(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
+        """The cached in-node search of ``spec`` on ``shape`` with free slots ``mask`` (which
+        need not be a node's current mask: a job asks what is left after its earlier pods)."""
+        return self._eval(spec, shape, mask)
+
+    def placement_of(self, name: str, choice: Choice, *, candidates: int) -> Placement:
+        """``choice`` (slot-level, on ``name``'s shape) as a :class:`Placement`."""
+        return self._placement(self._need(name), choice, candidates=candidates)
 
     # ------------------------------------------------------------------------------------
     # internals
