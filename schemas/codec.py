@@ -25,6 +25,8 @@ from schemas.messages import (
     Heartbeat,
     InventoryQuery,
     InventoryReply,
+    JobRecord,
+    JobRequest,
     NodeAllocations,
     NodeInventory,
     NodeRecord,
@@ -35,7 +37,7 @@ from schemas.messages import (
 T = TypeVar("T")
 
 NodeEvent = NodeInventory | HealthEvent | Heartbeat | Applied | Cleaned
-AllocEvent = AllocationRequest | Assignment | AllocationFailed | Release | Freed
+AllocEvent = AllocationRequest | JobRequest | Assignment | AllocationFailed | Release | Freed
 AnyMessage = NodeEvent | AllocEvent | DeadLetter | DeviceCommand | InventoryQuery | InventoryReply
 
 _encoder = msgspec.msgpack.Encoder()
@@ -51,6 +53,7 @@ REPLY = msgspec.msgpack.Decoder(InventoryReply)
 NODE_RECORD = msgspec.msgpack.Decoder(NodeRecord)
 NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)
+JOB_RECORD = msgspec.msgpack.Decoder(JobRecord)
 ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)

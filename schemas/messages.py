@@ -44,6 +44,7 @@ __all__ = [
     "Heartbeat",
     "InventoryQuery",
     "InventoryReply",
+    "JobRecord",
     "JobRequest",
     "NetworkSpec",
     "NodeAllocations",
@@ -61,7 +62,12 @@ __all__ = [
 NodeName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=253, pattern=r"^[a-z0-9]([a-z0-9.-]*[a-z0-9])?$")
 ]
-RequestId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_=.-]+$")]
+# What a submitter names a request or a job with; an allocation's id is that, or ``JOB/INDEX``
+# for pod INDEX of a job (so a job's pods can never collide with a request's id).
+SubmitId = Annotated[str, msgspec.Meta(min_length=1, max_length=200, pattern=r"^[A-Za-z0-9_=.-]+$")]
+RequestId = Annotated[
+    str, msgspec.Meta(min_length=1, max_length=210, pattern=r"^[A-Za-z0-9_=.-]+(/[0-9]{1,4})?$")
+]
 Count = Annotated[int, msgspec.Meta(ge=0, le=64)]
 # Free-form text (reasons, errors) and the other bounded strings (schemas.limits).
 Text = Annotated[str, msgspec.Meta(max_length=limits.TEXT)]
@@ -156,7 +162,7 @@ class NetworkSpec(msgspec.Struct, gc=False, omit_defaults=True):
 
 
 class AllocationRequest(_Msg, tag="alloc.request"):
-    request_id: RequestId
+    request_id: SubmitId
     pod: PodRef
     gpus: Count
     rdma: Count = 0
@@ -183,7 +189,7 @@ class JobRequest(_Msg, tag="job.request"):
     Pod ``i`` (0-based) is held under :meth:`pod_id` (``JOB/i``).
     """
 
-    job_id: RequestId
+    job_id: SubmitId
     pods: Annotated[int, msgspec.Meta(ge=1, le=limits.MAX_JOB_PODS)]
     gpus: Count
     namespace: Annotated[str, msgspec.Meta(max_length=limits.K8S_NAMESPACE)] = ""
@@ -201,6 +207,16 @@ class JobRequest(_Msg, tag="job.request"):
     fabric_policy: Policy = "preferred"
     nvlink_domain: Policy | None = None
     created_at: float = msgspec.field(default_factory=now)
+    # The job's pods in index order, when known (the bridge knows them: it requests a job
+    # once all its pods exist); pod ``i``'s assignment names ``members[i]``.
+    members: Annotated[list[PodRef], msgspec.Meta(max_length=limits.MAX_JOB_PODS)] = []
+
+    def member(self, index: int) -> PodRef:
+        """Pod ``index``'s reference: ``members[index]`` or, without members, a name
+        ``JOB-INDEX`` in the job's namespace (the planner, the CLI)."""
+        if index < len(self.members):
+            return self.members[index]
+        return PodRef(namespace=self.namespace, name=f"{self.job_id}-{index}")
 
     def pod_id(self, index: int) -> str:
         """The hold / request id of pod ``index``: ``JOB/INDEX``."""
@@ -374,10 +390,17 @@ class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     allocations), so the apply and cleanup spans join the allocation's trace through it."""
 
     assignment: Assignment
-    state: Literal["assigned", "applied", "releasing"] = "assigned"
+    # ``prepared``: a job's pod reserved by the first phase of a job commit
+    # (services/allocator/jobs.py); it holds its devices but no agent acts on it until the
+    # job record says ``committed`` and the allocator turns it ``assigned``.
+    state: Literal["prepared", "assigned", "applied", "releasing"] = "assigned"
     priority: int = 0
     traceparent: str = ""
     updated_at: float = msgspec.field(default_factory=now)
+    # The job this allocation is a pod of, and the job commit attempt (the job record's
+    # ``epoch``) that prepared it; "" / 0 for a single request.
+    job: str = ""
+    epoch: int = 0
 
 
 class NodeAllocations(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
@@ -405,4 +428,27 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     updated_at: float = msgspec.field(default_factory=now)
     # The W3C trace context the request arrived with (its submitter's span): every later
     # decision about it, on any replica, joins that trace instead of starting a new one.
+    traceparent: str = ""
+
+
+class JobRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
+    """Where one job stands (bucket ``KV_JOBS``, key = job id); the commit point of a job.
+
+    A job is committed in two phases (services/allocator/jobs.py): the replica that claims it
+    writes ``committing`` with a new ``epoch`` and the ``nodes`` it will prepare on, reserves
+    every pod as a ``prepared`` allocation on its node's record, then moves this record from
+    ``committing`` to ``committed`` with one compare-and-set — the moment the job is placed.
+    A ``committing`` record whose owner stopped renewing it is aborted (``aborted``), and
+    every ``prepared`` allocation of an epoch that is not committing or committed is dropped.
+    """
+
+    job: JobRequest
+    state: Literal["pending", "committing", "committed", "aborted", "rejected", "cancelled", "released"]
+    epoch: int = 0
+    owner: str = ""
+    nodes: list[str] = []
+    # Pod index → node, once committed (what a redelivery republishes from).
+    placement: list[str] = []
+    reason: str = ""
+    updated_at: float = msgspec.field(default_factory=now)
     traceparent: str = ""

@@ -56,7 +56,7 @@ JS_API = "$JS.API"  # nats-py's default API prefix (no JetStream domain)
 
 ROLES = ("allocator", "inventory", "admission", "nodeagent", "cli")
 PROVISIONERS = frozenset({"allocator", "inventory", "admission"})
-KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
+KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_JOBS)
 
 
 class PermissionsError(ValueError):
@@ -186,11 +186,13 @@ def allocator() -> Permissions:
         subjects.dlq("allocator"),
         *_provision(),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST),
+        *_durable(a, subjects.CONSUMER_ALLOCATOR_JOBS, subjects.ALLOC_JOB),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_RELEASES, subjects.ALLOC_RELEASE_ALL),
         *_durable(subjects.NODE_STREAM, subjects.CONSUMER_ALLOCATOR_NODE, subjects.ALLOCATOR_NODE_FILTERS),
         *_kv_reader(subjects.KV_NODES),
         *_kv_writer(subjects.KV_ALLOCS),
         *_kv_writer(subjects.KV_REQUESTS),
+        *_kv_writer(subjects.KV_JOBS),
     ]
     sub = [subjects.ALLOCATOR_HEARTBEAT, _inbox("allocator")]
     return Permissions(publish=_dedup(pub), subscribe=_dedup(sub))
@@ -211,12 +213,14 @@ def admission() -> Permissions:
     a = subjects.ALLOC_STREAM
     pub = [
         subjects.ALLOC_REQUEST,
+        subjects.ALLOC_JOB,
         subjects.ALLOC_RELEASE_ALL,
         subjects.dlq("admission"),
         *_provision(),
         *_durable(a, subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL),
         *_durable(a, subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
         *_kv_reader(subjects.KV_REQUESTS),
+        *_kv_reader(subjects.KV_JOBS),
         *_kv_reader(subjects.KV_ALLOCS),
     ]
     return Permissions(publish=_dedup(pub), subscribe=(_inbox("admission"),))
@@ -246,6 +250,7 @@ def cli() -> Permissions:
     and reads of every record; it writes no record and provisions nothing."""
     pub = [
         subjects.ALLOC_REQUEST,
+        subjects.ALLOC_JOB,
         subjects.ALLOC_RELEASE_ALL,
         subjects.node_command("*"),
         subjects.QUERY_INVENTORY,

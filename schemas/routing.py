@@ -25,6 +25,7 @@ from schemas.messages import (
     HealthEvent,
     Heartbeat,
     InventoryQuery,
+    JobRequest,
     NodeInventory,
     Release,
 )
@@ -41,6 +42,7 @@ _NODE_EVENT_KINDS: dict[str, type] = {
 # tandem.alloc.<what>[.<node>] → the one kind it carries, and whether a node token follows.
 _ALLOC_KINDS: dict[str, tuple[type, bool]] = {
     "request": (AllocationRequest, False),
+    "job": (JobRequest, False),
     "failed": (AllocationFailed, False),
     "freed": (Freed, False),
     "assigned": (Assignment, True),

@@ -6,6 +6,7 @@ Subject tree (``<node>`` is a node token, see :func:`node_token`)::
     tandem.node.<node>.heartbeat                                core NATS (loss is harmless)
     tandem.node.<node>.command                                  core NATS request/reply
     tandem.alloc.request                                        stream ALLOC_STREAM
+    tandem.alloc.job                                            stream ALLOC_STREAM
     tandem.alloc.assigned.<node>                                stream ALLOC_STREAM
     tandem.alloc.failed | tandem.alloc.freed                    stream ALLOC_STREAM
     tandem.alloc.release.<node>  (``_unplaced`` when unknown)   stream ALLOC_STREAM
@@ -38,8 +39,10 @@ DLQ_STREAM = "TANDEM_DLQ"
 KV_NODES = "tandem-nodes"
 KV_ALLOCS = "tandem-allocs"
 KV_REQUESTS = "tandem-requests"
+KV_JOBS = "tandem-jobs"
 
 ALLOC_REQUEST = f"{ROOT}.alloc.request"
+ALLOC_JOB = f"{ROOT}.alloc.job"
 ALLOC_FAILED = f"{ROOT}.alloc.failed"
 ALLOC_FREED = f"{ROOT}.alloc.freed"
 ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
@@ -76,6 +79,7 @@ STREAM_SUBJECTS: dict[str, list[str]] = {
 
 # Durable consumer names, one per role; all replicas of a role share one durable.
 CONSUMER_ALLOCATOR_REQUESTS = "allocator-requests"
+CONSUMER_ALLOCATOR_JOBS = "allocator-jobs"
 CONSUMER_ALLOCATOR_NODE = "allocator-node-events"
 CONSUMER_ALLOCATOR_RELEASES = "allocator-releases"
 CONSUMER_INVENTORY = "inventory-node-events"

@@ -19,6 +19,9 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
         policy=settings.node_policy,
         device_classes=settings.device_classes,
         finished_request_ttl=settings.finished_request_ttl,
+        claim_timeout=settings.claim_timeout,
+        fabric_tiers=settings.fabric_tiers,
+        fault_job_prepare_pause=settings.fault_job_prepare_pause,
     )
     register_state(AllocatorState(allocator))  # its gauges, computed at each scrape
     return allocator

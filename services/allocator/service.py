@@ -46,10 +46,9 @@ import contextlib
 import gc
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-import msgspec
 from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -60,7 +59,6 @@ from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     AllocRecord,
-    AssignedNic,
     Assignment,
     Cleaned,
     Freed,
@@ -70,9 +68,12 @@ from schemas.messages import (
 )
 from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
+from services.allocator.core.gang import DEFAULT_TIERS
+from services.allocator.jobs import Jobs
 from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
+from services.allocator.wire import build_assignment
 from services.runtime import tracing
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import watch_bucket, watch_raw
@@ -94,33 +95,6 @@ REQUEST_CONCURRENCY = 256
 EVENT_CONCURRENCY = 64
 # Capacity events within this long are answered by one pass over the pending requests.
 RETRY_COALESCE_S = 0.1
-
-
-def build_assignment(req: AllocationRequest, placement: Placement, *, instance: str) -> Assignment:
-    """The wire assignment for a placement, with the pod's network wishes applied per NIC."""
-    net = req.network
-    nics: list[AssignedNic] = []
-    for i, nic in enumerate(placement.nics):
-        if net is not None:
-            nic = msgspec.structs.replace(
-                nic,
-                ifname=f"{net.ifname_prefix}{i + 1}",
-                mtu=net.mtu,
-                addresses=[net.addresses[i]] if i < len(net.addresses) else [],
-            )
-        nics.append(nic)
-    return Assignment(
-        request_id=req.request_id,
-        pod=req.pod,
-        node=placement.node,
-        gpus=list(placement.gpus),
-        nics=nics,
-        pairs=list(placement.pairs),
-        scope=placement.scope,
-        candidates=placement.candidates,
-        allocator=instance,
-        requested_at=req.created_at,
-    )
 
 
 def _pod_attributes(req: AllocationRequest) -> dict[str, str | int]:
@@ -147,6 +121,8 @@ class Allocator(Service):
         before_commit: CommitHook | None = None,
         concurrency: int = REQUEST_CONCURRENCY,
         finished_request_ttl: float | None = None,
+        fabric_tiers: Sequence[str] = DEFAULT_TIERS,
+        fault_job_prepare_pause: float = 0.0,
     ) -> None:
         self.bus = bus
         self.instance = instance
@@ -168,6 +144,15 @@ class Allocator(Service):
             finished_ttl=finished_request_ttl,
         )
         self.replicas = Replicas(bus, instance=instance, model=self.model)
+        self.jobs = Jobs(
+            bus,
+            instance=instance,
+            model=self.model,
+            node_allocs=self.node_allocs,
+            claim_timeout=claim_timeout,
+            tiers=fabric_tiers,
+            prepare_pause=fault_job_prepare_pause,
+        )
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
         self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("allocator")
@@ -198,12 +183,13 @@ class Allocator(Service):
     @claim_timeout.setter
     def claim_timeout(self, seconds: float) -> None:
         self.book.claim_timeout = seconds
+        self.jobs.claim_timeout = seconds
 
     # -- lifecycle --------------------------------------------------------------------------
 
     async def start(self) -> None:
         began = time.monotonic()
-        for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS):
+        for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_JOBS):
             self._kv[bucket] = await self.bus.kv(bucket)
         watches: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
             (
@@ -223,6 +209,10 @@ class Allocator(Service):
                 subjects.KV_REQUESTS,
                 lambda r: watch_raw(self._kv[subjects.KV_REQUESTS], self.book.store.observe, ready=r),
             ),
+            (
+                subjects.KV_JOBS,
+                lambda r: watch_raw(self._kv[subjects.KV_JOBS], self.jobs.store.observe, ready=r),
+            ),
         ]
         for bucket, watch in watches:
             ready = asyncio.Event()
@@ -240,6 +230,13 @@ class Allocator(Service):
                 subjects.ALLOC_REQUEST,
                 self._on_request,
                 self.concurrency,
+            ),
+            (
+                subjects.ALLOC_STREAM,
+                subjects.CONSUMER_ALLOCATOR_JOBS,
+                subjects.ALLOC_JOB,
+                self.jobs.on_job,
+                EVENT_CONCURRENCY,
             ),
             (
                 subjects.ALLOC_STREAM,
@@ -275,6 +272,8 @@ class Allocator(Service):
                 ),
             )
         await self.replicas.start(self._tasks)
+        # Job commits a crashed replica left half-done are settled before new decisions.
+        await self.jobs.sweep()
         self._tasks.spawn("retry-pending", self._retry_loop)
         log.info(
             "allocator_started",
@@ -290,6 +289,7 @@ class Allocator(Service):
         await self._tasks.aclose()
         await self.node_allocs.aclose()
         await self.book.aclose()
+        await self.jobs.aclose()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -568,6 +568,8 @@ class Allocator(Service):
             self.model.capacity.clear()
             if self.book.pending or self.book.claims:
                 await self.retry_pending()
+            await self.jobs.sweep()
+            await self.jobs.retry_pending()
 
     def _refreeze(self) -> None:
         """``gc.freeze`` again once the fleet grew by a tenth since the last time: nodes that
@@ -608,6 +610,8 @@ class Allocator(Service):
 
     async def _release(self, release: Release) -> None:
         rid = release.request_id
+        if await self.jobs.release(rid):
+            return  # a whole job: every pod of it
         node = await self._placement_of(rid)
         if node is None:
             outcome = await self.book.cancel(rid, pod=release.pod)

@@ -292,7 +292,8 @@ def state_of(record: RequestRecord | None, held: AllocRecord | None) -> str:
     is the truth about what is held; a request record saying ``assigned`` that no node holds
     is a claim whose commit has not landed: still being decided)."""
     if held is not None:
-        return {"assigned": "assigned", "applied": "applied", "releasing": "releasing"}[held.state]
+        # A job's pod reserved by the first phase of its commit is still being decided.
+        return "deciding" if held.state == "prepared" else held.state
     if record is None:
         return "assigned"
     if record.state == "assigned":

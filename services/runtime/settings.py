@@ -78,6 +78,14 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # TTL): long enough to look it up after the pod is gone, short enough that the bucket
     # does not grow with history.
     finished_request_ttl: float = 7 * 24 * 3600.0
+    # Seconds after which a replica's claim of a request, or its half-done job commit, is
+    # taken for abandoned (the replica died) and taken over.
+    claim_timeout: float = 30.0
+    # The inter-node fabric tiers, finest first: node label ``tandem.io/fabric-<tier>``.
+    fabric_tiers: list[str] = msgspec.field(default_factory=lambda: ["leaf", "spine"])
+    # Fault injection for crash tests only (0 = off): seconds an allocator waits after the
+    # first node of a job commit is prepared, so a test can SIGKILL it half-way.
+    fault_job_prepare_pause: float = 0.0
     stream_replicas: int = 1
     backend: str = "simulated"
     topology_file: str | None = None
