@@ -38,8 +38,8 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
-from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
-from services.admission import metrics, names, policy
+from schemas.messages import AllocationFailed, Assignment, JobRecord, PodRef, Release, RequestRecord
+from services.admission import jobs, metrics, names, policy
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
 from services.runtime.bus import Bus, Delivery, Retry
@@ -62,6 +62,7 @@ class Bridge:
         event_interval: float = 30.0,
         watch_timeout: int = 300,
         relist_backoff: float = 1.0,
+        job_wait_timeout: float = 60.0,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
@@ -70,6 +71,9 @@ class Bridge:
         self.event_interval = event_interval
         self.watch_timeout = watch_timeout
         self.relist_backoff = relist_backoff
+        # A job still missing pods after this long gets an Event on the pods it has.
+        self.job_wait_timeout = job_wait_timeout
+        self.jobs = jobs.Gatherer()
         self.clock = clock
         self.instance = bus.settings.instance
         self._tracer = tracer("tandem.bridge")
@@ -121,6 +125,7 @@ class Bridge:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), interval)
             now = self.clock()
+            await self._report_incomplete_jobs(now)
             for (ns, name), state in list(self._events.items()):
                 if not policy.flush_due(state, now=now, min_interval=self.event_interval):
                     continue
@@ -140,8 +145,10 @@ class Bridge:
                 # Records first, then pods: a record whose pod is missing from the later list
                 # really is orphaned (the pod existed when the request was made).
                 records = await self.request_records()
+                job_records = await self.job_records()
                 pods, version = await self.kube.list_pods(label_selector=names.MANAGED_SELECTOR)
                 await self.resync(pods, records)
+                await self.resync_jobs(pods, job_records)
                 self.synced.set()
                 async for kind, obj in self.kube.watch_pods(
                     label_selector=names.MANAGED_SELECTOR,
@@ -175,6 +182,60 @@ class Bridge:
             except codec.DecodeErrors as exc:
                 log.warning("bad_request_record", key=key, error=str(exc))
         return out
+
+    async def job_records(self) -> dict[str, JobRecord]:
+        kv = await self.bus.kv(subjects.KV_JOBS)
+        try:
+            keys = await kv.keys()
+        except NoKeysError:
+            return {}
+        out: dict[str, JobRecord] = {}
+        for key in keys:
+            try:
+                entry = await kv.get(key)
+            except KeyNotFoundError:
+                continue
+            if entry.value is None:
+                continue
+            try:
+                out[key] = codec.JOB_RECORD.decode(entry.value)
+            except codec.DecodeErrors as exc:
+                log.warning("bad_job_record", key=key, error=str(exc))
+        return out
+
+    async def resync_jobs(self, pods: list[dict[str, Any]], records: dict[str, JobRecord]) -> None:
+        """Pods of jobs that went away while the bridge was down: a placed job's missing pod
+        is released alone, a job not placed yet is cancelled."""
+        live = {(p.get("metadata") or {}).get("uid") for p in pods}
+        for job_id, record in records.items():
+            if record.state not in ("pending", "aborted", "committing", "committed"):
+                continue
+            gone = [
+                i
+                for i, ref in enumerate(record.job.members)
+                if ref.uid and ref.uid not in live and await self._pod_gone(ref)
+            ]
+            if not gone:
+                continue
+            if record.state != "committed":
+                ref = record.job.members[gone[0]]
+                await self._publish_release(
+                    job_id,
+                    ref,
+                    node=None,
+                    reason="pod of the job deleted while the bridge was away",
+                    traceparent=None,
+                )
+                continue
+            for i in gone:
+                node = record.placement[i] if i < len(record.placement) else None
+                await self._publish_release(
+                    record.job.pod_id(i),
+                    record.job.members[i],
+                    node=node,
+                    reason="pod deleted while the bridge was away",
+                    traceparent=None,
+                )
 
     async def resync(self, pods: list[dict[str, Any]], records: dict[str, RequestRecord]) -> None:
         live: set[str] = set()
@@ -258,6 +319,15 @@ class Bridge:
             phase = pod.status.phase if pod.status else ""
             await self.release(pod, reason=f"pod {phase}")
             return
+        try:
+            member = jobs.membership(pod)
+        except PolicyError as exc:
+            await self.record_event(pod, reason=jobs.EVENT_REASON_INVALID, message=str(exc))
+            return
+        if member is not None:
+            if not pod.metadata.deletionTimestamp:
+                await self.gather(pod, member)
+            return
         if names.GATE in pod.gates and not pod.metadata.deletionTimestamp:
             await self.request(pod)
 
@@ -283,8 +353,47 @@ class Bridge:
         self._requested.add(rid)
         log.info("allocation_requested", request_id=rid, namespace=req.pod.namespace, pod=req.pod.name)
 
+    async def gather(self, pod: policy.PodView, member: jobs.Membership) -> None:
+        """A pod of a job: requested with the whole job once every pod of it exists."""
+        key, complete = self.jobs.add(pod, member, now=self.clock())
+        if complete is None or not any(names.GATE in p.gates for p in complete):
+            return
+        try:
+            job = jobs.job_request(complete, device_classes=self.device_classes)
+        except (PolicyError, InvalidPod) as exc:
+            for p in complete:
+                await self.record_event(p, reason=jobs.EVENT_REASON_INVALID, message=str(exc))
+            return
+        parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
+        with self._tracer.start_as_current_span("bridge.request_job", context=parent) as span:
+            span.set_attribute("tandem.job", job.job_id)
+            span.set_attribute("tandem.pods", job.pods)
+            span.set_attribute("tandem.gpus", job.gpus)
+            span.set_attribute("tandem.rdma", job.rdma)
+            await self.bus.publish(subjects.ALLOC_JOB, job, msg_id=subjects.msg_id("job", job.job_id))
+        self.jobs.requested(key, job.job_id)
+        metrics.BRIDGE_REQUESTS.inc()
+        log.info("job_requested", job=job.job_id, namespace=job.namespace, pods=job.pods)
+
+    async def _report_incomplete_jobs(self, now: float) -> None:
+        for group, size, present in self.jobs.waiting(now=now, timeout=self.job_wait_timeout):
+            message = (
+                f"job {group}: {len(present)} of {size} pods exist; Tandem requests devices for the "
+                "whole job once all of its pods exist (nothing is held meanwhile)"
+            )
+            for pod in present:
+                with contextlib.suppress(NotFound):
+                    await self.record_event(pod, reason=jobs.EVENT_REASON_WAITING, message=message)
+
     async def release(self, pod: policy.PodView, *, reason: str) -> None:
         rid = policy.request_id_for(pod.metadata.uid or "")
+        job, _ = self.jobs.remove(pod)
+        bound = policy.read_assignment_annotation(pod)
+        if job is not None and (bound is None or not bound.request_id.startswith(f"{job}/")):
+            # A pod of a job that is not placed yet: the job cannot run without it.
+            rid = job
+        elif bound is not None and "/" in bound.request_id:
+            rid = bound.request_id  # one pod of a placed job: its devices alone
         if rid in self._released:
             return
         await self._publish_release(
@@ -369,6 +478,13 @@ class Bridge:
         log.info("pod_bound", request_id=a.request_id, node=a.node, pod=a.pod.name)
 
     async def on_failed(self, f: AllocationFailed) -> None:
+        members = self.jobs.job_of(f.request_id)
+        if members:
+            # A job that cannot be placed yet: every pod of it says why.
+            for pod in members:
+                if names.GATE in pod.gates:
+                    await self.record_event(pod, reason=names.EVENT_REASON_FAILED, message=f.reason)
+            return
         try:
             raw = await self.kube.get_pod(f.pod.namespace, f.pod.name)
         except NotFound:

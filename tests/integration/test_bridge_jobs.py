@@ -1,0 +1,148 @@
+"""Jobs at the Kubernetes edge: the bridge (against the kmock API emulator) gathers a job's
+pods, requests the job once all of them exist, and the real allocator places it whole on
+simulated nodes over real NATS; a job missing pods gets an Event and holds nothing; deleting
+one pod of a placed job releases that pod's devices alone."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import jsonpatch
+import pytest
+
+from schemas import codec, subjects
+from services.admission import jobs, names, policy
+from services.localstack import FleetEntry, LocalStack
+from services.runtime.bus import Bus
+from tests.conftest import BusFactory, make_settings
+from tests.integration.test_bridge import CLASSES, StartBridge, apiserver, start_bridge, stream_messages
+from tests.unit.test_admission_helpers import deployment_pod
+from tests.waiting import wait_until
+
+__all__ = ["apiserver", "start_bridge"]  # fixtures shared with test_bridge
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def nodes(nats_url: str, bus_factory: BusFactory) -> AsyncIterator[LocalStack]:
+    """Inventory, one allocator and eight simulated 8-GPU + 8-NIC servers."""
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.5)
+    stack = await LocalStack(settings, fleet=[FleetEntry("dgx-h100", 8, "h100")], retry_interval=0.3).start()
+    await wait_until(lambda: len(stack.allocators[0].nodes) == 8, timeout=30, what="8 nodes registered")
+    try:
+        yield stack
+    finally:
+        await stack.stop()
+
+
+async def create_job_pod(emu: Any, job: str, index: int, *, size: int) -> dict[str, Any]:
+    """A pod of ``job`` admitted by the webhook policy and persisted as the API server would."""
+    pod = deployment_pod(gpu="8", rdma="8", annotations={jobs.JOB_SIZE: str(size), jobs.JOB_INDEX: str(index)})
+    pod["metadata"]["labels"][jobs.JOB] = job
+    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES, traceparent=None)
+    assert verdict.allowed, verdict.message
+    admitted: dict[str, Any] = jsonpatch.apply_patch(pod, verdict.patch)
+    admitted["metadata"].update(name=f"{job}-{index}", uid=str(uuid.uuid4()), resourceVersion="1")
+    resp = await emu.post("/api/v1/namespaces/ml/pods", json=admitted)
+    assert resp.status == 200, await resp.text()
+    return admitted
+
+
+def pod(emu: Any, name: str) -> dict[str, Any]:
+    return dict(emu.objects["v1/pods", "ml", name].raw)
+
+
+def gated(emu: Any, name: str) -> bool:
+    return bool(pod(emu, name)["spec"].get("schedulingGates"))
+
+
+async def held(bus: Bus) -> dict[str, tuple[str, str]]:
+    """Allocation id → (node, state) for every allocation the server holds."""
+    kv = await bus.kv(subjects.KV_ALLOCS)
+    out: dict[str, tuple[str, str]] = {}
+    try:
+        keys = await kv.keys()
+    except Exception:  # an empty bucket
+        return out
+    for key in keys:
+        entry = await kv.get(key)
+        if entry.value:
+            for rid, rec in codec.NODE_ALLOCS.decode(entry.value).allocations.items():
+                out[rid] = (key, rec.state)
+    return out
+
+
+async def test_an_eight_pod_job_is_requested_once_and_bound_whole(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, nodes: LocalStack, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    watcher = await bus_factory("test-watcher")
+    running = await start_bridge()
+    for i in range(7):
+        await create_job_pod(emu, "train", i, size=8)
+    # Seven of eight pods: nothing is requested, nothing held, every pod still gated.
+    await wait_until(
+        lambda: sum(len(g.pods) for g in running.bridge.jobs.groups.values()) == 7,
+        what="the bridge saw 7 pods of the job",
+    )
+    assert await stream_messages(watcher, subjects.ALLOC_JOB) == []
+    assert await held(watcher) == {}
+
+    await create_job_pod(emu, "train", 7, size=8)
+
+    async def all_bound() -> bool:
+        return not any(gated(emu, f"train-{i}") for i in range(8))
+
+    await wait_until(all_bound, timeout=30, what="all 8 pods bound")
+    requested = await stream_messages(watcher, subjects.ALLOC_JOB)
+    assert len(requested) == 1, "the job is requested once"
+    job = requested[0][0]
+    assert job.pods == 8 and (job.gpus, job.rdma) == (8, 8)
+    assert [m.name for m in job.members] == [f"train-{i}" for i in range(8)]
+    nodes_used = set()
+    for i in range(8):
+        ann = policy.read_assignment_annotation(policy.read_pod(pod(emu, f"train-{i}")))
+        assert ann is not None and ann.request_id == f"{job.job_id}/{i}"
+        nodes_used.add(ann.node)
+    assert len(nodes_used) == 8
+    allocs = await held(watcher)
+    assert sorted(allocs) == sorted(f"{job.job_id}/{i}" for i in range(8))
+
+    # Deleting one pod of the running job releases its devices alone.
+    resp = await emu.delete("/api/v1/namespaces/ml/pods/train-3")
+    assert resp.status == 200
+
+    async def one_freed() -> bool:
+        return f"{job.job_id}/3" not in await held(watcher)
+
+    await wait_until(one_freed, timeout=30, what="the deleted pod's devices freed")
+    assert sorted(await held(watcher)) == sorted(f"{job.job_id}/{i}" for i in range(8) if i != 3)
+
+
+async def test_a_job_missing_pods_gets_an_event_and_holds_nothing(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, nodes: LocalStack, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    watcher = await bus_factory("test-watcher")
+    await start_bridge(job_wait_timeout=0.5, event_interval=0.2)
+    for i in range(3):
+        await create_job_pod(emu, "sweep", i, size=4)
+
+    def waiting_events() -> list[dict[str, Any]]:
+        return [
+            dict(obj.raw)
+            for key, obj in emu.objects.items()
+            if key[0] == "v1/events" and obj.raw.get("reason") == jobs.EVENT_REASON_WAITING
+        ]
+
+    await wait_until(lambda: len(waiting_events()) == 3, timeout=20, what="an Event on each of the 3 pods")
+    event = waiting_events()[0]
+    assert "3 of 4 pods exist" in event["message"] and "nothing is held" in event["message"]
+    assert event["involvedObject"]["kind"] == "Pod"
+    assert await stream_messages(watcher, subjects.ALLOC_JOB) == []
+    assert await held(watcher) == {}
+    assert all(gated(emu, f"sweep-{i}") for i in range(3))
+    assert names.GATE in [g["name"] for g in pod(emu, "sweep-0")["spec"]["schedulingGates"]]
