@@ -40,7 +40,9 @@ async def nodes(nats_url: str, bus_factory: BusFactory) -> AsyncIterator[LocalSt
 
 async def create_job_pod(emu: Any, job: str, index: int, *, size: int) -> dict[str, Any]:
     """A pod of ``job`` admitted by the webhook policy and persisted as the API server would."""
-    pod = deployment_pod(gpu="8", rdma="8", annotations={jobs.JOB_SIZE: str(size), jobs.JOB_INDEX: str(index)})
+    pod = deployment_pod(
+        gpu="8", rdma="8", annotations={jobs.JOB_SIZE: str(size), jobs.JOB_INDEX: str(index)}
+    )
     pod["metadata"]["labels"][jobs.JOB] = job
     verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES, traceparent=None)
     assert verdict.allowed, verdict.message

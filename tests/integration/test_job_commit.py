@@ -274,7 +274,9 @@ async def test_a_job_commit_killed_half_way_holds_nothing_and_is_placed_once(
         a2, _ = await start_allocator(nats_url, tmp_path, "alloc-a", **common)
         procs.append(a2)
         await wait_until(
-            lambda: sum(len(x.applied) for x in fleet.appliers.values()) == 3, timeout=20, what="3 pods applied"
+            lambda: sum(len(x.applied) for x in fleet.appliers.values()) == 3,
+            timeout=20,
+            what="3 pods applied",
         )
         record = await job_record(bus, "gang")
         assert record is not None and record.state == "committed" and record.epoch >= 2
