@@ -216,7 +216,7 @@ async def start_allocator(
         except aiohttp.ClientConnectionError:
             return False
 
-    await wait_until(ready, timeout=30, what=f"allocator {name} ready", poll=0.1)
+    await wait_until(ready, timeout=60, what=f"allocator {name} ready", poll=0.1)
     return proc, port
 
 
