@@ -29,6 +29,7 @@ from schemas.messages import (
     JobRequest,
     NodeAllocations,
     NodeInventory,
+    NodeLabels,
     NodeRecord,
     Release,
     RequestRecord,
@@ -54,6 +55,7 @@ NODE_RECORD = msgspec.msgpack.Decoder(NodeRecord)
 NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)
 JOB_RECORD = msgspec.msgpack.Decoder(JobRecord)
+NODE_LABELS = msgspec.msgpack.Decoder(NodeLabels)
 ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)

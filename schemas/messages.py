@@ -49,6 +49,7 @@ __all__ = [
     "NetworkSpec",
     "NodeAllocations",
     "NodeInventory",
+    "NodeLabels",
     "NodeRecord",
     "Pair",
     "PodRef",
@@ -452,3 +453,13 @@ class JobRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     reason: str = ""
     updated_at: float = msgspec.field(default_factory=now)
     traceparent: str = ""
+
+
+class NodeLabels(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
+    """A node's labels from the Kubernetes Node object that the allocator places by (bucket
+    ``KV_NODE_LABELS``, key = node; written by the pod bridge, which watches Nodes): the
+    fabric blocks (``tandem.io/fabric-<tier>``). They join the labels of the node's topology."""
+
+    node: str
+    labels: Annotated[dict[LabelKey, LabelValue], msgspec.Meta(max_length=limits.MAX_SELECTOR_TERMS)] = {}
+    updated_at: float = msgspec.field(default_factory=now)

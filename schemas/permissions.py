@@ -56,7 +56,13 @@ JS_API = "$JS.API"  # nats-py's default API prefix (no JetStream domain)
 
 ROLES = ("allocator", "inventory", "admission", "nodeagent", "cli")
 PROVISIONERS = frozenset({"allocator", "inventory", "admission"})
-KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_JOBS)
+KV_BUCKETS = (
+    subjects.KV_NODES,
+    subjects.KV_ALLOCS,
+    subjects.KV_REQUESTS,
+    subjects.KV_JOBS,
+    subjects.KV_NODE_LABELS,
+)
 
 
 class PermissionsError(ValueError):
@@ -193,6 +199,7 @@ def allocator() -> Permissions:
         *_kv_writer(subjects.KV_ALLOCS),
         *_kv_writer(subjects.KV_REQUESTS),
         *_kv_writer(subjects.KV_JOBS),
+        *_kv_reader(subjects.KV_NODE_LABELS),
     ]
     sub = [subjects.ALLOCATOR_HEARTBEAT, _inbox("allocator")]
     return Permissions(publish=_dedup(pub), subscribe=_dedup(sub))
@@ -222,6 +229,7 @@ def admission() -> Permissions:
         *_kv_reader(subjects.KV_REQUESTS),
         *_kv_reader(subjects.KV_JOBS),
         *_kv_reader(subjects.KV_ALLOCS),
+        *_kv_writer(subjects.KV_NODE_LABELS),
     ]
     return Permissions(publish=_dedup(pub), subscribe=(_inbox("admission"),))
 

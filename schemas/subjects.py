@@ -40,6 +40,7 @@ KV_NODES = "tandem-nodes"
 KV_ALLOCS = "tandem-allocs"
 KV_REQUESTS = "tandem-requests"
 KV_JOBS = "tandem-jobs"
+KV_NODE_LABELS = "tandem-node-labels"
 
 ALLOC_REQUEST = f"{ROOT}.alloc.request"
 ALLOC_JOB = f"{ROOT}.alloc.job"

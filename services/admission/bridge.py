@@ -42,6 +42,7 @@ from schemas.messages import AllocationFailed, Assignment, JobRecord, PodRef, Re
 from services.admission import jobs, metrics, names, policy
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
+from services.admission.nodelabels import NodeLabelMirror
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Supervisor
@@ -63,6 +64,7 @@ class Bridge:
         watch_timeout: int = 300,
         relist_backoff: float = 1.0,
         job_wait_timeout: float = 60.0,
+        mirror_node_labels: bool = True,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
@@ -74,6 +76,8 @@ class Bridge:
         # A job still missing pods after this long gets an Event on the pods it has.
         self.job_wait_timeout = job_wait_timeout
         self.jobs = jobs.Gatherer()
+        # Fabric labels of Nodes into KV for the allocator (services.admission.nodelabels).
+        self.mirror_node_labels = mirror_node_labels
         self.clock = clock
         self.instance = bus.settings.instance
         self._tracer = tracer("tandem.bridge")
@@ -112,6 +116,9 @@ class Bridge:
             ),
         )
         sup.spawn("events", lambda: self.flush_events(stop))
+        if self.mirror_node_labels:
+            mirror = NodeLabelMirror(kube=self.kube, bus=self.bus, watch_timeout=self.watch_timeout)
+            sup.spawn("node-labels", lambda: mirror.run(stop))
         try:
             await stop.wait()
         finally:

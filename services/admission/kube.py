@@ -40,6 +40,10 @@ class KubeApi(Protocol):
 
     async def get_pod(self, namespace: str, name: str) -> Obj: ...
 
+    async def list_nodes(self) -> tuple[list[Obj], str]: ...
+
+    def watch_nodes(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]: ...
+
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj: ...
 
     async def create_event(self, namespace: str, body: Obj) -> Obj: ...
@@ -148,6 +152,27 @@ class KubeClient:
 
     async def get_pod(self, namespace: str, name: str) -> Obj:
         return await self._json(self.core.read_namespaced_pod(name, namespace, _preload_content=False))
+
+    async def list_nodes(self) -> tuple[list[Obj], str]:
+        doc = await self._json(self.core.list_node(_preload_content=False))
+        items: list[Obj] = doc.get("items") or []
+        return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_nodes(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
+        watch = Watch(return_type="object")
+        kwargs: dict[str, Any] = {"timeout_seconds": timeout_s}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        try:
+            async with watch:
+                async for event in watch.stream(self.core.list_node, **kwargs):
+                    if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
+                        continue
+                    obj = event.get("raw_object")
+                    if isinstance(obj, dict):
+                        yield str(event["type"]), obj
+        except ApiException as exc:
+            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
 
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj:
         return await self._json(

@@ -2,6 +2,8 @@
 
 * ``tandem-nodes`` (hardware, health, ready/lost; written by the inventory) → the core's nodes:
   a node that is not ``ready`` gets no new allocation, its holds stay;
+* ``tandem-node-labels`` (the Node objects' fabric labels, mirrored by the pod bridge) → added
+  to the node's labels;
 * ``tandem-allocs`` (what every node has handed out; written by allocators) → the core's
   holds and :attr:`ReadModel.placed` (request id → node). These records come from the
   allocator's own writes (:class:`~services.runtime.records.RecordStore` calls
@@ -27,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 
-from schemas.messages import NodeAllocations, NodeRecord
+from schemas.messages import NodeAllocations, NodeLabels, NodeRecord
 from services.allocator.core import Cluster
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -48,6 +50,9 @@ class ReadModel:
         self.shards = 1
         self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
         self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
+        # Labels the cluster keeps on the Node objects (fabric blocks), mirrored by the pod
+        # bridge into KV tandem-node-labels: they join the topology's own labels.
+        self.cluster_labels: dict[str, dict[str, str]] = {}
 
     # -- node records -----------------------------------------------------------------------
 
@@ -74,9 +79,28 @@ class ReadModel:
     def _set_node(self, node: str, record: NodeRecord) -> None:
         topo = record.topology
         # Like kubelet, every node carries its own name as a label selectors can use.
-        labels = {**topo.labels, HOSTNAME_LABEL: node, SHARD_LABEL: shard_of(node, self.shards)}
+        labels = {
+            **topo.labels,
+            **self.cluster_labels.get(node, {}),
+            HOSTNAME_LABEL: node,
+            SHARD_LABEL: shard_of(node, self.shards),
+        }
         # Holds are kept per node name across set_node / remove_node (the core's contract).
         self.cluster.set_node(node, topo, labels=labels, unavailable=record.unavailable())
+
+    def on_node_labels(self, node: str, record: NodeLabels | None) -> None:
+        """The Node object's fabric labels changed (KV ``tandem-node-labels``)."""
+        labels = dict(record.labels) if record is not None else {}
+        if self.cluster_labels.get(node, {}) == labels:
+            return
+        if labels:
+            self.cluster_labels[node] = labels
+        else:
+            self.cluster_labels.pop(node, None)
+        known = self.nodes.get(node)
+        if known is not None and known.status == "ready":
+            self._set_node(node, known)
+            self.capacity.set()  # a job waiting for a fabric block may fit now
 
     def set_shards(self, shards: int) -> None:
         """Split the nodes into ``shards`` (the live replicas): relabels every ready node."""

@@ -189,9 +189,26 @@ class Allocator(Service):
 
     async def start(self) -> None:
         began = time.monotonic()
-        for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_JOBS):
+        buckets = (
+            subjects.KV_NODE_LABELS,
+            subjects.KV_NODES,
+            subjects.KV_ALLOCS,
+            subjects.KV_REQUESTS,
+            subjects.KV_JOBS,
+        )
+        for bucket in buckets:
             self._kv[bucket] = await self.bus.kv(bucket)
         watches: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
+            # Cluster labels first, so that nodes are indexed with them from the start.
+            (
+                subjects.KV_NODE_LABELS,
+                lambda r: watch_bucket(
+                    self._kv[subjects.KV_NODE_LABELS],
+                    codec.NODE_LABELS,
+                    lambda k, v, _: self.model.on_node_labels(k, v),
+                    ready=r,
+                ),
+            ),
             (
                 subjects.KV_ALLOCS,
                 lambda r: watch_raw(self._kv[subjects.KV_ALLOCS], self.node_allocs.observe, ready=r),

@@ -347,6 +347,10 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         ("", "events", "create", ()),
         ("", "events", "get", ()),
         ("", "events", "patch", ()),
+        # Nodes' fabric labels, read only (services.admission.nodelabels).
+        ("", "nodes", "get", ()),
+        ("", "nodes", "list", ()),
+        ("", "nodes", "watch", ()),
     }
     assert rules(one(docs, "Role", f"{admission_sa}-lease")) == {
         ("coordination.k8s.io", "leases", "create", ()),

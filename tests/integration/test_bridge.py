@@ -78,6 +78,7 @@ async def apiserver() -> AsyncIterator[tuple[Any, str]]:
     async with Apiserver() as emu, kmock.Server(emu) as srv:
         emu.resources["v1/pods"] = {}
         emu.resources["v1/events"] = {}
+        emu.resources["v1/nodes"] = {}
         yield emu, str(srv.url).rstrip("/")
 
 

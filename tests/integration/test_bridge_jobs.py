@@ -13,6 +13,7 @@ import jsonpatch
 import pytest
 
 from schemas import codec, subjects
+from schemas.messages import JobRecord, JobRequest
 from services.admission import jobs, names, policy
 from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
@@ -148,3 +149,77 @@ async def test_a_job_missing_pods_gets_an_event_and_holds_nothing(
     assert await held(watcher) == {}
     assert all(gated(emu, f"sweep-{i}") for i in range(3))
     assert names.GATE in [g["name"] for g in pod(emu, "sweep-0")["spec"]["schedulingGates"]]
+
+
+async def test_fabric_labels_on_nodes_reach_the_allocator_and_keep_a_job_in_one_leaf(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, nodes: LocalStack, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    watcher = await bus_factory("test-watcher")
+    for i in range(8):
+        node = {
+            "apiVersion": "v1",
+            "kind": "Node",
+            "metadata": {
+                "name": f"h100-{i}",
+                "labels": {
+                    "kubernetes.io/hostname": f"h100-{i}",
+                    "tandem.io/fabric-leaf": "leaf-a" if i < 4 else "leaf-b",
+                    "tandem.io/fabric-spine": "spine-1",
+                },
+            },
+        }
+        resp = await emu.post("/api/v1/nodes", json=node)
+        assert resp.status == 200, await resp.text()
+    await start_bridge()
+    allocator = nodes.allocators[0]
+    await wait_until(
+        lambda: all(
+            allocator.cluster.labels(f"h100-{i}").get("tandem.io/fabric-leaf")
+            == ("leaf-a" if i < 4 else "leaf-b")
+            for i in range(8)
+        ),
+        timeout=20,
+        what="the Nodes' fabric labels in the allocator",
+    )
+    kv = await watcher.kv(subjects.KV_NODE_LABELS)
+    record = codec.NODE_LABELS.decode((await kv.get("h100-5")).value)
+    assert record.labels == {"tandem.io/fabric-leaf": "leaf-b", "tandem.io/fabric-spine": "spine-1"}
+
+    # Five pods of 8+8 within one leaf of four servers: impossible, so nothing is held.
+    wide = JobRequest(job_id="wide", pods=5, gpus=8, rdma=8, fabric="leaf", fabric_policy="required")
+    await watcher.publish(subjects.ALLOC_JOB, wide, msg_id="job:wide")
+    # Four fit in one leaf: every pod lands in the same one.
+    fits = JobRequest(job_id="fits", pods=4, gpus=8, rdma=8, fabric="leaf", fabric_policy="required")
+    await watcher.publish(subjects.ALLOC_JOB, fits, msg_id="job:fits")
+
+    # (The bridge gives the devices back, as these pods do not exist in the API: the job's
+    # record says where they went.)
+    jobs_kv = await watcher.kv(subjects.KV_JOBS)
+
+    async def committed(job_id: str) -> JobRecord | None:
+        try:
+            record = codec.JOB_RECORD.decode((await jobs_kv.get(job_id)).value)
+        except Exception:
+            return None
+        return record if record.state in ("committed", "released") else None
+
+    await wait_until(lambda: committed("fits"), timeout=30, what="job fits placed")
+    record = await committed("fits")
+    assert record is not None and len(record.placement) == 4
+    assert len({allocator.cluster.labels(node)["tandem.io/fabric-leaf"] for node in record.placement}) == 1
+    wide_record = codec.JOB_RECORD.decode((await jobs_kv.get("wide")).value)
+    assert wide_record.state == "pending" and "no leaf can take 5" in wide_record.reason
+
+    # A node relabelled in the cluster moves to the other leaf in the allocator.
+    resp = await emu.patch(
+        "/api/v1/nodes/h100-0",
+        json={"metadata": {"labels": {"tandem.io/fabric-leaf": "leaf-b"}}},
+        headers={"Content-Type": "application/merge-patch+json"},
+    )
+    assert resp.status == 200, await resp.text()
+    await wait_until(
+        lambda: allocator.cluster.labels("h100-0").get("tandem.io/fabric-leaf") == "leaf-b",
+        timeout=20,
+        what="the relabelled node in its new leaf",
+    )

@@ -58,6 +58,7 @@ async def test_admission_process_serves_webhook_and_leads_the_bridge(
     async with Apiserver() as emu, kmock.Server(emu) as srv:
         emu.resources["v1/pods"] = {}
         emu.resources["v1/events"] = {}
+        emu.resources["v1/nodes"] = {}
         emu.resources["coordination.k8s.io/v1/leases"] = {}
         kubeconfig = tmp_path / "kubeconfig"
         kubeconfig.write_text(

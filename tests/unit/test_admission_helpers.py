@@ -203,6 +203,13 @@ class FakeKube:
         await asyncio.sleep(3600)
         yield  # pragma: no cover
 
+    async def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
+        return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "node"], str(self.version)
+
+    async def watch_nodes(self, *, resource_version: str, timeout_s: int) -> Any:
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         pod = self._get("pod", namespace, name)
         await self._hooks()
