@@ -34,7 +34,7 @@ def same_job(a: JobRequest, b: JobRequest) -> bool:
     return a == msgspec.structs.replace(b, created_at=a.created_at)
 
 
-def _check_same(current: JobRecord | None, job: JobRequest) -> None:
+def check_same(current: JobRecord | None, job: JobRequest) -> None:
     if current is not None and current.state != "cancelled" and not same_job(current.job, job):
         raise DifferentRequest(
             f"job id {job.job_id!r} is already used by a different job ({current.state}); "
@@ -69,7 +69,7 @@ def begin(
     got: list[int] = []
 
     def mutate(current: JobRecord | None) -> JobRecord | None:
-        _check_same(current, job)
+        check_same(current, job)
         if current is not None:
             if current.state in JOB_DONE:
                 raise AlreadyDone(current.state)
@@ -127,7 +127,7 @@ def pending(job: JobRequest, *, reason: str) -> Mutation[JobRecord]:
     live attempt)."""
 
     def mutate(current: JobRecord | None) -> JobRecord | None:
-        _check_same(current, job)
+        check_same(current, job)
         if current is not None and current.state in (*JOB_DONE, "committing"):
             if current.state == "committing":
                 return None

@@ -62,6 +62,7 @@ from services.allocator import commits, jobcommits
 from services.allocator.core import InvalidRequest, Placement
 from services.allocator.core.gang import DEFAULT_TIERS, JobPlacement, JobUnschedulable, place_job
 from services.allocator.readmodel import ReadModel
+from services.allocator.requestbook import REASON_REFRESH_S, reason_key
 from services.allocator.wire import build_assignment
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
@@ -190,7 +191,7 @@ class Jobs:
         for _ in range(MAX_ATTEMPTS):
             known = self.known(job.job_id)
             if known is not None and known.state in jobcommits.JOB_DONE:
-                jobcommits._check_same(known, job)
+                jobcommits.check_same(known, job)
                 if known.state == "committed":
                     await self._roll_forward(known.job, known.epoch, known.nodes)
                 return "duplicate"
@@ -330,6 +331,14 @@ class Jobs:
     async def _unschedulable(self, job: JobRequest, why: JobUnschedulable) -> str:
         known = self.known(job.job_id)
         said = known.reason if known is not None else None
+        if (
+            known is not None
+            and known.state == "pending"
+            and reason_key(known.reason) == reason_key(why.reason)
+            and time.time() - known.updated_at < REASON_REFRESH_S
+        ):
+            # Only the counts moved: as for requests (.requestbook), not a write per retry.
+            return "pending"
         try:
             await self.store.update(
                 job.job_id, jobcommits.pending(job, reason=why.reason), assume_absent=True
