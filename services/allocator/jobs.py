@@ -396,10 +396,9 @@ class Jobs:
         """Restore the invariant of the module docstring for every prepared pod in sight,
         and mark jobs whose pods are all gone ``released``."""
         attempts: dict[tuple[str, int], set[str]] = {}
-        for node, (record, _) in list(self.node_allocs.cache.items()):
-            for rec in record.allocations.values() if record is not None else ():
-                if rec.state == "prepared" and rec.job:
-                    attempts.setdefault((rec.job, rec.epoch), set()).add(node)
+        for node, held in list(self.model.prepared.items()):
+            for attempt in held:
+                attempts.setdefault(attempt, set()).add(node)
         for (job_id, epoch), nodes in attempts.items():
             if job_id in self._inflight:
                 continue  # this replica's own attempt, in flight

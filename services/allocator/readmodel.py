@@ -49,6 +49,8 @@ class ReadModel:
         self.capacity = asyncio.Event()
         self.shards = 1
         self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
+        # node → (job, epoch) of the job pods its record holds ``prepared`` (services.allocator.jobs)
+        self.prepared: dict[str, set[tuple[str, int]]] = {}
         self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
         # Labels the cluster keeps on the Node objects (fabric blocks), mirrored by the pod
         # bridge into KV tandem-node-labels: they join the topology's own labels.
@@ -123,6 +125,11 @@ class ReadModel:
         for rid in new:
             self.placed[rid] = node
         self._ids[node] = new
+        attempts = {(r.job, r.epoch) for r in allocations.values() if r.state == "prepared"}
+        if attempts:
+            self.prepared[node] = attempts
+        else:
+            self.prepared.pop(node, None)
         self._sync_holds(node, record)
         if old - new:
             self.capacity.set()

@@ -572,7 +572,7 @@ class Allocator(Service):
         return sum(1 for res in results if res is True)
 
     async def _retry_loop(self) -> None:
-        last_refreeze = 0.0
+        last_refreeze = last_sweep = 0.0
         while True:
             now = time.monotonic()
             if now - last_refreeze >= self.retry_interval:
@@ -585,7 +585,10 @@ class Allocator(Service):
             self.model.capacity.clear()
             if self.book.pending or self.book.claims:
                 await self.retry_pending()
-            await self.jobs.sweep()
+            if now - last_sweep >= self.retry_interval:
+                # Half-done job commits are rare; every retry_interval is soon enough.
+                last_sweep = now
+                await self.jobs.sweep()
             await self.jobs.retry_pending()
 
     def _refreeze(self) -> None:
