@@ -17,6 +17,7 @@ from schemas.messages import (
     AllocatorHeartbeat,
     Applied,
     Assignment,
+    ClaimRecord,
     Cleaned,
     DeadLetter,
     DeviceCommand,
@@ -51,6 +52,7 @@ REPLY = msgspec.msgpack.Decoder(InventoryReply)
 NODE_RECORD = msgspec.msgpack.Decoder(NodeRecord)
 NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)
+CLAIM_RECORD = msgspec.msgpack.Decoder(ClaimRecord)
 ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)

@@ -56,7 +56,7 @@ JS_API = "$JS.API"  # nats-py's default API prefix (no JetStream domain)
 
 ROLES = ("allocator", "inventory", "admission", "nodeagent", "cli")
 PROVISIONERS = frozenset({"allocator", "inventory", "admission"})
-KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
+KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_CLAIMS)
 
 
 class PermissionsError(ValueError):
@@ -218,6 +218,7 @@ def admission() -> Permissions:
         *_durable(a, subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
         *_kv_reader(subjects.KV_REQUESTS),
         *_kv_reader(subjects.KV_ALLOCS),
+        *_kv_writer(subjects.KV_CLAIMS),
     ]
     return Permissions(publish=_dedup(pub), subscribe=(_inbox("admission"),))
 

@@ -38,6 +38,8 @@ DLQ_STREAM = "TANDEM_DLQ"
 KV_NODES = "tandem-nodes"
 KV_ALLOCS = "tandem-allocs"
 KV_REQUESTS = "tandem-requests"
+# DeviceClaims as the pod bridge sees them (phase, devices, pods using them); read by the CLI.
+KV_CLAIMS = "tandem-claims"
 
 ALLOC_REQUEST = f"{ROOT}.alloc.request"
 ALLOC_FAILED = f"{ROOT}.alloc.failed"

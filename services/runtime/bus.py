@@ -61,7 +61,7 @@ from services.runtime.tracing import extract, inject
 log = get_logger(__name__)
 T = TypeVar("T")
 
-KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS)
+KV_BUCKETS = (subjects.KV_NODES, subjects.KV_ALLOCS, subjects.KV_REQUESTS, subjects.KV_CLAIMS)
 DUPLICATE_WINDOW_S = 120.0
 # One publish attempt: a stream acks in milliseconds, so a request that sat this long went to a
 # server that died (or to a stream without a leader) and is retried rather than waited on.

@@ -347,6 +347,10 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         ("", "events", "create", ()),
         ("", "events", "get", ()),
         ("", "events", "patch", ()),
+        ("tandem.io", "deviceclaims", "get", ()),
+        ("tandem.io", "deviceclaims", "list", ()),
+        ("tandem.io", "deviceclaims", "watch", ()),
+        ("tandem.io", "deviceclaims/status", "patch", ()),
     }
     assert rules(one(docs, "Role", f"{admission_sa}-lease")) == {
         ("coordination.k8s.io", "leases", "create", ()),
