@@ -1,0 +1,359 @@
+"""DeviceClaims through the pod bridge: real kubernetes-asyncio client ⇄ kmock API emulator
+(serving the ``DeviceClaim`` custom resource), real NATS.
+
+The first tests play the allocator, as ``test_bridge.py`` does (they read ``alloc.request`` and
+publish ``Assignment``); the last ones run the real allocator, inventory and simulated node
+agents (``LocalStack``), so a released claim really goes through the node agent's verified
+cleanup before its devices are freed and given to a pending pod.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import json
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from schemas import codec, subjects
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest, Freed, Release, RequestRecord
+from services.admission import names
+from services.admission.bridge import Bridge
+from services.admission.kube import KubeClient
+from services.localstack import FleetEntry, LocalStack
+from services.runtime.bus import Bus
+from tests.conftest import BusFactory, make_settings
+from tests.integration import test_bridge as tb
+from tests.integration.test_bridge import (
+    NODE,
+    Running,
+    StartBridge,
+    assignment_for,
+    create_pod,
+    eventually,
+    requests_for,
+    stream_messages,
+)
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+# The bridge tests' fixtures: the API emulator (serving DeviceClaims too) and a running bridge.
+apiserver = tb.apiserver
+start_bridge = tb.start_bridge
+spans = tb.spans
+
+CLAIMS = f"/apis/{names.CLAIM_GROUP}/{names.CLAIM_VERSION}/namespaces/ml/{names.CLAIM_PLURAL}"
+
+
+def stamp(ts: float) -> str:
+    return datetime.datetime.fromtimestamp(ts, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def create_claim(emu: Any, name: str, *, created: float | None = None, **spec: Any) -> dict[str, Any]:
+    """A DeviceClaim as the API server stores it (uid and creationTimestamp set)."""
+    obj = {
+        "apiVersion": f"{names.CLAIM_GROUP}/{names.CLAIM_VERSION}",
+        "kind": names.CLAIM_KIND,
+        "metadata": {
+            "name": name,
+            "namespace": "ml",
+            "uid": str(uuid.uuid4()),
+            "creationTimestamp": stamp(created if created is not None else 1.7e9),
+        },
+        "spec": spec,
+    }
+    resp = await emu.post(CLAIMS, json=obj)
+    assert resp.status == 200, await resp.text()
+    return obj
+
+
+def claim_obj(emu: Any, name: str) -> dict[str, Any]:
+    return dict(
+        emu.objects[f"{names.CLAIM_GROUP}/{names.CLAIM_VERSION}/{names.CLAIM_PLURAL}", "ml", name].raw
+    )
+
+
+def status(emu: Any, name: str) -> dict[str, Any]:
+    return dict(claim_obj(emu, name).get("status") or {})
+
+
+def pod_obj(emu: Any, name: str) -> dict[str, Any]:
+    return dict(emu.objects["v1/pods", "ml", name].raw)
+
+
+def events_for(emu: Any, pod: str) -> list[dict[str, Any]]:
+    return [
+        dict(o.raw)
+        for (res, _, _), o in emu.objects.items()
+        if res.plural == "events" and not o.deleted and o.raw["involvedObject"]["name"] == pod
+    ]
+
+
+async def claim_request(bus: Bus, claim: dict[str, Any]) -> AllocationRequest:
+    ((req, _),) = await eventually(lambda: requests_for(bus, claim["metadata"]["uid"]))
+    assert isinstance(req, AllocationRequest)
+    return req
+
+
+async def test_pod_using_a_claim_gets_its_devices_and_its_end_frees_nothing(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    running = await start_bridge()
+    claim = await create_claim(emu, "train-claim", gpus=2, rdma=2, scope="pcie-switch")
+    req = await claim_request(allocator, claim)
+    assert req.request_id == f"claim-{claim['metadata']['uid']}"
+    assert req.claim is not None and req.claim.name == "train-claim" and not req.claim.shareable
+    assert (req.gpus, req.rdma, req.scope, req.pod.name) == (2, 2, "pcie-switch", "train-claim")
+    await eventually(lambda: _true(status(emu, "train-claim").get("phase") == "Pending"))
+
+    # A pod that names the claim before it is allocated waits, and says why.
+    pod = await create_pod(emu, "user-0", gpu="2", rdma="2", annotations={names.CLAIM: "train-claim"})
+    (waiting,) = await eventually(lambda: _async(events_for(emu, "user-0")))
+    assert waiting["reason"] == names.EVENT_REASON_CLAIM
+    assert "'train-claim' is not allocated yet" in waiting["message"]
+
+    await allocator.publish(
+        subjects.alloc_assigned(NODE), assignment_for(req), msg_id=subjects.msg_id("assigned", req.request_id)
+    )
+    await eventually(lambda: _true(not pod_obj(emu, "user-0")["spec"].get("schedulingGates")))
+    ann = json.loads(pod_obj(emu, "user-0")["metadata"]["annotations"][names.ASSIGNMENT])
+    assert ann["request_id"] == req.request_id and ann["node"] == NODE
+    assert [g["index"] for g in ann["gpus"]] == [0, 1]
+    st = await eventually(
+        lambda: _async(status(emu, "train-claim") if status(emu, "train-claim").get("pods") else None)
+    )
+    assert st["phase"] == "Allocated" and st["node"] == NODE
+    assert st["devices"] == ["gpu0", "gpu1", "mlx5_0", "mlx5_1"] and st["pods"] == ["user-0"]
+    # The pod made no request of its own.
+    assert await requests_for(allocator, pod["metadata"]["uid"]) == []
+
+    # The pod ends: the claim keeps its devices (no release), and says no pod uses it now.
+    assert (await emu.delete("/api/v1/namespaces/ml/pods/user-0")).status == 200
+    await eventually(lambda: _true(status(emu, "train-claim").get("pods") in (None, [])))
+    assert await stream_messages(allocator, subjects.alloc_release(NODE)) == []
+    assert status(emu, "train-claim")["phase"] == "Allocated"
+    kv = await allocator.kv(subjects.KV_CLAIMS)
+    record = codec.CLAIM_RECORD.decode((await kv.get(req.request_id)).value)
+    assert (record.phase, record.node, record.pods) == ("Allocated", NODE, [])
+
+    # Deleting the claim releases its request on the node, which cleans up and frees it.
+    assert (await emu.delete(f"{CLAIMS}/train-claim")).status == 200
+    ((release, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(NODE)))
+    assert isinstance(release, Release)
+    assert (release.request_id, release.node, release.reason) == (req.request_id, NODE, "claim deleted")
+    assert [p for p in running.published if p[0] == subjects.ALLOC_REQUEST] == [
+        (subjects.ALLOC_REQUEST, subjects.msg_id("request", req.request_id))
+    ]
+
+
+async def test_a_claim_that_is_not_shareable_refuses_a_second_pod_until_the_first_ends(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    await start_bridge(event_interval=0.0)
+    claim = await create_claim(emu, "solo", gpus=1, rdma=1)
+    req = await claim_request(allocator, claim)
+    await allocator.publish(subjects.alloc_assigned(NODE), assignment_for(req), msg_id="a-solo")
+    await eventually(lambda: _true(status(emu, "solo").get("phase") == "Allocated"))
+
+    await create_pod(emu, "first", gpu="1", rdma="1", annotations={names.CLAIM: "solo"})
+    await eventually(lambda: _true(not pod_obj(emu, "first")["spec"].get("schedulingGates")))
+    await create_pod(emu, "second", gpu="1", rdma="1", annotations={names.CLAIM: "solo"})
+    (event,) = await eventually(lambda: _async(events_for(emu, "second")))
+    assert event["reason"] == names.EVENT_REASON_CLAIM
+    assert event["message"] == (
+        "DeviceClaim 'solo' is not shareable and is used by pod first; the pod waits until that pod "
+        "ends (set spec.shareable: true to let pods share it)"
+    )
+    assert pod_obj(emu, "second")["spec"]["schedulingGates"] == [{"name": names.GATE}]
+    assert status(emu, "solo")["pods"] == ["first"]
+
+    # A pod asking other counts than the claim's is told so.
+    await create_pod(emu, "wrong", gpu="2", rdma="2", annotations={names.CLAIM: "solo"})
+    (wrong,) = await eventually(lambda: _async(events_for(emu, "wrong")))
+    assert "holds 1 and 1; a pod using a claim asks for exactly the claim's counts" in wrong["message"]
+
+    # The first pod ends: the second gets the claim's devices.
+    assert (await emu.delete("/api/v1/namespaces/ml/pods/first")).status == 200
+    await eventually(lambda: _true(not pod_obj(emu, "second")["spec"].get("schedulingGates")))
+    await eventually(lambda: _true(status(emu, "solo").get("pods") == ["second"]))
+
+
+async def test_a_shareable_claim_serves_several_pods(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    await start_bridge()
+    claim = await create_claim(emu, "shared", gpus=1, rdma=0, shareable=True)
+    req = await claim_request(allocator, claim)
+    assert req.claim is not None and req.claim.shareable
+    await allocator.publish(subjects.alloc_assigned(NODE), assignment_for(req), msg_id="a-shared")
+    for name in ("s1", "s2"):
+        await create_pod(emu, name, gpu="1", rdma="0", annotations={names.CLAIM: "shared"})
+    for name in ("s1", "s2"):
+        await eventually(lambda n=name: _true(not pod_obj(emu, n)["spec"].get("schedulingGates")))
+    await eventually(lambda: _true(status(emu, "shared").get("pods") == ["s1", "s2"]))
+
+
+async def test_an_invalid_claim_is_marked_invalid_naming_the_field_and_requests_nothing(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    running = await start_bridge()
+    await create_claim(emu, "bad", gpus=1, deviceClass="h100-ib")
+    st = await eventually(lambda: _async(status(emu, "bad") or None))
+    assert st["phase"] == "Invalid"
+    assert (
+        st["reason"]
+        == "DeviceClaim ml/bad: spec.deviceClass: unknown device class 'h100-ib' (known: default)"
+    )
+    assert [p for p in running.published if p[0] == subjects.ALLOC_REQUEST] == []
+    assert await stream_messages(allocator, subjects.ALLOC_REQUEST) == []
+
+
+async def test_a_claim_deleted_while_the_bridge_was_away_is_released_at_restart(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    records = await allocator.kv(subjects.KV_REQUESTS)
+    first = await start_bridge()
+    claim = await create_claim(emu, "gone", gpus=1, rdma=1)
+    req = await claim_request(allocator, claim)
+    await records.put(req.request_id, codec.encode(RequestRecord(request=req, state="assigned", node=NODE)))
+    await first.stop()
+    assert (await emu.delete(f"{CLAIMS}/gone")).status == 200
+    second = await start_bridge()
+    ((release, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(NODE)))
+    assert (release.request_id, release.reason) == (req.request_id, "claim deleted while the bridge was away")
+    assert [p for p in second.published if p[0] == subjects.ALLOC_REQUEST] == []
+
+
+# ---------------------------------------------------------------------------------------------
+# with the real allocator and node agents
+
+
+@pytest.fixture
+async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[LocalStack]:
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=5.0)
+    s = LocalStack(settings, fleet=[FleetEntry("pcie-4gpu-2nic", 1, "box")], retry_interval=0.3)
+    await s.start()
+    await s.wait_ready()
+    yield s
+    await s.stop()
+
+
+class Clock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def freed(bus: Bus, rid: str) -> list[Freed]:
+    return [
+        m
+        for m, _ in await stream_messages(bus, subjects.ALLOC_FREED)
+        if isinstance(m, Freed) and m.request_id == rid
+    ]
+
+
+async def test_claim_deletion_frees_the_devices_after_the_node_cleans_up(
+    apiserver: tuple[Any, str], stack: LocalStack, bus_factory: BusFactory
+) -> None:
+    emu, url = apiserver
+    observer = await bus_factory("observer")
+    cleaned = await observer.nc.subscribe(subjects.node_cleaned("box-0"))
+    bridge = Bridge(kube=KubeClient.for_host(url), bus=stack.buses[0], device_classes={"default": _cls()})
+    running = await _run(bridge)
+    try:
+        claim = await create_claim(emu, "hold", gpus=4, rdma=0)
+        await eventually(lambda: _true(status(emu, "hold").get("phase") == "Allocated"))
+        assert status(emu, "hold")["devices"] == ["gpu0", "gpu1", "gpu2", "gpu3"]
+        await create_pod(emu, "user", gpu="4", rdma="0", annotations={names.CLAIM: "hold"})
+        await eventually(lambda: _true(not pod_obj(emu, "user")["spec"].get("schedulingGates")))
+        rid = f"claim-{claim['metadata']['uid']}"
+        assert (await emu.delete("/api/v1/namespaces/ml/pods/user")).status == 200
+        assert (await emu.delete(f"{CLAIMS}/hold")).status == 200
+        msg = await cleaned.next_msg(timeout=20)
+        verdict = codec.NODE_EVENT.decode(msg.data)
+        assert verdict.request_id == rid and verdict.ok  # type: ignore[union-attr]
+        (f,) = await eventually(lambda: freed(observer, rid))
+        assert sorted(f.devices) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+    finally:
+        await running.stop()
+
+
+async def test_an_expired_reservation_is_freed_and_its_devices_go_to_a_pending_pod(
+    apiserver: tuple[Any, str], stack: LocalStack, bus_factory: BusFactory
+) -> None:
+    emu, url = apiserver
+    observer = await bus_factory("observer")
+    clock = Clock(1_800_000_000.0)
+    bridge = Bridge(
+        kube=KubeClient.for_host(url),
+        bus=stack.buses[0],
+        device_classes={"default": _cls()},
+        clock=clock,
+        claim_tick=0.05,
+    )
+    running = await _run(bridge)
+    try:
+        claim = await create_claim(emu, "reserve", created=clock.now, gpus=4, rdma=0, expiresAfter="30m")
+        await eventually(lambda: _true(status(emu, "reserve").get("phase") == "Allocated"))
+        assert status(emu, "reserve")["expiresAt"] == stamp(clock.now + 1800)
+        # A pod asking for the whole node waits behind the reservation.
+        pod = await create_pod(emu, "late", gpu="4", rdma="0")
+        rid = f"{pod['metadata']['uid']}.1"
+        records = await observer.kv(subjects.KV_REQUESTS)
+
+        async def pending() -> bool:
+            try:
+                return codec.REQUEST_RECORD.decode((await records.get(rid)).value).state == "pending"
+            except Exception:
+                return False
+
+        await wait_until(pending, timeout=20, what="the pod's request pending behind the reservation")
+        clock.now += 1801  # past the deadline, and no pod uses the reservation
+        await eventually(lambda: _true(status(emu, "reserve").get("phase") == "Released"))
+        assert status(emu, "reserve")["reason"] == "reservation expired"
+        (f,) = await eventually(lambda: freed(observer, f"claim-{claim['metadata']['uid']}"))
+        assert sorted(f.devices) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+        await eventually(lambda: _true(not pod_obj(emu, "late")["spec"].get("schedulingGates")))
+        ann = json.loads(pod_obj(emu, "late")["metadata"]["annotations"][names.ASSIGNMENT])
+        assert ann["node"] == "box-0" and sorted(g["index"] for g in ann["gpus"]) == [0, 1, 2, 3]
+    finally:
+        await running.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def _cls() -> DeviceClass:
+    return DeviceClass()
+
+
+async def _run(bridge: Bridge) -> Running:
+    stop = asyncio.Event()
+    task = asyncio.get_running_loop().create_task(bridge.run(stop))
+    await asyncio.wait_for(bridge.synced.wait(), 10)
+    return Running(bridge, task, stop, bridge.kube)  # type: ignore[arg-type]
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
+async def _async(value: Any) -> Any:
+    return value
