@@ -27,6 +27,7 @@ from services.admission.kube import KubeClient
 from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
 from tests.conftest import BusFactory, make_settings
+from tests.e2e.test_cli_up import TANDEM
 from tests.integration import test_bridge as tb
 from tests.integration.test_bridge import (
     NODE,
@@ -284,6 +285,16 @@ async def test_claim_deletion_frees_the_devices_after_the_node_cleans_up(
         await create_pod(emu, "user", gpu="4", rdma="0", annotations={names.CLAIM: "hold"})
         await eventually(lambda: _true(not pod_obj(emu, "user")["spec"].get("schedulingGates")))
         rid = f"claim-{claim['metadata']['uid']}"
+        await eventually(lambda: _true(status(emu, "hold").get("pods") == ["user"]))
+
+        # The CLI (NATS only) shows the claim and the pod using it.
+        rows = json.loads(await tandem(stack, "requests", "-o", "json"))
+        (row,) = [r for r in rows if r["request_id"] == rid]
+        assert (row["pod"], row["state"], row["node"]) == ("ml/hold", "assigned", "box-0")
+        assert row["claim"]["name"] == "hold" and row["claim"]["pods"] == ["user"]
+        assert "claim, used by user" in await tandem(stack, "requests")
+        table = await tandem(stack, "status")
+        assert "ml/hold" in table and "Allocated" in table and "gpu0-3" in table, table
         assert (await emu.delete("/api/v1/namespaces/ml/pods/user")).status == 200
         assert (await emu.delete(f"{CLAIMS}/hold")).status == 200
         msg = await cleaned.next_msg(timeout=20)
@@ -338,6 +349,21 @@ async def test_an_expired_reservation_is_freed_and_its_devices_go_to_a_pending_p
 
 
 # ---------------------------------------------------------------------------------------------
+
+
+async def tandem(stack: LocalStack, *args: str) -> str:
+    """The ``tandem`` CLI as an operator runs it, against the stack's NATS."""
+    proc = await asyncio.create_subprocess_exec(
+        TANDEM,
+        *args,
+        "--nats",
+        stack.settings.nats_url,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode == 0, err.decode()
+    return out.decode()
 
 
 def _cls() -> DeviceClass:
