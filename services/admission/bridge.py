@@ -219,6 +219,7 @@ class Bridge:
                 and not pod.terminal
             ):
                 await self._bind_from_record(pod, raw, record)
+        await self.claims.prune(live)
         for rid, record in records.items():
             uid = record.request.pod.uid
             if record.request.claim is not None:

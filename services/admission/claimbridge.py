@@ -126,9 +126,15 @@ class ClaimBridge:
             if isinstance(uid, str) and uid:
                 live.add(claims.claim_request_id(uid))
             await self.on_claim_event("ADDED", obj, record=records.get(claims.claim_request_id(str(uid))))
+        released: set[str] = set()
+        async with self._lock:
+            # Deleted between two watches (a DELETED event can fall into the gap).
+            for state in [s for s in self.states.values() if s.request_id not in live]:
+                await self._forget(state, reason="claim deleted")
+                released.add(state.request_id)
         for rid, record in records.items():
             req = record.request
-            if req.claim is None or rid in live or record.state not in ACTIVE_STATES:
+            if req.claim is None or rid in live or rid in released or record.state not in ACTIVE_STATES:
                 continue
             await self._publish_release(
                 rid, req.pod, node=record.node, reason="claim deleted while the bridge was away"
@@ -321,6 +327,21 @@ class ClaimBridge:
         state.users[uid] = name
         await self._write(state)
         log.info("pod_bound_to_claim", claim=state.view.display, pod=name, node=state.assignment.node)
+
+    async def prune(self, live_pods: set[str]) -> None:
+        """After a (re)list of pods: forget users and waiters that are not among them (their
+        DELETED event may have fallen between two watches)."""
+        async with self._lock:
+            for waiting in self.waiting.values():
+                for uid in [u for u in waiting if u not in live_pods]:
+                    del waiting[uid]
+            for state in list(self.states.values()):
+                gone = [u for u in state.users if u not in live_pods]
+                for uid in gone:
+                    del state.users[uid]
+                if gone:
+                    await self._write(state)
+                    await self._bind_waiting(state.view.key)
 
     async def _bind_waiting(self, key: Key) -> None:
         """Look again at every pod waiting for this claim (it was allocated, freed by a pod,
