@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import msgspec
 import pytest
@@ -13,7 +14,7 @@ import yaml
 
 from schemas.config import DeviceClass
 from schemas.messages import AssignedGpu, Assignment, PodRef
-from services.admission import claims, names
+from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
 
@@ -209,3 +210,33 @@ def test_the_crd_schema_and_the_code_know_the_same_spec_fields() -> None:
     assert set(schema["shares"]["properties"]) == shares
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) == set(claims.status_patch(_state({"gpus": 1}))["status"])
+
+
+# -- the documented examples -------------------------------------------------------------------
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
+
+
+@pytest.mark.parametrize("example", ["deviceclaim.yaml", "reservation.yaml"])
+def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: str) -> None:
+    docs = [d for d in yaml.safe_load_all((EXAMPLES / example).read_text()) if d]
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    (claim_doc,) = [d for d in docs if d["kind"] == names.CLAIM_KIND]
+    jsonschema.validate(claim_doc, schema)
+    view = claims.read_claim({**claim_doc, "metadata": {**claim_doc["metadata"], "uid": "u"}})
+    req = claims.claim_request(view, device_classes={"default": DeviceClass()})
+    for doc in docs:
+        if doc["kind"] == names.CLAIM_KIND:
+            continue
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+        pod = (
+            doc
+            if doc["kind"] == "Pod"
+            else {"metadata": doc["spec"]["template"]["metadata"], **doc["spec"]["template"]}
+        )
+        pod = {"apiVersion": "v1", "kind": "Pod", **pod}
+        assert pod["metadata"]["annotations"][names.CLAIM] == claim_doc["metadata"]["name"]
+        verdict = policy.admit(pod, operation="CREATE", device_classes={"default": DeviceClass()})
+        assert verdict.allowed and verdict.request is not None
+        assert (verdict.request.gpus, verdict.request.rdma) == (req.gpus, req.rdma)
