@@ -27,7 +27,15 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, permissions, subjects
-from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, Release
+from schemas.messages import (
+    AllocationFailed,
+    AllocationRequest,
+    Assignment,
+    ClaimRecord,
+    Freed,
+    PodRef,
+    Release,
+)
 from services.runtime.bus import provision
 from tests.secured import (
     DENIED_TIMEOUT,
@@ -45,6 +53,7 @@ from tests.secured import (
 
 pytestmark = pytest.mark.integration
 
+
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     with secured_server(tmp_path_factory.mktemp("nats-auth")) as server:
@@ -58,9 +67,7 @@ async def stack(secured: Secured) -> AsyncIterator[Stack]:
     await s.close()
 
 
-async def test_flow_runs_with_least_privilege_and_no_violation(
-    secured: Secured, stack: Stack
-) -> None:
+async def test_flow_runs_with_least_privilege_and_no_violation(secured: Secured, stack: Stack) -> None:
     server = secured[0]
     with client_errors() as errors:
         # cli: the inventory query (request/reply to inventory's responder) and a device command.
@@ -93,6 +100,10 @@ async def test_flow_runs_with_least_privilege_and_no_violation(
         assert record is not None and record.assignment == assigned
         bridge_view = await stack.admission.kv(subjects.KV_REQUESTS)
         assert req.request_id in await bridge_view.keys()
+        # The bridge writes its view of a DeviceClaim; the CLI reads it (tandem status).
+        claim = ClaimRecord(request_id="claim-c", namespace="ns", name="c", phase="Allocated", pods=["p"])
+        await (await stack.admission.kv(subjects.KV_CLAIMS)).put("claim-c", codec.encode(claim))
+        assert (await stack.client.claim_records())["claim-c"].pods == ["p"]
 
         # The agent forgets the assignment (as after a restart): cleanup must come from its
         # own allocation record (republished, or read with the one direct get its user may make).
@@ -192,9 +203,10 @@ async def test_node_agent_cannot_follow_another_nodes_record_or_make_consumers(
     own = await intruder.nc.subscribe(subjects.node_allocs(a))
     await intruder.nc.flush()
     req = AllocationRequest(
-        request_id="uid-own.1", pod=PodRef("ns", "own", "uid-own"), gpus=1, node_selector={
-            "kubernetes.io/hostname": a
-        }
+        request_id="uid-own.1",
+        pod=PodRef("ns", "own", "uid-own"),
+        gpus=1,
+        node_selector={"kubernetes.io/hostname": a},
     )
     await stack.admission.publish(subjects.ALLOC_REQUEST, req, msg_id="request:uid-own.1")
     msg = await own.next_msg(timeout=10)
@@ -203,9 +215,7 @@ async def test_node_agent_cannot_follow_another_nodes_record_or_make_consumers(
     await own.unsubscribe()
 
 
-async def test_node_agent_cannot_read_another_nodes_allocation_record(
-    secured: Secured, stack: Stack
-) -> None:
+async def test_node_agent_cannot_read_another_nodes_allocation_record(secured: Secured, stack: Stack) -> None:
     req = AllocationRequest(request_id="uid-q.1", pod=PodRef("ns", "q", "uid-q"), gpus=4)
     await stack.admission.publish(subjects.ALLOC_REQUEST, req, msg_id="request:uid-q.1")
     assigned = await stack.client.wait_for(req.request_id)
