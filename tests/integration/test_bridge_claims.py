@@ -20,7 +20,7 @@ import pytest
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest, Freed, Release, RequestRecord
+from schemas.messages import AllocationRequest, AllocRecord, Freed, NodeAllocations, Release, RequestRecord
 from services.admission import names
 from services.admission.bridge import Bridge
 from services.admission.kube import KubeClient
@@ -238,6 +238,53 @@ async def test_a_claim_deleted_while_the_bridge_was_away_is_released_at_restart(
     ((release, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(NODE)))
     assert (release.request_id, release.reason) == (req.request_id, "claim deleted while the bridge was away")
     assert [p for p in second.published if p[0] == subjects.ALLOC_REQUEST] == []
+
+
+async def test_a_restarted_bridge_rebuilds_claims_users_and_releases_what_expired_meanwhile(
+    apiserver: tuple[Any, str], start_bridge: StartBridge, bus_factory: BusFactory
+) -> None:
+    emu, _ = apiserver
+    allocator = await bus_factory("allocator")
+    records = await allocator.kv(subjects.KV_REQUESTS)
+    allocs = await allocator.kv(subjects.KV_ALLOCS)
+    clock = Clock(1_800_000_000.0)
+    first = await start_bridge(clock=clock, claim_tick=0.05, event_interval=0.0)
+    held = await create_claim(emu, "held", created=clock.now, gpus=1, rdma=1)
+    spare = await create_claim(emu, "spare", created=clock.now, gpus=1, rdma=0, expiresAfter="10m")
+    r_held, r_spare = await claim_request(allocator, held), await claim_request(allocator, spare)
+    a_held, a_spare = assignment_for(r_held), assignment_for(r_spare, node="gpu-node-2.example")
+    # What the allocator would have recorded for both.
+    for req, a in ((r_held, a_held), (r_spare, a_spare)):
+        await records.put(
+            req.request_id, codec.encode(RequestRecord(request=req, state="assigned", node=a.node))
+        )
+        await allocs.put(
+            a.node,
+            codec.encode(
+                NodeAllocations(node=a.node, allocations={req.request_id: AllocRecord(assignment=a)})
+            ),
+        )
+        await allocator.publish(
+            subjects.alloc_assigned(a.node), a, msg_id=subjects.msg_id("assigned", req.request_id)
+        )
+    await create_pod(emu, "user", gpu="1", rdma="1", annotations={names.CLAIM: "held"})
+    await eventually(lambda: _true(status(emu, "held").get("pods") == ["user"]))
+    await first.stop()
+
+    # While the bridge is away, the reservation's deadline passes.
+    clock.now += 601
+    second = await start_bridge(clock=clock, claim_tick=0.05, event_interval=0.0)
+    ((release, _),) = await eventually(
+        lambda: stream_messages(allocator, subjects.alloc_release(a_spare.node))
+    )
+    assert (release.request_id, release.reason) == (r_spare.request_id, "reservation expired")
+    await eventually(lambda: _true(status(emu, "spare").get("phase") == "Released"))
+    # The held claim was not requested again, and still knows its pod: a second pod waits.
+    assert [p for p in second.published if p[0] == subjects.ALLOC_REQUEST] == []
+    await create_pod(emu, "second", gpu="1", rdma="1", annotations={names.CLAIM: "held"})
+    (event,) = await eventually(lambda: _async(events_for(emu, "second")))
+    assert "is not shareable and is used by pod user" in event["message"]
+    assert status(emu, "held")["phase"] == "Allocated" and status(emu, "held")["node"] == NODE
 
 
 # ---------------------------------------------------------------------------------------------
