@@ -119,3 +119,16 @@ def test_bad_claim_lines_stop_with_the_line_and_the_field(
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_the_claims_benchmark_runs_and_counts_what_it_did() -> None:
+    """A smoke run of ``make bench-claims`` on a tiny fleet (no timing is asserted)."""
+    from bench.claims import run as bench_run
+
+    doc = bench_run(40, 400, 3)
+    assert (
+        doc["nodes"] == 40
+        and doc["decisions"] == doc["latency_us"]["claim"]["n"] + doc["latency_us"]["plain"]["n"]
+    )
+    assert doc["outcomes"]["claimed"] > 0 and doc["outcomes"]["expired"] > 0
+    assert doc["latency_us"]["pod_on_claim"]["n"] > 0
