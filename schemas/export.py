@@ -28,6 +28,7 @@ EXPORTED: tuple[type[msgspec.Struct], ...] = (
     messages.NodeRecord,
     messages.NodeAllocations,
     messages.RequestRecord,
+    messages.ClaimRecord,
     topology.NodeTopology,
 )
 

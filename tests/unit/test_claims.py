@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from schemas.config import DeviceClass
-from schemas.messages import AssignedGpu, Assignment, PodRef
+from schemas import codec
+from schemas.messages import AllocationRequest, AssignedGpu, Assignment, PodRef
 from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
@@ -240,3 +241,17 @@ def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: st
         verdict = policy.admit(pod, operation="CREATE", device_classes={"default": DeviceClass()})
         assert verdict.allowed and verdict.request is not None
         assert (verdict.request.gpus, verdict.request.rdma) == (req.gpus, req.rdma)
+
+
+def test_the_claim_marker_rides_the_wire_and_old_requests_still_decode() -> None:
+    req = request(
+        {"gpus": 2, "rdma": 2, "shareable": True, "expiresAfter": "1h", "shares": {"gpuCoresPercent": 30}}
+    )
+    back = codec.ALLOC_EVENT.decode(codec.encode(req))
+    assert back == req and back.claim.expires_at == T0 + 3600 and back.gpu_cores_percent == 30  # type: ignore[union-attr]
+    old = AllocationRequest(request_id="u.1", pod=PodRef("ml", "p", "u"), gpus=1)
+    assert codec.ALLOC_EVENT.decode(codec.encode(old)).claim is None  # type: ignore[union-attr]
+    too_long = codec.to_builtins(req)
+    too_long["claim"]["name"] = "x" * 300
+    with pytest.raises(msgspec.ValidationError, match=r"\$\.claim\.name"):
+        msgspec.convert(too_long, AllocationRequest)
