@@ -12,8 +12,8 @@ import msgspec
 import pytest
 import yaml
 
-from schemas.config import DeviceClass
 from schemas import codec
+from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, AssignedGpu, Assignment, PodRef
 from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
