@@ -213,6 +213,13 @@ def claim_request(view: ClaimView, *, device_classes: dict[str, DeviceClass]) ->
         raise InvalidClaim(
             f"{where}: spec.deviceClass: unknown device class {spec.device_class!r} (known: {known})"
         )
+    if cls.nic_function == "vf" and spec.rdma:
+        # The node agent moves a VF's netdev into the network namespace of the allocation's
+        # pod; a claim's allocation has no pod of its own (docs/sharing.md, "Limits").
+        raise InvalidClaim(
+            f"{where}: spec.deviceClass: class {spec.device_class!r} hands out NIC VFs, which a claim "
+            "cannot pass on to its pods yet; use a class with PF NICs or ask for rdma: 0"
+        )
     scope = _choice(spec.scope or cls.scope, SCOPES, where=f"{where}: spec.scope")
     pol = _choice(spec.policy or cls.policy, ("required", "preferred"), where=f"{where}: spec.policy")
     default_pairing = cls.pairing or ("per-gpu" if spec.rdma == spec.gpus else "shared")

@@ -19,7 +19,11 @@ from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
 
-CLASSES = {"default": DeviceClass(), "vf": DeviceClass(nic_function="vf", scope="numa", policy="required")}
+CLASSES = {
+    "default": DeviceClass(),
+    "numa": DeviceClass(scope="numa", policy="required"),
+    "vf": DeviceClass(nic_function="vf"),
+}
 CRD = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem" / "crds" / "deviceclaims.yaml"
 T0 = 1_800_000_000.0  # 2027-01-15T08:00:00Z
 
@@ -52,8 +56,9 @@ def request(spec: dict[str, Any]) -> Any:
         ({"gpus": 0, "rdma": 0}, "DeviceClaim ml/c1: spec.gpus and spec.rdma are both 0"),
         (
             {"gpus": 1, "deviceClass": "h100"},
-            "spec.deviceClass: unknown device class 'h100' (known: default, vf)",
+            "spec.deviceClass: unknown device class 'h100' (known: default, numa, vf)",
         ),
+        ({"gpus": 1, "rdma": 1, "deviceClass": "vf"}, "class 'vf' hands out NIC VFs, which a claim cannot"),
         ({"gpus": 1, "scope": "rack"}, "spec.scope: 'rack' is not one of pcie-switch, pcie-root, numa"),
         ({"gpus": 1, "policy": "maybe"}, "spec.policy: 'maybe' is not one of required, preferred"),
         ({"gpus": 2, "rdma": 1, "pairing": "per-gpu"}, "spec.pairing per-gpu needs spec.rdma == spec.gpus"),
@@ -94,7 +99,7 @@ def test_metadata_without_a_uid_is_refused() -> None:
 def test_a_claim_becomes_a_request_with_class_defaults_marker_and_shares() -> None:
     req = request(
         {
-            "deviceClass": "vf",
+            "deviceClass": "numa",
             "gpus": 2,
             "rdma": 2,
             "priority": 7,
@@ -105,7 +110,7 @@ def test_a_claim_becomes_a_request_with_class_defaults_marker_and_shares() -> No
     )
     assert req.request_id == "claim-9f1c" and claims.is_claim_request(req.request_id)
     assert req.pod == PodRef(namespace="ml", name="c1", uid="9f1c")
-    assert (req.gpus, req.rdma, req.device_class, req.priority) == (2, 2, "vf", 7)
+    assert (req.gpus, req.rdma, req.device_class, req.priority) == (2, 2, "numa", 7)
     assert (req.scope, req.policy, req.pairing) == ("numa", "required", "per-gpu")  # from the class
     assert req.claim is not None and req.claim.name == "c1" and req.claim.shareable
     assert req.claim.expires_at == T0 + 5400
