@@ -162,6 +162,8 @@ class Bridge:
                 records = await self.request_records()
                 pods, version = await self.kube.list_pods(label_selector=names.MANAGED_SELECTOR)
                 await self.resync(pods, records)
+                self.claims.pods_synced.set()
+                await self.claims.finish_deletions()
                 self.synced.set()
                 async for kind, obj in self.kube.watch_pods(
                     label_selector=names.MANAGED_SELECTOR,

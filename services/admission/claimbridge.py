@@ -7,8 +7,10 @@ Rules are in :mod:`services.admission.claims` (pure); this module applies them:
   an invalid spec → status ``Invalid`` with the message naming the field, nothing published;
 * ``alloc.assigned`` for a claim → status ``Allocated`` (node, devices), then every pod waiting
   for the claim is bound to the claim's assignment; ``alloc.failed`` → the reason in the status;
-* a claim deleted → ``alloc.release`` of its request (the node agent's verified cleanup, then
-  the allocator frees the devices and retries pending requests on them);
+* a claim that holds devices gets the finalizer ``tandem.io/claim-release``; deleted, it is
+  released once no pod uses it → ``alloc.release`` of its request (the node agent's verified
+  cleanup, then the allocator frees the devices and retries pending requests on them), and the
+  finalizer is removed;
 * a gated pod with ``tandem.io/claim: NAME`` → bound to the claim's assignment when
   :func:`~services.admission.claims.blocking_reason` says nothing, else one Warning Event
   (``WaitingForClaim``) saying why it waits; its end releases nothing;
@@ -77,6 +79,9 @@ class ClaimBridge:
         self._lock = asyncio.Lock()
         self.synced = asyncio.Event()
         """Set after the first list of claims (or after finding no DeviceClaim CRD)."""
+        self.pods_synced = asyncio.Event()
+        """Set by the bridge after its first list of pods: only then are a claim's users known,
+        so only then may a reservation expire or a deleted claim be released."""
 
     # -- watching ----------------------------------------------------------------------------
 
@@ -109,6 +114,7 @@ class ClaimBridge:
         """Release reservations past their deadline (the first pass runs right after the
         first list, so a bridge that was down at a deadline releases at once)."""
         await self.synced.wait()
+        await self.pods_synced.wait()
         while not stop.is_set():
             async with self._lock:
                 now = self.clock()
@@ -161,13 +167,50 @@ class ClaimBridge:
                 return
             if old is not None:
                 old.view = view
+                await self._finalize(old)
                 return
             state = ClaimState(view=view)
             self.states[view.key] = state
             self.by_request[state.request_id] = view.key
             await self._start(state, obj, record)
             await self._write(state)
+            await self._finalize(state)
             await self._bind_waiting(view.key)
+
+    async def _finalize(self, state: ClaimState) -> None:
+        """Keep the finalizer on a claim that holds devices; on a deleted claim, release it once
+        no pod uses it (the pods' processes would fail the node's cleanup), then let it go."""
+        view = state.view
+        if view.deleting:
+            if not self.pods_synced.is_set():
+                return  # its users are not known yet
+            if state.users and not state.released:
+                reason = f"deleting: waiting for pods {','.join(sorted(state.users.values()))} to end"
+                if state.reason != reason:
+                    state.reason = reason
+                    await self._write(state)
+                return
+            if not state.released:
+                await self._release(state, reason="claim deleted")
+                await self._write(state)
+            patch = claims.finalizer_patch(view, present=False)
+        else:
+            holds = state.phase != "Invalid" and not state.released
+            patch = claims.finalizer_patch(view, present=holds)
+        if patch is None:
+            return
+        try:
+            await self.kube.patch_claim(view.namespace, view.name, patch)
+        except (Conflict, NotFound):
+            pass  # changed or gone meanwhile: its next event brings it back here
+        except KubeError as exc:
+            log.warning("claim_finalizer_not_written", claim=view.display, error=str(exc))
+
+    async def finish_deletions(self) -> None:
+        """After a (re)list of pods: release deleted claims that no pod uses any more."""
+        async with self._lock:
+            for state in [s for s in self.states.values() if s.view.deleting]:
+                await self._finalize(state)
 
     async def _start(self, state: ClaimState, obj: dict[str, Any], record: RequestRecord | None) -> None:
         try:
@@ -177,12 +220,17 @@ class ClaimBridge:
             log.warning("invalid_claim", claim=state.view.display, error=str(exc))
             return
         status = obj.get("status") or {}
+        if state.view.deleting and record is None:
+            # Deleted before it was ever requested: nothing to hold, nothing to release.
+            state.phase, state.released, state.reason = "Released", True, "claim deleted"
+            return
         if status.get("phase") == "Released":
             # Released for good (expired): never requested again, even after its request
             # record has gone (finished records expire).
             state.phase, state.released, state.reason = "Released", True, str(status.get("reason") or "")
             return
         if record is not None:
+            state.record_node = record.node
             if record.state == "assigned" and record.node:
                 state.assignment = await self._assignment_from_record(record.node, state.request_id)
                 state.phase = "Allocated" if state.assignment is not None else "Pending"
@@ -223,7 +271,7 @@ class ClaimBridge:
         if state.released or state.request is None:
             state.released = state.released or state.request is None
             return
-        node = state.assignment.node if state.assignment is not None else None
+        node = state.assignment.node if state.assignment is not None else state.record_node
         await self._publish_release(state.request_id, state.request.pod, node=node, reason=reason)
         state.released, state.phase, state.reason = True, "Released", reason
 
@@ -295,6 +343,8 @@ class ClaimBridge:
             if state is not None and state.users.pop(uid, None) is not None:
                 await self._write(state)
                 await self._bind_waiting(key)
+                if state.view.deleting:
+                    await self._finalize(state)
             return
         if state is not None and policy.is_bound(pod, state.request_id):
             if state.users.get(uid) != name:
@@ -342,6 +392,8 @@ class ClaimBridge:
                 if gone:
                     await self._write(state)
                     await self._bind_waiting(state.view.key)
+                    if state.view.deleting:
+                        await self._finalize(state)
 
     async def _bind_waiting(self, key: Key) -> None:
         """Look again at every pod waiting for this claim (it was allocated, freed by a pod,

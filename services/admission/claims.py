@@ -15,8 +15,9 @@ devices are held until the claim goes away, not until a pod ends:
   request id, gate removed — and makes no request of its own. Its end frees nothing.
 * A claim that is not ``shareable`` serves one live pod at a time; a second pod waits, with an
   Event saying which pod holds the claim.
-* Deleting the claim releases its request: the node agent cleans up and verifies, then the
-  allocator frees the devices and places pending requests on them.
+* Deleting the claim releases its request once no pod uses it (the bridge's finalizer
+  ``tandem.io/claim-release`` holds the claim until then): the node agent cleans up and
+  verifies, then the allocator frees the devices and places pending requests on them.
 * A **reservation** is a claim no pod uses yet. With ``expiresAfter`` (from the claim's
   creation) or ``expiresAt`` it is released at that time if no pod uses it then; if pods use it,
   when the last of them ends. The claim object stays, in phase ``Released``.
@@ -103,6 +104,8 @@ class ClaimView:
     created: float
     spec: ClaimSpec
     deleting: bool = False
+    finalizers: tuple[str, ...] = ()
+    resource_version: str = ""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -174,7 +177,23 @@ def read_claim(obj: Any) -> ClaimView:
         created=created,
         spec=spec,
         deleting=bool(meta.get("deletionTimestamp")),
+        finalizers=tuple(f for f in meta.get("finalizers") or () if isinstance(f, str)),
+        resource_version=str(meta.get("resourceVersion") or ""),
     )
+
+
+def finalizer_patch(view: ClaimView, *, present: bool) -> dict[str, Any] | None:
+    """Merge patch that adds (``present``) or removes the bridge's finalizer, keeping everyone
+    else's (a merge patch replaces the list whole); ``None`` when there is nothing to do. The
+    resourceVersion makes a stale list a 409 instead of dropping another writer's finalizer."""
+    has = names.CLAIM_FINALIZER in view.finalizers
+    if has == present:
+        return None
+    others = [f for f in view.finalizers if f != names.CLAIM_FINALIZER]
+    meta: dict[str, Any] = {"finalizers": [*others, names.CLAIM_FINALIZER] if present else others}
+    if view.resource_version:
+        meta["resourceVersion"] = view.resource_version
+    return {"metadata": meta}
 
 
 def _spec_path(message: str) -> str:
@@ -266,6 +285,7 @@ class ClaimState:
     assignment: Assignment | None = None
     users: dict[str, str] = field(default_factory=dict)
     released: bool = False
+    record_node: str | None = None  # the node of the allocator's record (a restarted bridge)
 
     @property
     def request_id(self) -> str:
@@ -281,8 +301,10 @@ def blocking_reason(
 ) -> str | None:
     """Why a pod that names ``claim`` cannot get its devices now (a message for the pod author),
     or ``None`` when it may be bound to the claim's assignment."""
-    if state is None or state.view.deleting:
+    if state is None:
         return f"{names.CLAIM_KIND} {claim!r} does not exist in this namespace; the pod waits for it"
+    if state.view.deleting:
+        return f"{names.CLAIM_KIND} {claim!r} is being deleted; its devices go once its pods end"
     if state.phase == "Invalid":
         return f"{names.CLAIM_KIND} {claim!r} is invalid: {state.reason}"
     if state.released or state.phase == "Released":

@@ -63,6 +63,10 @@ class KubeApi(Protocol):
         """Merge patch of a claim's ``status`` subresource."""
         ...
 
+    async def patch_claim(self, namespace: str, name: str, patch: Obj) -> Obj:
+        """Merge patch of a claim (its finalizers)."""
+        ...
+
     async def create_lease(self, namespace: str, body: Obj) -> Obj: ...
 
     async def patch_lease(self, namespace: str, name: str, patch: Obj) -> Obj: ...
@@ -217,6 +221,20 @@ class KubeClient:
     async def patch_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
         return await self._json(
             self.custom.patch_namespaced_custom_object_status(
+                names.CLAIM_GROUP,
+                names.CLAIM_VERSION,
+                namespace,
+                names.CLAIM_PLURAL,
+                name,
+                patch,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+            )
+        )
+
+    async def patch_claim(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.custom.patch_namespaced_custom_object(
                 names.CLAIM_GROUP,
                 names.CLAIM_VERSION,
                 namespace,

@@ -34,6 +34,9 @@ CLAIM_GROUP = "tandem.io"
 CLAIM_VERSION = "v1alpha1"
 CLAIM_PLURAL = "deviceclaims"
 CLAIM_KIND = "DeviceClaim"
+# Holds a deleted claim until no pod uses it, so its devices are never cleaned up under a
+# running pod; the bridge removes it once it has released the claim.
+CLAIM_FINALIZER = f"{PREFIX}claim-release"
 
 # Annotations Tandem writes.
 TRACEPARENT = f"{PREFIX}traceparent"

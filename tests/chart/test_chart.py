@@ -350,6 +350,7 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         ("tandem.io", "deviceclaims", "get", ()),
         ("tandem.io", "deviceclaims", "list", ()),
         ("tandem.io", "deviceclaims", "watch", ()),
+        ("tandem.io", "deviceclaims", "patch", ()),
         ("tandem.io", "deviceclaims/status", "patch", ()),
     }
     assert rules(one(docs, "Role", f"{admission_sa}-lease")) == {

@@ -230,13 +230,33 @@ async def test_a_claim_deleted_while_the_bridge_was_away_is_released_at_restart(
     records = await allocator.kv(subjects.KV_REQUESTS)
     first = await start_bridge()
     claim = await create_claim(emu, "gone", gpus=1, rdma=1)
-    req = await claim_request(allocator, claim)
+    hard = await create_claim(emu, "hard", gpus=1, rdma=0)  # its finalizer will be stripped
+    req, r_hard = await claim_request(allocator, claim), await claim_request(allocator, hard)
+    other = "gpu-node-2.example"
     await records.put(req.request_id, codec.encode(RequestRecord(request=req, state="assigned", node=NODE)))
+    await records.put(
+        r_hard.request_id, codec.encode(RequestRecord(request=r_hard, state="assigned", node=other))
+    )
+    await eventually(lambda: _true(bool(claim_obj(emu, "hard")["metadata"].get("finalizers"))))
     await first.stop()
     assert (await emu.delete(f"{CLAIMS}/gone")).status == 200
+    # Someone removes the finalizer by hand: the claim is gone before the bridge is back.
+    resp = await emu.patch(f"{CLAIMS}/hard", json={"metadata": {"finalizers": []}})
+    assert resp.status == 200, await resp.text()
+    assert (await emu.delete(f"{CLAIMS}/hard")).status == 200
+    assert _gone(emu, "hard")
     second = await start_bridge()
     ((release, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(NODE)))
-    assert (release.request_id, release.reason) == (req.request_id, "claim deleted while the bridge was away")
+    # The finalizer kept the deleted claim for the restarted bridge, which releases it on the
+    # node of the allocator's record and then lets the claim go.
+    assert (release.request_id, release.reason) == (req.request_id, "claim deleted")
+    await eventually(lambda: _true(_gone(emu, "gone")))
+    # The claim that went without its finalizer is found from the allocator's record.
+    ((hard_release, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(other)))
+    assert (hard_release.request_id, hard_release.reason) == (
+        r_hard.request_id,
+        "claim deleted while the bridge was away",
+    )
     assert [p for p in second.published if p[0] == subjects.ALLOC_REQUEST] == []
 
 
@@ -342,15 +362,31 @@ async def test_claim_deletion_frees_the_devices_after_the_node_cleans_up(
         assert "claim, used by user" in await tandem(stack, "requests")
         table = await tandem(stack, "status")
         assert "ml/hold" in table and "Allocated" in table and "gpu0-3" in table, table
-        assert (await emu.delete("/api/v1/namespaces/ml/pods/user")).status == 200
+
+        # Deleted while a pod uses it: the finalizer holds the claim, and its devices, until
+        # the pod ends (cleaning up under a running pod would fail the node's verification).
+        assert claim_obj(emu, "hold")["metadata"]["finalizers"] == [names.CLAIM_FINALIZER]
         assert (await emu.delete(f"{CLAIMS}/hold")).status == 200
+        await eventually(
+            lambda: _true(status(emu, "hold").get("reason") == "deleting: waiting for pods user to end")
+        )
+        assert claim_obj(emu, "hold")["metadata"]["deletionTimestamp"]
+        assert await stream_messages(observer, subjects.alloc_release("box-0")) == []
+        assert (await emu.delete("/api/v1/namespaces/ml/pods/user")).status == 200
         msg = await cleaned.next_msg(timeout=20)
         verdict = codec.NODE_EVENT.decode(msg.data)
         assert verdict.request_id == rid and verdict.ok  # type: ignore[union-attr]
         (f,) = await eventually(lambda: freed(observer, rid))
         assert sorted(f.devices) == ["gpu0", "gpu1", "gpu2", "gpu3"]
+        await eventually(lambda: _true(_gone(emu, "hold")))  # finalizer removed: the claim is gone
     finally:
         await running.stop()
+
+
+def _gone(emu: Any, name: str) -> bool:
+    return bool(
+        emu.objects[f"{names.CLAIM_GROUP}/{names.CLAIM_VERSION}/{names.CLAIM_PLURAL}", "ml", name].deleted
+    )
 
 
 async def test_an_expired_reservation_is_freed_and_its_devices_go_to_a_pending_pod(

@@ -214,6 +214,9 @@ class FakeKube:
     async def patch_claim_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return self._patch("deviceclaim", namespace, name, patch)
 
+    async def patch_claim(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("deviceclaim", namespace, name, patch)
+
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         pod = self._get("pod", namespace, name)
         await self._hooks()

@@ -260,3 +260,18 @@ def test_the_claim_marker_rides_the_wire_and_old_requests_still_decode() -> None
     too_long["claim"]["name"] = "x" * 300
     with pytest.raises(msgspec.ValidationError, match=r"\$\.claim\.name"):
         msgspec.convert(too_long, AllocationRequest)
+
+
+def test_the_finalizer_is_added_and_removed_keeping_everyone_elses() -> None:
+    view = claims.read_claim(claim({"gpus": 1}, finalizers=["example.com/keep"], resourceVersion="7"))
+    assert claims.finalizer_patch(view, present=True) == {
+        "metadata": {"finalizers": ["example.com/keep", names.CLAIM_FINALIZER], "resourceVersion": "7"}
+    }
+    assert claims.finalizer_patch(view, present=False) is None
+    held = claims.read_claim(claim({"gpus": 1}, finalizers=[names.CLAIM_FINALIZER, "example.com/keep"]))
+    assert claims.finalizer_patch(held, present=False) == {"metadata": {"finalizers": ["example.com/keep"]}}
+    deleting = _state({"gpus": 1})
+    deleting.view = claims.read_claim(claim({"gpus": 1}, deletionTimestamp="2027-01-15T09:00:00Z"))
+    assert claims.blocking_reason(deleting, claim="c1", pod_uid="p", gpus=1, rdma=0) == (
+        "DeviceClaim 'c1' is being deleted; its devices go once its pods end"
+    )
