@@ -269,7 +269,7 @@ async def test_a_restarted_bridge_rebuilds_claims_users_and_releases_what_expire
     allocs = await allocator.kv(subjects.KV_ALLOCS)
     clock = Clock(1_800_000_000.0)
     first = await start_bridge(clock=clock, claim_tick=0.05, event_interval=0.0)
-    held = await create_claim(emu, "held", created=clock.now, gpus=1, rdma=1)
+    held = await create_claim(emu, "held", created=clock.now, gpus=1, rdma=1, expiresAfter="5m")
     spare = await create_claim(emu, "spare", created=clock.now, gpus=1, rdma=0, expiresAfter="10m")
     r_held, r_spare = await claim_request(allocator, held), await claim_request(allocator, spare)
     a_held, a_spare = assignment_for(r_held), assignment_for(r_spare, node="gpu-node-2.example")
@@ -305,6 +305,13 @@ async def test_a_restarted_bridge_rebuilds_claims_users_and_releases_what_expire
     (event,) = await eventually(lambda: _async(events_for(emu, "second")))
     assert "is not shareable and is used by pod user" in event["message"]
     assert status(emu, "held")["phase"] == "Allocated" and status(emu, "held")["node"] == NODE
+    # Past its deadline too, but in use: it was not released at the restart (its users were
+    # known before any expiry check). It goes when its pods have ended.
+    assert await stream_messages(allocator, subjects.alloc_release(NODE)) == []
+    for pod in ("second", "user"):
+        assert (await emu.delete(f"/api/v1/namespaces/ml/pods/{pod}")).status == 200
+    ((expired, _),) = await eventually(lambda: stream_messages(allocator, subjects.alloc_release(NODE)))
+    assert (expired.request_id, expired.reason) == (r_held.request_id, "reservation expired")
 
 
 # ---------------------------------------------------------------------------------------------
