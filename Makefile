@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-claims bench-cli gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -45,6 +45,11 @@ bench: $(STAMP)
 BENCH_E2E_ARGS ?= --nodes 1000 --requests 5000
 bench-e2e: $(STAMP)
 	$(BIN)/tandem loadtest $(BENCH_E2E_ARGS)
+
+# Claims and reservations in the core with the planner's claim book (docs/benchmarks.md,
+# "Claims and reservations"): 10,000 nodes, one JSON line.
+bench-claims: $(STAMP)
+	$(BIN)/python -m bench.claims
 
 # How long `tandem` commands take from exec to exit (docs/benchmarks.md, "CLI start-up").
 bench-cli: $(STAMP)

@@ -17,6 +17,7 @@ from schemas.messages import (
     AllocatorHeartbeat,
     Applied,
     Assignment,
+    ClaimRecord,
     Cleaned,
     DeadLetter,
     DeviceCommand,
@@ -56,6 +57,7 @@ NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)
 JOB_RECORD = msgspec.msgpack.Decoder(JobRecord)
 NODE_LABELS = msgspec.msgpack.Decoder(NodeLabels)
+CLAIM_RECORD = msgspec.msgpack.Decoder(ClaimRecord)
 ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)

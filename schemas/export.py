@@ -29,6 +29,7 @@ EXPORTED: tuple[type[msgspec.Struct], ...] = (
     messages.NodeRecord,
     messages.NodeAllocations,
     messages.RequestRecord,
+    messages.ClaimRecord,
     topology.NodeTopology,
 )
 

@@ -35,6 +35,8 @@ __all__ = [
     "AssignedGpu",
     "AssignedNic",
     "Assignment",
+    "ClaimMarker",
+    "ClaimRecord",
     "Cleaned",
     "DeadLetter",
     "DeviceCommand",
@@ -177,6 +179,23 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     ] = {}
     network: NetworkSpec | None = None
     created_at: float = msgspec.field(default_factory=now)
+    # A DeviceClaim's request (docs/sharing.md "Claims"): held until the claim is released,
+    # not until a pod ends. ``None`` for a pod's own request.
+    claim: ClaimMarker | None = None
+    # GPU shares per GPU (issue 12 item 1). Carried from a claim's spec; the core places whole
+    # GPUs until sharing is built into it.
+    gpu_memory_mib: Annotated[int, msgspec.Meta(ge=1, le=2**24)] | None = None
+    gpu_cores_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
+
+
+class ClaimMarker(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
+    """What marks an ``AllocationRequest`` as a ``DeviceClaim``'s (the request's ``pod`` names
+    the claim: namespace, name, uid). ``expires_at`` is a reservation's deadline (Unix
+    seconds; ``None``: held until the claim is deleted); the pod bridge enforces it."""
+
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=limits.K8S_NAME)]
+    shareable: bool = False
+    expires_at: float | None = None
 
 
 class JobRequest(_Msg, tag="job.request"):
@@ -462,4 +481,23 @@ class NodeLabels(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
 
     node: str
     labels: Annotated[dict[LabelKey, LabelValue], msgspec.Meta(max_length=limits.MAX_SELECTOR_TERMS)] = {}
+    updated_at: float = msgspec.field(default_factory=now)
+
+
+class ClaimRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
+    """A ``DeviceClaim`` as the pod bridge sees it (bucket ``KV_CLAIMS``, key = the claim's
+    request id): its phase, devices and the pods using it, for the CLI (which reads NATS only)
+    and for a restarted bridge. The claim's status in Kubernetes says the same."""
+
+    request_id: str
+    namespace: str
+    name: str
+    uid: str = ""
+    phase: Literal["Pending", "Allocated", "Released", "Invalid"] = "Pending"
+    node: str | None = None
+    devices: list[str] = []
+    pods: list[str] = []
+    shareable: bool = False
+    expires_at: float | None = None
+    reason: str = ""
     updated_at: float = msgspec.field(default_factory=now)

@@ -62,6 +62,7 @@ KV_BUCKETS = (
     subjects.KV_REQUESTS,
     subjects.KV_JOBS,
     subjects.KV_NODE_LABELS,
+    subjects.KV_CLAIMS,
 )
 
 
@@ -230,6 +231,7 @@ def admission() -> Permissions:
         *_kv_reader(subjects.KV_JOBS),
         *_kv_reader(subjects.KV_ALLOCS),
         *_kv_writer(subjects.KV_NODE_LABELS),
+        *_kv_writer(subjects.KV_CLAIMS),
     ]
     return Permissions(publish=_dedup(pub), subscribe=(_inbox("admission"),))
 

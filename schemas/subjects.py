@@ -41,6 +41,8 @@ KV_ALLOCS = "tandem-allocs"
 KV_REQUESTS = "tandem-requests"
 KV_JOBS = "tandem-jobs"
 KV_NODE_LABELS = "tandem-node-labels"
+# DeviceClaims as the pod bridge sees them (phase, devices, pods using them); read by the CLI.
+KV_CLAIMS = "tandem-claims"
 
 ALLOC_REQUEST = f"{ROOT}.alloc.request"
 ALLOC_JOB = f"{ROOT}.alloc.job"

@@ -20,6 +20,7 @@ from schemas.messages import (
     AllocationRequest,
     AllocRecord,
     Assignment,
+    ClaimRecord,
     DeadLetter,
     DeviceCommand,
     Freed,
@@ -213,6 +214,16 @@ class TandemClient:
     async def request_records(self) -> dict[str, RequestRecord]:
         """Every request record, by request id (one pass over the bucket, not a get per key)."""
         return await self._snapshot(subjects.KV_REQUESTS, codec.REQUEST_RECORD)
+
+    async def claim_records(self) -> dict[str, ClaimRecord]:
+        """Every DeviceClaim the pod bridge knows (KV ``tandem-claims``), by its request id;
+        none when the bucket does not exist (a system older than claims)."""
+        from nats.js.errors import BucketNotFoundError
+
+        try:
+            return await self._snapshot(subjects.KV_CLAIMS, codec.CLAIM_RECORD)
+        except BucketNotFoundError:
+            return {}
 
     async def node_records(self) -> dict[str, NodeRecord]:
         """Every node record (KV ``tandem-nodes``) by node name; needs no inventory service."""

@@ -13,6 +13,8 @@
   onto the pod (node affinity, assignment annotation, gate removed), records ``failed`` as one
   updated Event, publishes ``alloc.release`` when a pod is deleted or finishes, and resyncs
   pods against the request records at start.
+* :mod:`.claims` — pure rules for ``DeviceClaim``\\ s (spec, request, expiry, who may use one,
+  the status written); :mod:`.claimbridge` applies them (claims watch, pods that use a claim).
 * :mod:`.leader` — Lease-based leader election so only one bridge replica acts.
 
 Error tree::
@@ -20,6 +22,7 @@ Error tree::
     AdmissionError
     ├── InvalidPod     the object is not a readable pod (names the JSON path)
     ├── PolicyError    the Tandem request is invalid (message for the pod author)
+    ├── InvalidClaim   a DeviceClaim's spec is invalid (names the claim and the field)
     ├── ReviewError    the body is not an AdmissionReview v1 request (400)
     │   └── BodyTooLarge   over the size limit (413)
     └── KubeError      the Kubernetes API answered with an error
@@ -31,6 +34,7 @@ from services.admission.errors import (
     AdmissionError,
     BodyTooLarge,
     Conflict,
+    InvalidClaim,
     InvalidPod,
     KubeError,
     NotFound,
@@ -42,6 +46,7 @@ __all__ = [
     "AdmissionError",
     "BodyTooLarge",
     "Conflict",
+    "InvalidClaim",
     "InvalidPod",
     "KubeError",
     "NotFound",

@@ -22,6 +22,11 @@ from the node's allocation record. Nothing is duplicated: each publish carries a
 (the server drops repeats within its window) and the bridge checks the records before
 re-requesting after a restart.
 
+DeviceClaims (``tandem.io/claim`` on a pod, the ``DeviceClaim`` resource) are handled by
+:class:`~services.admission.claimbridge.ClaimBridge`; this class hands it the claim's pods and
+outcomes (request ids ``claim-<uid>``) and lists claims before pods, so a restarted bridge
+knows every claim before it judges a pod that uses one.
+
 Handlers ack only after the effect is committed (Bus.consume); a Kubernetes conflict (the pod
 changed since it was read) is retried by redelivery, which re-reads the pod.
 """
@@ -39,7 +44,8 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, Assignment, JobRecord, PodRef, Release, RequestRecord
-from services.admission import jobs, metrics, names, policy
+from services.admission import claims, jobs, metrics, names, policy
+from services.admission.claimbridge import ClaimBridge
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
 from services.admission.nodelabels import NodeLabelMirror
@@ -66,6 +72,7 @@ class Bridge:
         job_wait_timeout: float = 60.0,
         mirror_node_labels: bool = True,
         clock: Callable[[], float] = time.time,
+        claim_tick: float = 1.0,
     ) -> None:
         self.kube = kube
         self.bus = bus
@@ -86,12 +93,24 @@ class Bridge:
         self._events: dict[tuple[str, str], policy.EventState] = {}
         self.synced = asyncio.Event()
         """Set after the first resync finished (tests and readiness wait on it)."""
+        self.claims = ClaimBridge(
+            kube=kube,
+            bus=bus,
+            device_classes=device_classes,
+            record_event=self.record_event,
+            clock=clock,
+            watch_timeout=watch_timeout,
+            relist_backoff=relist_backoff,
+            tick=claim_tick,
+        )
 
     # -- running ---------------------------------------------------------------------------
 
     async def run(self, stop: asyncio.Event) -> None:
         """Watch pods and consume outcomes until ``stop`` is set (or the task is cancelled)."""
         sup = Supervisor("bridge")
+        sup.spawn("claims", lambda: self.claims.watch(stop, records=self.request_records))
+        sup.spawn("claim-expiry", lambda: self.claims.expire(stop))
         sup.spawn("pods", lambda: self.watch_pods(stop))
         sup.spawn(
             "assigned",
@@ -147,6 +166,7 @@ class Bridge:
 
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """List + resync, then watch from the list's version; on any watch end, do it again."""
+        await self.claims.synced.wait()  # claims before the pods that use them
         while not stop.is_set():
             try:
                 # Records first, then pods: a record whose pod is missing from the later list
@@ -156,6 +176,8 @@ class Bridge:
                 pods, version = await self.kube.list_pods(label_selector=names.MANAGED_SELECTOR)
                 await self.resync(pods, records)
                 await self.resync_jobs(pods, job_records)
+                self.claims.pods_synced.set()
+                await self.claims.finish_deletions()
                 self.synced.set()
                 async for kind, obj in self.kube.watch_pods(
                     label_selector=names.MANAGED_SELECTOR,
@@ -267,8 +289,11 @@ class Bridge:
                 and not pod.terminal
             ):
                 await self._bind_from_record(pod, raw, record)
+        await self.claims.prune(live)
         for rid, record in records.items():
             uid = record.request.pod.uid
+            if record.request.claim is not None:
+                continue  # a claim's request: the claim half resyncs it against the claims
             if record.state not in ACTIVE_STATES or not uid or uid in live or rid in self._released:
                 continue
             if await self._pod_gone(record.request.pod):
@@ -316,6 +341,10 @@ class Bridge:
             return
         # The API server filters by label; check again so a lax server cannot widen the scope.
         if pod.labels.get(names.MANAGED) != "true" or not pod.metadata.uid:
+            return
+        if names.CLAIM in pod.annotations:
+            # Uses a DeviceClaim: no request of its own, and its end frees nothing.
+            await self.claims.on_pod_event(kind, pod, raw)
             return
         rid = policy.request_id_for(pod.metadata.uid)
         if kind == "DELETED":
@@ -440,7 +469,12 @@ class Bridge:
     # -- outcomes --------------------------------------------------------------------------
 
     async def on_outcome(self, msg: Any, delivery: Delivery) -> None:
-        if isinstance(msg, Assignment):
+        if isinstance(msg, Assignment | AllocationFailed) and claims.is_claim_request(msg.request_id):
+            if isinstance(msg, Assignment):
+                await self.claims.on_assignment(msg)
+            else:
+                await self.claims.on_failed(msg)
+        elif isinstance(msg, Assignment):
             with self._tracer.start_as_current_span("bridge.bind", context=delivery.context) as span:
                 _pod_attributes(span, msg.pod)
                 span.set_attribute("k8s.node.name", msg.node)

@@ -15,6 +15,10 @@ class PolicyError(AdmissionError):
     """The pod's Tandem request is invalid; the message is written for the pod author."""
 
 
+class InvalidClaim(AdmissionError):
+    """A ``DeviceClaim`` is invalid; the message names the claim and the field (``spec.gpus``)."""
+
+
 class ReviewError(AdmissionError):
     """The HTTP body is not an ``admission.k8s.io/v1`` AdmissionReview request."""
 

@@ -21,6 +21,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 from kubernetes_asyncio.watch import Watch
 
+from services.admission import names
 from services.admission.errors import Conflict, KubeError, NotFound
 
 MERGE_PATCH = "application/merge-patch+json"
@@ -53,6 +54,22 @@ class KubeApi(Protocol):
     async def patch_event(self, namespace: str, name: str, patch: Obj) -> Obj: ...
 
     async def get_lease(self, namespace: str, name: str) -> Obj: ...
+
+    async def list_claims(self) -> tuple[list[Obj], str]:
+        """All ``DeviceClaim``\\ s (every namespace) and the list's resourceVersion."""
+        ...
+
+    def watch_claims(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
+        """``(type, claim)`` events after ``resource_version`` until the server ends the watch."""
+        ...
+
+    async def patch_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
+        """Merge patch of a claim's ``status`` subresource."""
+        ...
+
+    async def patch_claim(self, namespace: str, name: str, patch: Obj) -> Obj:
+        """Merge patch of a claim (its finalizers)."""
+        ...
 
     async def create_lease(self, namespace: str, body: Obj) -> Obj: ...
 
@@ -89,6 +106,7 @@ class KubeClient:
         self.core: Any = client.CoreV1Api(api_client)
         self.coordination: Any = client.CoordinationV1Api(api_client)
         self.authentication: Any = client.AuthenticationV1Api(api_client)
+        self.custom: Any = client.CustomObjectsApi(api_client)
 
     @classmethod
     async def connect(cls, *, kubeconfig: str | None = None) -> KubeClient:
@@ -191,6 +209,65 @@ class KubeClient:
         return await self._json(
             self.core.patch_namespaced_event(
                 name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
+            )
+        )
+
+    async def list_claims(self) -> tuple[list[Obj], str]:
+        doc = await self._json(
+            self.custom.list_cluster_custom_object(
+                names.CLAIM_GROUP, names.CLAIM_VERSION, names.CLAIM_PLURAL, _preload_content=False
+            )
+        )
+        items: list[Obj] = doc.get("items") or []
+        return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    async def watch_claims(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
+        watch = Watch(return_type="object")
+        kwargs: dict[str, Any] = {"timeout_seconds": timeout_s}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        try:
+            async with watch:
+                async for event in watch.stream(
+                    self.custom.list_cluster_custom_object,
+                    names.CLAIM_GROUP,
+                    names.CLAIM_VERSION,
+                    names.CLAIM_PLURAL,
+                    **kwargs,
+                ):
+                    if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
+                        continue
+                    obj = event.get("raw_object")
+                    if isinstance(obj, dict):
+                        yield str(event["type"]), obj
+        except ApiException as exc:
+            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+
+    async def patch_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.custom.patch_namespaced_custom_object_status(
+                names.CLAIM_GROUP,
+                names.CLAIM_VERSION,
+                namespace,
+                names.CLAIM_PLURAL,
+                name,
+                patch,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+            )
+        )
+
+    async def patch_claim(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._json(
+            self.custom.patch_namespaced_custom_object(
+                names.CLAIM_GROUP,
+                names.CLAIM_VERSION,
+                namespace,
+                names.CLAIM_PLURAL,
+                name,
+                patch,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
             )
         )
 

@@ -25,6 +25,19 @@ NETWORK_MTU = f"{PREFIX}network-mtu"
 NETWORK_ADDRESSES = f"{PREFIX}network-addresses"
 NETWORK_KEYS = (NETWORK_IFNAME_PREFIX, NETWORK_MTU, NETWORK_ADDRESSES)
 
+# A pod that uses a DeviceClaim (same namespace) names it here; it gets exactly the claim's
+# devices and makes no allocation request of its own (docs/sharing.md "Claims").
+CLAIM = f"{PREFIX}claim"
+
+# The DeviceClaim custom resource (deploy/helm/tandem/crds/deviceclaims.yaml).
+CLAIM_GROUP = "tandem.io"
+CLAIM_VERSION = "v1alpha1"
+CLAIM_PLURAL = "deviceclaims"
+CLAIM_KIND = "DeviceClaim"
+# Holds a deleted claim until no pod uses it, so its devices are never cleaned up under a
+# running pod; the bridge removes it once it has released the claim.
+CLAIM_FINALIZER = f"{PREFIX}claim-release"
+
 # Annotations Tandem writes.
 TRACEPARENT = f"{PREFIX}traceparent"
 """W3C trace context of the pod's ``admission.admit`` span: every later span joins this trace."""
@@ -49,4 +62,5 @@ PRIORITY_RANGE = (-1_000_000, 1_000_000)
 # Event written on a pod whose allocation failed.
 EVENT_REASON_FAILED = "AllocationFailed"
 EVENT_REASON_INVALID = "InvalidTandemRequest"
+EVENT_REASON_CLAIM = "WaitingForClaim"
 EVENT_COMPONENT = "tandem-bridge"

@@ -28,6 +28,7 @@ from schemas.messages import (
     AllocationRequest,
     AllocRecord,
     Assignment,
+    ClaimRecord,
     Cleaned,
     Freed,
     NetworkSpec,
@@ -284,6 +285,7 @@ class Row:
             "trace_id": self.trace_id,
             "created_at": self.created_at,
             "updated_at": self.updated_at,
+            **self.extra,
         }
 
 
@@ -301,7 +303,14 @@ def state_of(record: RequestRecord | None, held: AllocRecord | None) -> str:
     return record.state
 
 
-def build_rows(records: dict[str, RequestRecord], allocs: list[NodeAllocations]) -> list[Row]:
+def build_rows(
+    records: dict[str, RequestRecord],
+    allocs: list[NodeAllocations],
+    claims: dict[str, ClaimRecord] | None = None,
+) -> list[Row]:
+    """One row per request; a DeviceClaim's request (``claim-<uid>``) also says which pods use
+    the claim (from the bridge's record in ``tandem-claims``)."""
+    claims = claims or {}
     held = {rid: (a.node, rec) for a in allocs for rid, rec in a.allocations.items()}
     rows = []
     for rid in set(records) | set(held):
@@ -342,17 +351,42 @@ def build_rows(records: dict[str, RequestRecord], allocs: list[NodeAllocations])
                 trace_id=trace_id(
                     alloc.traceparent if alloc is not None else (record.traceparent if record else "")
                 ),
+                extra=_claim_extra(req, claims.get(rid)),
             )
         )
     return sorted(rows, key=lambda r: (r.created_at, r.request_id))
 
 
+def _claim_extra(req: AllocationRequest | None, record: ClaimRecord | None) -> dict[str, Any]:
+    if req is None or req.claim is None:
+        return {}
+    return {
+        "claim": {
+            "name": req.claim.name,
+            "shareable": req.claim.shareable,
+            "expires_at": req.claim.expires_at,
+            "phase": record.phase if record is not None else None,
+            "pods": record.pods if record is not None else [],
+        }
+    }
+
+
+def claim_note(row: Row) -> str:
+    """``claim, used by a,b`` / ``claim, no pod yet`` for a claim's row (table output)."""
+    claim = row.extra.get("claim")
+    if not claim:
+        return ""
+    pods = claim["pods"]
+    return "claim, used by " + ",".join(pods) if pods else "claim, no pod yet"
+
+
 async def requests(client: TandemClient, args: argparse.Namespace) -> int:
     records = await client.request_records()
     allocs = await client.allocations()
+    claims = await client.claim_records()
     rows = [
         r
-        for r in build_rows(records, allocs)
+        for r in build_rows(records, allocs, claims)
         if (not args.state or r.state in args.state)
         and (args.node is None or r.node == args.node)
         and (args.namespace is None or r.namespace == args.namespace)
@@ -374,7 +408,16 @@ async def requests(client: TandemClient, args: argparse.Namespace) -> int:
             r.node or "-",
             (",".join(r.devices) if wide else compact(r.devices)) or "-",
             age(now - r.created_at),
-            (r.reason if wide else short(r.reason.split(": ", 1)[0] if r.state == "pending" else r.reason))
+            "; ".join(
+                x
+                for x in (
+                    claim_note(r),
+                    r.reason
+                    if wide
+                    else short(r.reason.split(": ", 1)[0] if r.state == "pending" else r.reason),
+                )
+                if x
+            )
             or "-",
         ]
         if wide:
@@ -754,10 +797,31 @@ def _device_state_text(d: dict[str, Any]) -> str:
     return text
 
 
-async def _status_doc(client: TandemClient) -> tuple[list[NodeRecord], dict[str, NodeAllocations]]:
+async def _status_doc(
+    client: TandemClient,
+) -> tuple[list[NodeRecord], dict[str, NodeAllocations], list[ClaimRecord]]:
     nodes = sorted((await client.node_records()).values(), key=lambda r: r.node)
     allocs = {a.node: a for a in await client.allocations()}
-    return nodes, allocs
+    claims = sorted((await client.claim_records()).values(), key=lambda c: (c.namespace, c.name))
+    return nodes, allocs, claims
+
+
+CLAIM_HEADERS = ["claim", "phase", "node", "devices", "pods", "expires", "reason"]
+
+
+def claim_rows(claims: list[ClaimRecord], *, now: float) -> list[list[str]]:
+    return [
+        [
+            f"{c.namespace}/{c.name}" + (" (shareable)" if c.shareable else ""),
+            c.phase,
+            c.node or "-",
+            compact(c.devices) or "-",
+            ",".join(c.pods) or "-",
+            ("in " + age(c.expires_at - now) if c.expires_at > now else "passed") if c.expires_at else "-",
+            short(c.reason) or "-",
+        ]
+        for c in claims
+    ]
 
 
 async def status(client: TandemClient, args: argparse.Namespace) -> int:
@@ -779,7 +843,7 @@ async def status(client: TandemClient, args: argparse.Namespace) -> int:
 
 
 async def _status_once(client: TandemClient, args: argparse.Namespace, *, compact: bool = False) -> None:
-    nodes, allocs = await _status_doc(client)
+    nodes, allocs, claims = await _status_doc(client)
     if args.output in ("json", "yaml"):
         doc = {
             "nodes": [
@@ -799,6 +863,7 @@ async def _status_once(client: TandemClient, args: argparse.Namespace, *, compac
                 for a in allocs.values()
                 for r in a.allocations.values()
             ],
+            "claims": [codec.to_builtins(c) for c in claims],
         }
         if compact and args.output == "json":
             print(json.dumps(doc))
@@ -832,6 +897,9 @@ async def _status_once(client: TandemClient, args: argparse.Namespace, *, compac
     if assignments:
         print()
         print(render_table(assignment_rows(assignments), ASSIGNMENT_HEADERS))
+    if claims:
+        print()
+        print(render_table(claim_rows(claims, now=time.time()), CLAIM_HEADERS))
 
 
 def check_device(args: argparse.Namespace) -> None:
@@ -850,7 +918,7 @@ def check_device(args: argparse.Namespace) -> None:
 
 async def device(client: TandemClient, args: argparse.Namespace) -> int:
     if args.action == "list":
-        nodes, allocs = await _status_doc(client)
+        nodes, allocs, _ = await _status_doc(client)
         if args.node is not None:
             nodes = [n for n in nodes if n.node == args.node]
             if not nodes:

@@ -13,6 +13,8 @@ Inputs:
 * ``--nodes FILE...``: individual topology files (node name = the topology's ``name``).
 * ``--requests FILE`` (``-`` for stdin): ``{"kind":"alloc","id":"p1","gpus":4,"rdma":4,...}``
   or ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
+  Claims, reservations and the planner's clock (``claim`` / ``tick`` lines, ``"claim"`` on an
+  ``alloc``) are :mod:`services.cli.plan_claims`'s.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from schemas.messages import AllocationRequest
 from schemas.topology import SCOPES, NodeTopology
 from services.allocator.core import Cluster, InvalidRequest, Placement
 from services.cli.errors import CliError
+from services.cli.plan_claims import ClaimBook
 from services.topology import TopologyFileError, import_nvidia_smi, load_topology
 
 __all__ = ["run", "run_plan"]
@@ -97,9 +100,21 @@ def run_plan(
     placement_scopes = dict.fromkeys(SCOPES, 0)
     busy = 0.0  # seconds spent deciding and holding (not parsing/printing)
     decisions = 0
+    book = ClaimBook(
+        cluster,
+        alloc_keys=_ALLOC_KEYS,
+        make_request=_request,
+        make_line=_line,
+        no_extra=_no_extra,
+        is_live=live.__contains__,
+    )
     for lineno, obj in _records(lines, source):
         where = f"{source}:{lineno}"
         kind = obj.get("kind")
+        if book.wants(obj):
+            for claim_line in book.handle(obj, where=where):
+                out.write(enc.encode(claim_line).decode() + "\n")
+            continue
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise CliError(f"{where}: 'id' must be a non-empty string")
@@ -112,7 +127,7 @@ def run_plan(
             line = _line(rid, "freed", node=node, reason="" if node else "was not allocated")
         elif kind == "alloc":
             _no_extra(obj, _ALLOC_KEYS, where)
-            if rid in live:
+            if rid in live or book.holds(rid):
                 raise CliError(f"{where}: id {rid!r} is already allocated (free it first)")
             req = _request(obj, where)
             t0 = time.perf_counter()
@@ -142,7 +157,7 @@ def run_plan(
                 counts["unschedulable"] += 1
                 line = _line(rid, "unschedulable", reason=result.reason)
         else:
-            raise CliError(f'{where}: \'kind\' must be "alloc" or "free", got {kind!r}')
+            raise CliError(f'{where}: \'kind\' must be "alloc", "free", "claim" or "tick", got {kind!r}')
         out.write(enc.encode(line).decode() + "\n")
     if summary:
         totals = cluster.totals()
@@ -158,6 +173,8 @@ def run_plan(
                 "decisions_per_s": round(decisions / busy) if busy > 0 else None,
             }
         }
+        if any(book.summary().values()):
+            doc["summary"]["claims"] = book.summary()
         out.write(enc.encode(doc).decode() + "\n")
 
 

@@ -67,6 +67,7 @@ KV_BUCKETS = (
     subjects.KV_REQUESTS,
     subjects.KV_JOBS,
     subjects.KV_NODE_LABELS,
+    subjects.KV_CLAIMS,
 )
 DUPLICATE_WINDOW_S = 120.0
 # One publish attempt: a stream acks in milliseconds, so a request that sat this long went to a

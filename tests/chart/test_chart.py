@@ -351,6 +351,11 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         ("", "nodes", "get", ()),
         ("", "nodes", "list", ()),
         ("", "nodes", "watch", ()),
+        ("tandem.io", "deviceclaims", "get", ()),
+        ("tandem.io", "deviceclaims", "list", ()),
+        ("tandem.io", "deviceclaims", "watch", ()),
+        ("tandem.io", "deviceclaims", "patch", ()),
+        ("tandem.io", "deviceclaims/status", "patch", ()),
     }
     assert rules(one(docs, "Role", f"{admission_sa}-lease")) == {
         ("coordination.k8s.io", "leases", "create", ()),

@@ -79,6 +79,13 @@ async def apiserver() -> AsyncIterator[tuple[Any, str]]:
         emu.resources["v1/pods"] = {}
         emu.resources["v1/events"] = {}
         emu.resources["v1/nodes"] = {}
+        # The DeviceClaim custom resource, served like kube-apiserver serves a CRD's objects
+        # (list / watch / get / status merge patch; crds/deviceclaims.yaml).
+        emu.resources[f"{names.CLAIM_GROUP}/{names.CLAIM_VERSION}/{names.CLAIM_PLURAL}"] = {
+            "namespaced": True,
+            "kind": names.CLAIM_KIND,
+            "subresources": ["status"],
+        }
         yield emu, str(srv.url).rstrip("/")
 
 

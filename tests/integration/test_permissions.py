@@ -27,7 +27,15 @@ from nats.js.api import KeyValueConfig
 from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, permissions, subjects
-from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, Release
+from schemas.messages import (
+    AllocationFailed,
+    AllocationRequest,
+    Assignment,
+    ClaimRecord,
+    Freed,
+    PodRef,
+    Release,
+)
 from services.runtime.bus import provision
 from tests.secured import (
     DENIED_TIMEOUT,
@@ -92,6 +100,10 @@ async def test_flow_runs_with_least_privilege_and_no_violation(secured: Secured,
         assert record is not None and record.assignment == assigned
         bridge_view = await stack.admission.kv(subjects.KV_REQUESTS)
         assert req.request_id in await bridge_view.keys()
+        # The bridge writes its view of a DeviceClaim; the CLI reads it (tandem status).
+        claim = ClaimRecord(request_id="claim-c", namespace="ns", name="c", phase="Allocated", pods=["p"])
+        await (await stack.admission.kv(subjects.KV_CLAIMS)).put("claim-c", codec.encode(claim))
+        assert (await stack.client.claim_records())["claim-c"].pods == ["p"]
 
         # The agent forgets the assignment (as after a restart): cleanup must come from its
         # own allocation record (republished, or read with the one direct get its user may make).

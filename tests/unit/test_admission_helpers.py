@@ -210,6 +210,20 @@ class FakeKube:
         await asyncio.sleep(3600)
         yield  # pragma: no cover
 
+    async def list_claims(self) -> tuple[list[dict[str, Any]], str]:
+        claims = [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "deviceclaim"]
+        return claims, str(self.version)
+
+    async def watch_claims(self, *, resource_version: str, timeout_s: int) -> Any:
+        await asyncio.sleep(3600)
+        yield  # pragma: no cover
+
+    async def patch_claim_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("deviceclaim", namespace, name, patch)
+
+    async def patch_claim(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
+        return self._patch("deviceclaim", namespace, name, patch)
+
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
         pod = self._get("pod", namespace, name)
         await self._hooks()
