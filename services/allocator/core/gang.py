@@ -233,6 +233,10 @@ def _rows(cluster: Cluster, spec: Spec, job: JobRequest, *, spread: bool) -> lis
     return rows
 
 
+# (score, (domain, block), pods per node, alignment, met)
+_Best = tuple[tuple[object, ...], tuple[str | None, str], list[tuple[_Row, int]], tuple[int, ...], bool]
+
+
 def _search(
     cluster: Cluster,
     job: JobRequest,
@@ -250,8 +254,20 @@ def _search(
     best_block = ""
     for level in range(cap + 1):
         blocks: dict[tuple[str | None, str], list[_Row]] = {}
+        best: _Best | None = None
+        seen = 0
+        seen_block = ""
+        seen_chains: set[tuple[str | None, int]] = set()
         for r in rows:
             if level == 0:
+                # One node: its score depends only on its chain (and domain), so nodes that
+                # share both are one candidate (the first registered stands for them).
+                if len(r.chain.choices) < n and seen < len(r.chain.choices):
+                    seen, seen_block = len(r.chain.choices), r.name
+                ck = (r.domain if by_domain else None, r.chain.id)
+                if len(r.chain.choices) < n or ck in seen_chains:
+                    continue
+                seen_chains.add(ck)
                 bkey = r.name
             elif level <= len(tiers):
                 v = r.labels.get(labels[level - 1])
@@ -265,13 +281,6 @@ def _search(
             if members is None:
                 members = blocks[(dkey, bkey)] = []
             members.append(r)
-        best: (
-            tuple[tuple[object, ...], tuple[str | None, str], list[tuple[_Row, int]], tuple[int, ...], bool]
-            | None
-        )
-        best = None
-        seen = 0
-        seen_block = ""
         for bk, members in blocks.items():
             room = sum(len(r.chain.choices) for r in members)
             if room < n:
