@@ -11,8 +11,9 @@ Inputs:
   built-in name (``tandem topology list``), a topology file, or an ``nvidia-smi topo -m`` text
   file (``.txt``, imported on the fly); relative paths are relative to the cluster file.
 * ``--nodes FILE...``: individual topology files (node name = the topology's ``name``).
-* ``--requests FILE`` (``-`` for stdin): ``{"kind":"alloc","id":"p1","gpus":4,"rdma":4,...}``
-  or ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
+* ``--requests FILE`` (``-`` for stdin): ``{"kind":"alloc","id":"p1","gpus":4,"rdma":4,...}``,
+  ``{"kind":"job","id":"j1","pods":8,...}`` (a whole job, :mod:`services.cli.plan_jobs`) or
+  ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
 """
 
 from __future__ import annotations
@@ -29,9 +30,11 @@ import yaml
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest
-from schemas.topology import SCOPES, NodeTopology
+from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
 from services.allocator.core import Cluster, InvalidRequest, Placement
+from services.allocator.core.gang import DEFAULT_TIERS
 from services.cli.errors import CliError
+from services.cli.plan_jobs import JobBook, JobMode
 from services.topology import TopologyFileError, import_nvidia_smi, load_topology
 
 __all__ = ["run", "run_plan"]
@@ -72,14 +75,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _emit(cluster: Cluster, lines: IO[str], name: str, args: argparse.Namespace) -> int:
     if args.output is None:
-        run_plan(cluster, lines, source=name, out=sys.stdout, summary=args.summary)
+        run_plan(cluster, lines, source=name, out=sys.stdout, summary=args.summary, **_job_args(args))
         return 0
     try:
         with args.output.open("w") as out:
-            run_plan(cluster, lines, source=name, out=out, summary=args.summary)
+            run_plan(cluster, lines, source=name, out=out, summary=args.summary, **_job_args(args))
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}") from exc
     return 0
+
+
+def _job_args(args: argparse.Namespace) -> dict[str, Any]:
+    tiers = (
+        tuple(t for t in (args.fabric_tiers or "").split(",") if t) if args.fabric_tiers is not None else None
+    )
+    return {"tiers": DEFAULT_TIERS if tiers is None else tiers, "jobs": args.jobs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,10 +97,20 @@ def _emit(cluster: Cluster, lines: IO[str], name: str, args: argparse.Namespace)
 
 
 def run_plan(
-    cluster: Cluster, lines: IO[str] | list[str], *, source: str, out: IO[str], summary: bool
+    cluster: Cluster,
+    lines: IO[str] | list[str],
+    *,
+    source: str,
+    out: IO[str],
+    summary: bool,
+    tiers: tuple[str, ...] = DEFAULT_TIERS,
+    jobs: JobMode = "gang",
 ) -> None:
-    """Replay ``lines`` against ``cluster``, writing one JSON line per request line."""
+    """Replay ``lines`` against ``cluster``, writing one JSON line per request line (a job
+    line: one per pod, then the job's). ``tiers``: the fabric tiers, finest first; ``jobs``:
+    how job lines are placed (see :mod:`services.cli.plan_jobs`)."""
     enc = msgspec.json.Encoder()
+    book = JobBook(cluster, tiers=tiers, mode=jobs)
     live: dict[str, str] = {}  # request id -> node
     counts = {"assigned": 0, "unschedulable": 0, "freed": 0}
     alignment = dict.fromkeys(SCOPES, 0)
@@ -103,6 +123,15 @@ def run_plan(
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise CliError(f"{where}: 'id' must be a non-empty string")
+        if kind == "free" and rid in book.live:
+            _no_extra(obj, _FREE_KEYS, where)
+            freed = book.free(rid)
+            out.write(enc.encode(freed).decode() + "\n")
+            continue
+        if kind == "job":
+            for job_line in book.place(obj, where):
+                out.write(enc.encode(job_line).decode() + "\n")
+            continue
         if kind == "free":
             _no_extra(obj, _FREE_KEYS, where)
             node = live.pop(rid, None)
@@ -142,7 +171,7 @@ def run_plan(
                 counts["unschedulable"] += 1
                 line = _line(rid, "unschedulable", reason=result.reason)
         else:
-            raise CliError(f'{where}: \'kind\' must be "alloc" or "free", got {kind!r}')
+            raise CliError(f'{where}: \'kind\' must be "alloc", "job" or "free", got {kind!r}')
         out.write(enc.encode(line).decode() + "\n")
     if summary:
         totals = cluster.totals()
@@ -158,6 +187,8 @@ def run_plan(
                 "decisions_per_s": round(decisions / busy) if busy > 0 else None,
             }
         }
+        if book.seen:
+            doc["summary"]["jobs"] = book.summary()
         out.write(enc.encode(doc).decode() + "\n")
 
 
@@ -239,6 +270,8 @@ class _Entry(msgspec.Struct, forbid_unknown_fields=True):
     prefix: str | None = None
     labels: dict[str, str] = {}
     unavailable: list[str] = []
+    # Every node of the entry in this multi-node NVLink domain (over the topology's own).
+    nvlink_domain: NvlinkDomain | None = None
 
 
 def _read_structured(path: Path) -> Any:
@@ -287,6 +320,8 @@ def _load_cluster_file(cluster: Cluster, path: Path) -> None:
         if entry.count < 0:
             raise CliError(f"{path}: entry {i}: count must be >= 0")
         topo = load_topology_source(entry.topology, base=path.parent)
+        if entry.nvlink_domain is not None:
+            topo = msgspec.structs.replace(topo, nvlink_domain=entry.nvlink_domain)
         prefix = entry.prefix if entry.prefix is not None else f"{topo.name}-"
         width = len(str(max(entry.count - 1, 0)))
         for n in range(entry.count):

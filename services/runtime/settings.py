@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import yaml
@@ -88,6 +88,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)
+    # The inter-node fabric's tiers, finest first: a node's block at tier T is its label
+    # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".
+    fabric_tiers: Annotated[
+        list[Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")]],
+        msgspec.Meta(max_length=8),
+    ] = msgspec.field(default_factory=lambda: ["leaf", "spine"])
 
 
 # Environment variables that are not TANDEM_* but are standard for their tool.

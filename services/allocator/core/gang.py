@@ -65,6 +65,7 @@ __all__ = [
     "JobPlacement",
     "JobUnschedulable",
     "fabric_label",
+    "fabric_span",
     "place_job",
 ]
 
@@ -75,6 +76,22 @@ DEFAULT_TIERS: tuple[str, ...] = ("leaf", "spine")
 def fabric_label(tier: str) -> str:
     """The node label naming a node's block at ``tier``: ``tandem.io/fabric-<tier>``."""
     return FABRIC_LABEL_PREFIX + tier
+
+
+def fabric_span(labels: Sequence[Mapping[str, str]], tiers: Sequence[str]) -> tuple[int, str, str]:
+    """The fabric level a set of nodes spans, given their labels: ``(level, tier name,
+    block)`` with the same meaning as :class:`JobPlacement`'s ``level`` / ``tier`` / ``block``
+    (for reports on placements made some other way, such as pod by pod)."""
+    if len(labels) <= 1:
+        return 0, "node", ""
+    for i, tier in enumerate(tiers, start=1):
+        key = fabric_label(tier)
+        values = {lab.get(key) for lab in labels}
+        if len(values) == 1:
+            (v,) = values
+            if v is not None:
+                return i, tier, v
+    return len(tiers) + 1, "cluster", ""
 
 
 @dataclass(slots=True)
