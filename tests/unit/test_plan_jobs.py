@@ -9,11 +9,17 @@ import pytest
 
 from services.cli.main import main
 
-CLUSTER = (
-    "- {topology: dgx-h100, count: 3, prefix: a-, labels: {tandem.io/fabric-leaf: l1, tandem.io/fabric-spine: s1}}\n"
-    "- {topology: dgx-h100, count: 2, prefix: b-, labels: {tandem.io/fabric-leaf: l2, tandem.io/fabric-spine: s1},"
-    " nvlink_domain: {cluster_uuid: nvl72-a, clique_id: 1}}\n"
-)
+CLUSTER = """
+- topology: dgx-h100
+  count: 3
+  prefix: a-
+  labels: {tandem.io/fabric-leaf: l1, tandem.io/fabric-spine: s1}
+- topology: dgx-h100
+  count: 2
+  prefix: b-
+  labels: {tandem.io/fabric-leaf: l2, tandem.io/fabric-spine: s1}
+  nvlink_domain: {cluster_uuid: nvl72-a, clique_id: 1}
+"""
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, object]], str]:
