@@ -8,10 +8,11 @@ manager has registered the GPU, state ``COMPLETED``): when every GPU of the node
 same one, it is the node's ``nvlink_domain`` (:func:`node_domain`; a GB200 NVL72 rack is one).
 Health comes from one NVML event set: XID critical errors (application XIDs — 13, 31, 43, 45,
 68, 109 by default — are ignored: they are the job's fault, not the GPU's), double-bit ECC
-errors, and a GPU that NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the bus"). Only failures are
-reported; a device returns to service through :class:`~services.nodeagent.health.HealthTracker`
-after its clean period or an operator's uncordon — never by restarting the agent. Compute
-processes per GPU back the "cleanup verified, not assumed" rule.
+errors, and a GPU that NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the
+bus"). Only failures are reported; a device returns to service through
+:class:`~services.nodeagent.health.HealthTracker` after its clean period or an operator's
+uncordon — never by restarting the agent. Compute processes per GPU back the "cleanup
+verified, not assumed" rule.
 
 NVML is a blocking C library: every call runs in a worker thread (``asyncio.to_thread``), one
 call at a time under a lock (NVML is thread-safe, but the event wait holds a thread for up to
