@@ -82,8 +82,10 @@ class JobBook:
                 pods, reason = self._per_pod(job)
                 res: JobPlacement | None = None
             else:
-                tiers = self.tiers if self.mode == "gang" else ()
-                out = place_job(self.cluster, job, tiers=tiers)
+                if self.mode == "gang":
+                    out = place_job(self.cluster, job, tiers=self.tiers)
+                else:  # blind to the fabric: no tiers, and the job's tier is not asked
+                    out = place_job(self.cluster, msgspec.structs.replace(job, fabric=None), tiers=())
                 if isinstance(out, JobPlacement):
                     res, pods, reason = out, list(out.pods), ""
                     for node, pid, devs in out.holds(job):

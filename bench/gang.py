@@ -1,0 +1,236 @@
+"""``python -m bench.gang`` (``make bench-gang``): whole jobs across a fabric, against baselines.
+
+Figures of the *core* in one process (``services.allocator.core``: ``place_job`` for whole
+jobs, ``Cluster.decide`` for pods), driven through the same job book as ``tandem plan``
+(:mod:`services.cli.plan_jobs`); no NATS, no service, no commit protocol.
+
+Fleet: ``--nodes`` (2,000) 8-GPU servers — DGX H100 (50 %), DGX A100 (30 %) and a real
+8x H200 with 10 NICs (20 %, an imported ``nvidia-smi topo -m``), shuffled — in four fabric
+tiers: 20 nodes per ``leaf``, 5 leaves per ``spine``, 4 spines per ``pod``, pods split into
+two ``zone``\\s (labels ``tandem.io/fabric-<tier>``).
+
+Load: one seeded stream, the same for every mode: half the items are jobs of 2-64 pods of
+8 GPUs + 8 NICs (2: 30 %, 4: 25 %, 8: 20 %, 16: 12 %, 32: 8 %, 64: 5 %; ``fabric: leaf``,
+preferred), half are single pods of 1, 2 or 4 GPUs with as many NICs (``Cluster.decide``).
+Churn at a target GPU utilisation: while the held GPUs are below the target the next item is
+submitted, else a random live item (job or pod) leaves. The first items fill the fleet; then
+``--jobs`` job submissions are measured.
+
+Modes (``tandem plan --jobs``): ``gang`` — Tandem, whole jobs in the finest fabric block;
+``gang-no-fabric`` — all-or-nothing but blind to the fabric; ``per-pod`` — each pod placed
+alone as today, and when a later pod cannot be placed the earlier ones stay held (their job
+waits): the GPUs they hold are *idle*. A partial job is not retried; it leaves like the
+others.
+
+Reported per load and mode: share of jobs placed whole when submitted, share left partial,
+idle GPUs (mean over the measured steps, as a share of the fleet's GPUs, and the peak), the
+highest tier each placed multi-pod job spans, the share of job GPU/NIC pairs on one PCIe
+switch, and the decision time per job (``place_job`` + holds, or the pods' ``decide`` +
+holds), p50 / p99 over all jobs and for the 64-pod jobs alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from bench.fleet import _topology
+from schemas.messages import AllocationRequest, PodRef
+from services.allocator.core import Cluster, Placement
+from services.allocator.core.gang import fabric_label
+from services.cli.plan_jobs import JobBook, JobMode
+
+ROOT = Path(__file__).resolve().parent
+TIERS = ("leaf", "spine", "pod", "zone")
+SERVERS = (("dgx-h100", 0.5), ("dgx-a100", 0.3), ("h200-10nic", 0.2))
+JOB_SIZES = ((2, 0.30), (4, 0.25), (8, 0.20), (16, 0.12), (32, 0.08), (64, 0.05))
+MODES: tuple[JobMode, ...] = ("gang", "gang-no-fabric", "per-pod")
+
+
+def build_fleet(nodes: int, seed: int) -> Cluster:
+    rng = random.Random(seed)
+    kinds = [name for name, share in SERVERS for _ in range(round(share * nodes))]
+    kinds = (kinds + [SERVERS[0][0]] * nodes)[:nodes]
+    rng.shuffle(kinds)
+    topos = {name: _topology(name) for name, _ in SERVERS}
+    cluster = Cluster()
+    for i, kind in enumerate(kinds):
+        leaf = i // 20
+        spine = leaf // 5
+        pod = spine // 4
+        zone = 0 if pod < max(1, (nodes // 400 + 1) // 2) else 1
+        labels = {
+            fabric_label("leaf"): f"leaf-{leaf}",
+            fabric_label("spine"): f"spine-{spine}",
+            fabric_label("pod"): f"pod-{pod}",
+            fabric_label("zone"): f"zone-{zone}",
+        }
+        cluster.set_node(f"n{i:05d}", topos[kind], labels=labels)
+    return cluster
+
+
+def stream(seed: int) -> Any:
+    """Items forever: ("job", obj) or ("pod", request)."""
+    rng = random.Random(seed)
+    sizes = [s for s, _ in JOB_SIZES]
+    weights = [w for _, w in JOB_SIZES]
+    k = 0
+    while True:
+        k += 1
+        if rng.random() < 0.5:
+            pods = rng.choices(sizes, weights)[0]
+            yield "job", {"kind": "job", "id": f"j{k}", "pods": pods, "gpus": 8, "rdma": 8, "fabric": "leaf"}
+        else:
+            g = rng.choice((1, 2, 4))
+            yield "pod", AllocationRequest(request_id=f"p{k}", pod=PodRef("bench", f"p{k}"), gpus=g, rdma=g)
+
+
+def run_mode(mode: JobMode, *, nodes: int, load: float, jobs: int, seed: int) -> dict[str, Any]:
+    cluster = build_fleet(nodes, seed)
+    book = JobBook(cluster, tiers=TIERS, mode=mode)
+    total = cluster.totals()["gpus"]
+    rng = random.Random(seed + 1)
+    items = stream(seed + 2)
+    live: list[tuple[str, str, str | None]] = []  # (kind, id, node for pods)
+    measured = 0
+    filled = False
+    submitted = placed = partial = 0
+    idle_sum = 0.0
+    idle_peak = 0
+    steps = 0
+    times: list[float] = []
+    times64: list[float] = []
+    tiers = dict.fromkeys(("node", *TIERS, "cluster"), 0)
+    pairs_switch = pairs_all = 0
+    while measured < jobs:
+        used = total - cluster.totals()["free_gpus"]
+        if used >= load * total and live:
+            filled = True
+            kind, rid, node = live.pop(rng.randrange(len(live)))
+            if kind == "job":
+                book.free(rid)
+            else:
+                assert node is not None
+                cluster.release(node, rid)
+        else:
+            kind, obj = next(items)
+            if kind == "pod":
+                res = cluster.decide(obj)
+                if isinstance(res, Placement):
+                    cluster.hold(res.node, obj.request_id, res.devices())
+                    live.append(("pod", obj.request_id, res.node))
+            else:
+                n_before = len(book.times)
+                lines = book.place(obj, "bench")
+                job_line = lines[-1]
+                if job_line["job"]["placed"]:
+                    live.append(("job", obj["id"], None))
+                if filled:
+                    measured += 1
+                    submitted += 1
+                    dt = book.times[n_before]
+                    times.append(dt)
+                    if obj["pods"] == 64:
+                        times64.append(dt)
+                    if job_line["status"] == "assigned":
+                        placed += 1
+                        tiers[job_line["job"]["tier"]] += 1
+                        for pod_line in lines[:-1]:
+                            for pair in pod_line["pairs"]:
+                                pairs_all += 1
+                                pairs_switch += pair["scope"] == "pcie-switch"
+                    elif job_line["status"] == "partial":
+                        partial += 1
+        if filled:
+            steps += 1
+            idle = sum(book.idle.values())
+            idle_sum += idle
+            idle_peak = max(idle_peak, idle)
+    multi = sum(tiers.values())
+    return {
+        "mode": mode,
+        "load": load,
+        "jobs": submitted,
+        "placed_whole": round(placed / submitted, 4) if submitted else None,
+        "partial": round(partial / submitted, 4) if submitted else None,
+        "idle_gpus_mean_share": round(idle_sum / steps / total, 4) if steps else 0.0,
+        "idle_gpus_peak": idle_peak,
+        "tier": {k: round(v / multi, 4) if multi else 0.0 for k, v in tiers.items()},
+        "pairs_on_switch": round(pairs_switch / pairs_all, 4) if pairs_all else None,
+        "decision_ms": _pct(times),
+        "decision_ms_64": _pct(times64),
+        "jobs_64": len(times64),
+    }
+
+
+def _pct(times: list[float]) -> dict[str, float | None]:
+    s = sorted(times)
+
+    def q(p: float) -> float | None:
+        return round(s[min(len(s) - 1, int(p * len(s)))] * 1e3, 2) if s else None
+
+    return {"p50": q(0.5), "p99": q(0.99), "max": round(s[-1] * 1e3, 2) if s else None}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| load | mode | jobs placed whole | left partial | idle GPUs (mean / peak) | tier spanned "
+        "(node/leaf/spine/pod/zone/cluster) | job pairs on a switch | decision ms p50 / p99 | "
+        "64-pod ms p50 / p99 |\n|---|---|---|---|---|---|---|---|---|"
+    )
+    out = [head]
+    for r in rows:
+        t = r["tier"]
+        tiers = "/".join(f"{100 * t[k]:.0f}" for k in ("node", *TIERS, "cluster"))
+        d, d64 = r["decision_ms"], r["decision_ms_64"]
+        out.append(
+            f"| {100 * r['load']:.0f} % | {r['mode']} | {100 * (r['placed_whole'] or 0):.1f} % | "
+            f"{100 * (r['partial'] or 0):.1f} % | {100 * r['idle_gpus_mean_share']:.1f} % / "
+            f"{r['idle_gpus_peak']} | {tiers} % | {100 * (r['pairs_on_switch'] or 0):.1f} % | "
+            f"{d['p50']} / {d['p99']} | {d64['p50']} / {d64['p99']} (n={r['jobs_64']}) |"
+        )
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gang", description=__doc__.split("\n")[0])
+    ap.add_argument("--nodes", type=int, default=2000)
+    ap.add_argument("--jobs", type=int, default=400, help="job submissions measured per run")
+    ap.add_argument("--loads", default="0.7,0.9")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--out", type=Path, default=ROOT / "gang_results.json")
+    args = ap.parse_args(argv)
+    rows = []
+    for load in (float(x) for x in args.loads.split(",")):
+        for mode in args.modes.split(","):
+            if mode not in MODES:
+                ap.error(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
+            t0 = time.perf_counter()
+            row = run_mode(mode, nodes=args.nodes, load=load, jobs=args.jobs, seed=args.seed)  # type: ignore[arg-type]
+            print(f"# {mode} at {load:.0%}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+            rows.append(row)
+    print(table(rows))
+    doc = {
+        "nodes": args.nodes,
+        "tiers": TIERS,
+        "jobs_measured": args.jobs,
+        "seed": args.seed,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "rows": rows,
+    }
+    args.out.write_text(msgspec.json.format(msgspec.json.encode(doc), indent=2).decode() + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
