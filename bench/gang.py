@@ -32,11 +32,11 @@ holds), p50 / p99 over all jobs and for the 64-pod jobs alone.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import sys
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ import msgspec
 from bench.fleet import _topology
 from schemas.messages import AllocationRequest, PodRef
 from services.allocator.core import Cluster, Placement
-from services.allocator.core.gang import fabric_label
+from services.allocator.core.gang import fabric_label, fabric_span
 from services.cli.plan_jobs import JobBook, JobMode
 
 ROOT = Path(__file__).resolve().parent
@@ -93,28 +93,93 @@ def stream(seed: int) -> Any:
             yield "pod", AllocationRequest(request_id=f"p{k}", pod=PodRef("bench", f"p{k}"), gpus=g, rdma=g)
 
 
-def run_mode(mode: JobMode, *, nodes: int, load: float, jobs: int, seed: int) -> dict[str, Any]:
+def run_mode(mode: JobMode, *, nodes: int, load: float, jobs: int, seed: int, warmup: int) -> dict[str, Any]:
     cluster = build_fleet(nodes, seed)
     book = JobBook(cluster, tiers=TIERS, mode=mode)
     total = cluster.totals()["gpus"]
     rng = random.Random(seed + 1)
     items = stream(seed + 2)
-    live: list[tuple[str, str, str | None]] = []  # (kind, id, node for pods)
-    measured = 0
-    filled = False
-    submitted = placed = partial = 0
-    idle_sum = 0.0
-    idle_peak = 0
+    running: list[tuple[str, str, str | None]] = []  # (kind, id, node for pods): may depart
+    pending: deque[tuple[str, Any]] = deque()  # FIFO of items waiting (jobs or pods)
+    waiting_gpus = 0  # GPUs the pending items still miss
+    submitted = 0  # jobs submitted (warm-up included)
+    measured: set[str] = set()
+    at_submit = completed = 0
+    ever_partial: set[str] = set()
     steps = 0
+    idle_sum = held_sum = 0.0
+    idle_peak = 0
     times: list[float] = []
     times64: list[float] = []
+    cpus: list[float] = []
+    cpus64: list[float] = []
     tiers = dict.fromkeys(("node", *TIERS, "cluster"), 0)
-    pairs_switch = pairs_all = 0
-    while measured < jobs:
+    pairs_before: dict[str, int] | None = None
+
+    def missing(kind: str, obj: Any) -> int:
+        if kind == "pod":
+            return int(obj.gpus)
+        have = len(book.live.get(obj["id"], ()))
+        return (obj["pods"] - have) * 8
+
+    def attempt(kind: str, obj: Any) -> bool:
+        """Try the item once; True when it is now running whole."""
+        nonlocal completed
+        if kind == "pod":
+            res = cluster.decide(obj)
+            if not isinstance(res, Placement):
+                return False
+            cluster.hold(res.node, obj.request_id, res.devices())
+            running.append(("pod", obj.request_id, res.node))
+            return True
+        jid = obj["id"]
+        n_before = len(book.times)
+        if jid in book.waiting:
+            status = book.resume(jid)
+            lines: list[dict[str, Any]] = []
+        else:
+            lines = book.place(obj, "bench")
+            status = lines[-1]["status"]
+        dt, cpu = book.times[n_before], book.cpu_times[n_before]
+        if jid in measured:
+            times.append(dt)
+            cpus.append(cpu)
+            if obj["pods"] == 64:
+                times64.append(dt)
+                cpus64.append(cpu)
+            if status == "partial":
+                ever_partial.add(jid)
+        if status != "assigned":
+            return False
+        running.append(("job", jid, None))
+        if jid in measured:
+            completed += 1
+            pods = book.live[jid]
+            level_tier = fabric_span([cluster.labels(n) for n in dict.fromkeys(n for n, _ in pods)], TIERS)
+            if len(pods) > 1:
+                tiers[level_tier[1]] += 1
+        return True
+
+    def drain() -> None:
+        """Try every waiting item, oldest first; those that still do not fit keep waiting
+        (backfill, as a Kubernetes scheduler retries every pending pod)."""
+        nonlocal waiting_gpus
+        keep: deque[tuple[str, Any]] = deque()
+        while pending:
+            kind, obj = pending.popleft()
+            before = missing(kind, obj)
+            done = attempt(kind, obj)
+            waiting_gpus -= before - (0 if done else missing(kind, obj))
+            if not done:
+                keep.append((kind, obj))
+        pending.extend(keep)
+
+    while submitted < warmup + jobs:
         used = total - cluster.totals()["free_gpus"]
-        if used >= load * total and live:
-            filled = True
-            kind, rid, node = live.pop(rng.randrange(len(live)))
+        if used + waiting_gpus >= load * total:
+            if not running:
+                break
+            kind, rid, node = running.pop(rng.randrange(len(running)))
             if kind == "job":
                 book.free(rid)
             else:
@@ -122,52 +187,49 @@ def run_mode(mode: JobMode, *, nodes: int, load: float, jobs: int, seed: int) ->
                 cluster.release(node, rid)
         else:
             kind, obj = next(items)
-            if kind == "pod":
-                res = cluster.decide(obj)
-                if isinstance(res, Placement):
-                    cluster.hold(res.node, obj.request_id, res.devices())
-                    live.append(("pod", obj.request_id, res.node))
+            if kind == "job":
+                submitted += 1
+                if submitted > warmup:
+                    measured.add(obj["id"])
+                    if pairs_before is None:
+                        pairs_before = dict(book.alignment)
+            if attempt(kind, obj):
+                if kind == "job" and obj["id"] in measured:
+                    at_submit += 1
             else:
-                n_before = len(book.times)
-                lines = book.place(obj, "bench")
-                job_line = lines[-1]
-                if job_line["job"]["placed"]:
-                    live.append(("job", obj["id"], None))
-                if filled:
-                    measured += 1
-                    submitted += 1
-                    dt = book.times[n_before]
-                    times.append(dt)
-                    if obj["pods"] == 64:
-                        times64.append(dt)
-                    if job_line["status"] == "assigned":
-                        placed += 1
-                        tiers[job_line["job"]["tier"]] += 1
-                        for pod_line in lines[:-1]:
-                            for pair in pod_line["pairs"]:
-                                pairs_all += 1
-                                pairs_switch += pair["scope"] == "pcie-switch"
-                    elif job_line["status"] == "partial":
-                        partial += 1
-        if filled:
+                pending.append((kind, obj))
+                waiting_gpus += missing(kind, obj)
+            continue
+        drain()
+        if submitted > warmup:
             steps += 1
             idle = sum(book.idle.values())
             idle_sum += idle
+            held_sum += total - cluster.totals()["free_gpus"]
             idle_peak = max(idle_peak, idle)
     multi = sum(tiers.values())
+    n = len(measured)
+    pairs = {k: v - (pairs_before or {}).get(k, 0) for k, v in book.alignment.items()}
+    pairs_all = sum(pairs.values())
+    pairs_switch = pairs["pcie-switch"]
     return {
         "mode": mode,
         "load": load,
-        "jobs": submitted,
-        "placed_whole": round(placed / submitted, 4) if submitted else None,
-        "partial": round(partial / submitted, 4) if submitted else None,
+        "jobs": n,
+        "placed_at_submit": round(at_submit / n, 4) if n else None,
+        "completed": round(completed / n, 4) if n else None,
+        "ever_partial": round(len(ever_partial) / n, 4) if n else None,
+        "held_gpus_mean_share": round(held_sum / steps / total, 4) if steps else 0.0,
         "idle_gpus_mean_share": round(idle_sum / steps / total, 4) if steps else 0.0,
         "idle_gpus_peak": idle_peak,
         "tier": {k: round(v / multi, 4) if multi else 0.0 for k, v in tiers.items()},
         "pairs_on_switch": round(pairs_switch / pairs_all, 4) if pairs_all else None,
         "decision_ms": _pct(times),
         "decision_ms_64": _pct(times64),
-        "jobs_64": len(times64),
+        "decision_cpu_ms": _pct(cpus),
+        "decision_cpu_ms_64": _pct(cpus64),
+        "attempts": len(times),
+        "attempts_64": len(times64),
     }
 
 
@@ -182,20 +244,24 @@ def _pct(times: list[float]) -> dict[str, float | None]:
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| load | mode | jobs placed whole | left partial | idle GPUs (mean / peak) | tier spanned "
-        "(node/leaf/spine/pod/zone/cluster) | job pairs on a switch | decision ms p50 / p99 | "
-        "64-pod ms p50 / p99 |\n|---|---|---|---|---|---|---|---|---|"
+        "| load | mode | jobs placed at once | placed by the end | ever partial | GPUs held | "
+        "idle GPUs mean / peak | tier spanned % (node/leaf/spine/pod/zone/cluster) | job pairs on a "
+        "switch | decision CPU ms p50 / p99 (wall p99) | 64-pod CPU ms p50 / p99 (wall p99) |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     out = [head]
     for r in rows:
         t = r["tier"]
         tiers = "/".join(f"{100 * t[k]:.0f}" for k in ("node", *TIERS, "cluster"))
-        d, d64 = r["decision_ms"], r["decision_ms_64"]
+        c, c64 = r["decision_cpu_ms"], r["decision_cpu_ms_64"]
+        w, w64 = r["decision_ms"], r["decision_ms_64"]
         out.append(
-            f"| {100 * r['load']:.0f} % | {r['mode']} | {100 * (r['placed_whole'] or 0):.1f} % | "
-            f"{100 * (r['partial'] or 0):.1f} % | {100 * r['idle_gpus_mean_share']:.1f} % / "
-            f"{r['idle_gpus_peak']} | {tiers} % | {100 * (r['pairs_on_switch'] or 0):.1f} % | "
-            f"{d['p50']} / {d['p99']} | {d64['p50']} / {d64['p99']} (n={r['jobs_64']}) |"
+            f"| {100 * r['load']:.0f} % | {r['mode']} | {100 * (r['placed_at_submit'] or 0):.1f} % | "
+            f"{100 * (r['completed'] or 0):.1f} % | {100 * (r['ever_partial'] or 0):.1f} % | "
+            f"{100 * r['held_gpus_mean_share']:.1f} % | {100 * r['idle_gpus_mean_share']:.1f} % / "
+            f"{r['idle_gpus_peak']} | {tiers} | {100 * (r['pairs_on_switch'] or 0):.1f} % | "
+            f"{c['p50']} / {c['p99']} ({w['p99']}) | {c64['p50']} / {c64['p99']} ({w64['p99']}, "
+            f"n={r['attempts_64']}) |"
         )
     return "\n".join(out)
 
@@ -204,7 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gang", description=__doc__.split("\n")[0])
     ap.add_argument("--nodes", type=int, default=2000)
     ap.add_argument("--jobs", type=int, default=400, help="job submissions measured per run")
-    ap.add_argument("--loads", default="0.7,0.9")
+    ap.add_argument("--warmup", type=int, default=150, help="job submissions before measuring")
+    ap.add_argument("--loads", default="0.7,0.9,1.1", help="offered GPU load (held + waiting)")
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--out", type=Path, default=ROOT / "gang_results.json")
@@ -215,7 +282,14 @@ def main(argv: list[str] | None = None) -> int:
             if mode not in MODES:
                 ap.error(f"unknown mode {mode!r}; expected one of {', '.join(MODES)}")
             t0 = time.perf_counter()
-            row = run_mode(mode, nodes=args.nodes, load=load, jobs=args.jobs, seed=args.seed)  # type: ignore[arg-type]
+            row = run_mode(
+                mode,  # type: ignore[arg-type]
+                nodes=args.nodes,
+                load=load,
+                jobs=args.jobs,
+                seed=args.seed,
+                warmup=args.warmup,
+            )
             print(f"# {mode} at {load:.0%}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
             rows.append(row)
     print(table(rows))

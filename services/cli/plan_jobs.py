@@ -67,7 +67,9 @@ class JobBook:
         self.alignment = dict.fromkeys(SCOPES, 0)
         self.idle_peak = 0
         self.times: list[float] = []
+        self.cpu_times: list[float] = []  # the same, as this thread's CPU time
         self.seen = False
+        self.waiting: dict[str, JobRequest] = {}  # per-pod jobs placed in part (see resume)
 
     def place(self, obj: dict[str, Any], where: str) -> list[dict[str, Any]]:
         """Decide one job line; hold what is placed; return the output lines."""
@@ -76,10 +78,10 @@ class JobBook:
         if jid in self.live:
             raise CliError(f"{where}: job {jid!r} is already placed (free it first)")
         job = _job(obj, where)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if self.mode == "per-pod":
-                pods, reason = self._per_pod(job)
+                pods, reason = self._per_pod(job, [])
                 res: JobPlacement | None = None
             else:
                 if self.mode == "gang":
@@ -95,32 +97,11 @@ class JobBook:
         except InvalidRequest as exc:
             raise CliError(f"{where}: {exc}") from None
         self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.thread_time() - c0)
         lines = [_pod_line(job.pod_id(i), p) for i, p in enumerate(pods)]
         if pods:
             self.live[jid] = [(p.node, job.pod_id(i)) for i, p in enumerate(pods)]
-            for p in pods:
-                for pair in p.pairs:
-                    self.alignment[pair.scope] += 1
-        nodes = list(dict.fromkeys(p.node for p in pods))
-        info: dict[str, Any] = {"pods": job.pods, "placed": len(pods), "nodes": nodes}
-        if len(pods) == job.pods:
-            status = "assigned"
-            self.counts["placed"] += 1
-            self.counts["pods_placed"] += len(pods)
-            if res is not None and self.mode == "gang":
-                level, tier, block = res.level, res.tier, res.block
-            else:
-                level, tier, block = fabric_span([self.cluster.labels(n) for n in nodes], self.tiers)
-            self.tier[tier] += 1
-            info.update(tier=tier, level=level, block=block)
-        elif pods:
-            status = "partial"
-            self.counts["partial"] += 1
-            self.idle[jid] = sum(len(p.gpus) for p in pods)
-            self.idle_peak = max(self.idle_peak, sum(self.idle.values()))
-        else:
-            status = "unschedulable"
-            self.counts["unschedulable"] += 1
+        info, status = self._account(job, pods, [], res)
         lines.append(
             {
                 "id": jid,
@@ -135,11 +116,59 @@ class JobBook:
         )
         return lines
 
-    def _per_pod(self, job: JobRequest) -> tuple[list[Placement], str]:
+    def _account(
+        self, job: JobRequest, new: list[Placement], old: list[tuple[str, str]], res: JobPlacement | None
+    ) -> tuple[dict[str, Any], str]:
+        """Count a job's new pods and its status; ``old``: pods it already held (resume)."""
+        for p in new:
+            for pair in p.pairs:
+                self.alignment[pair.scope] += 1
+        nodes = list(dict.fromkeys([*(n for n, _ in old), *(p.node for p in new)]))
+        placed = len(old) + len(new)
+        info: dict[str, Any] = {"pods": job.pods, "placed": placed, "nodes": nodes}
+        self.idle.pop(job.job_id, None)
+        self.waiting.pop(job.job_id, None)
+        if placed == job.pods:
+            status = "assigned"
+            self.counts["placed"] += 1
+            self.counts["pods_placed"] += placed
+            if res is not None and self.mode == "gang":
+                level, tier, block = res.level, res.tier, res.block
+            else:
+                level, tier, block = fabric_span([self.cluster.labels(n) for n in nodes], self.tiers)
+            self.tier[tier] += 1
+            info.update(tier=tier, level=level, block=block)
+        elif placed:
+            status = "partial"
+            if not old:
+                self.counts["partial"] += 1
+            self.waiting[job.job_id] = job
+            self.idle[job.job_id] = placed * job.gpus
+            self.idle_peak = max(self.idle_peak, sum(self.idle.values()))
+        else:
+            status = "unschedulable"
+            self.counts["unschedulable"] += 1
+        return info, status
+
+    def resume(self, jid: str) -> str:
+        """Place the missing pods of a job the ``per-pod`` mode placed in part (its pods wait
+        and retry, holding what they have, as pods do today); returns the job's status. The
+        benchmark's retry (``bench.gang``); a trace replay never retries."""
+        job = self.waiting[jid]
+        held = self.live[jid]
+        t0, c0 = time.perf_counter(), time.thread_time()
+        pods, _ = self._per_pod(job, held)
+        self.times.append(time.perf_counter() - t0)
+        self.cpu_times.append(time.thread_time() - c0)
+        base = len(held)
+        held.extend([(p.node, job.pod_id(base + i)) for i, p in enumerate(pods)])
+        return self._account(job, pods, held[: len(held) - len(pods)], None)[1]
+
+    def _per_pod(self, job: JobRequest, held: list[tuple[str, str]]) -> tuple[list[Placement], str]:
         """The baseline: each pod alone, held at once; stops at the first pod that waits."""
         template = job.template()
         pods: list[Placement] = []
-        for i in range(job.pods):
+        for i in range(len(held), job.pods):
             res = self.cluster.decide(template)
             if not isinstance(res, Placement):
                 return pods, f"pod {i} of {job.pods} waits: {res.reason}"
@@ -155,6 +184,7 @@ class JobBook:
         for node, pid in held:
             self.cluster.release(node, pid)
         self.idle.pop(jid, None)
+        self.waiting.pop(jid, None)
         self.counts["freed"] += 1
         nodes = list(dict.fromkeys(n for n, _ in held))
         return {

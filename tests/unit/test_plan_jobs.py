@@ -101,3 +101,26 @@ def test_job_line_errors_name_the_line(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 2 and "r.jsonl:1:" in err and "pods" in err
     code, _, err = run(capsys, "--cluster", c, "--requests", r, "--fabric-tiers", "rack,row")
     assert code == 2
+
+
+def test_per_pod_job_waits_holding_its_pods_and_resumes() -> None:
+    from schemas.messages import AllocationRequest, PodRef
+    from services.allocator.core import Cluster, Placement
+    from services.cli.plan_jobs import JobBook
+    from services.topology import load_topology
+
+    c = Cluster()
+    for i in range(3):
+        c.set_node(f"n{i}", load_topology("dgx-h100"))
+    blocker = c.decide(AllocationRequest(request_id="x", pod=PodRef("ns", "x"), gpus=8, rdma=8))
+    assert isinstance(blocker, Placement)
+    c.hold(blocker.node, "x", blocker.devices())
+    book = JobBook(c, tiers=("leaf",), mode="per-pod")
+    lines = book.place({"kind": "job", "id": "j", "pods": 3, "gpus": 8, "rdma": 8}, "t")
+    assert lines[-1]["status"] == "partial" and book.idle == {"j": 16} and "j" in book.waiting
+    assert book.resume("j") == "partial"
+    c.release(blocker.node, "x")
+    assert book.resume("j") == "assigned"
+    assert book.idle == {} and [pid for _, pid in book.live["j"]] == ["j/0", "j/1", "j/2"]
+    assert book.summary()["placed"] == 1 and book.summary()["idle_gpus_peak"] == 16
+    assert book.free("j") is not None and c.totals()["free_gpus"] == 24

@@ -47,6 +47,7 @@ jointly (a joint search could, rarely, fit one more pod on an awkward node).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -155,9 +156,32 @@ class _Chain:
 @dataclass(slots=True)
 class _Row:
     name: str
+    order: int  # registration order: the last tie-break
     labels: Mapping[str, str]
+    blocks: tuple[str | None, ...]  # the node's block per tier (None: not labelled)
     domain: str | None
     chain: _Chain
+
+
+# Per cluster: (nodes_version, tiers, name -> (order, labels, blocks, domain)). Rebuilt only
+# when nodes change (Cluster.nodes_version), so a decision does not read every node's labels.
+_NodeFacts = tuple[int, Mapping[str, str], tuple[str | None, ...], str | None]
+_INDEX: weakref.WeakKeyDictionary[Cluster, tuple[int, tuple[str, ...], dict[str, _NodeFacts]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _fabric_index(cluster: Cluster, tiers: tuple[str, ...]) -> dict[str, _NodeFacts]:
+    cached = _INDEX.get(cluster)
+    if cached is not None and cached[0] == cluster.nodes_version and cached[1] == tiers:
+        return cached[2]
+    keys = [fabric_label(t) for t in tiers]
+    index: dict[str, _NodeFacts] = {}
+    for i, (name, labels, topo, _shape, _mask) in enumerate(cluster.job_nodes()):
+        dom = topo.nvlink_domain
+        index[name] = (i, labels, tuple(labels.get(k) for k in keys), None if dom is None else dom.key)
+    _INDEX[cluster] = (cluster.nodes_version, tiers, index)
+    return index
 
 
 def _chain(
@@ -215,7 +239,7 @@ def place_job(
         if job.fabric_policy == "required":
             cap = tiers.index(job.fabric) + 1
 
-    rows = _rows(cluster, spec, job, spread=cluster.policy == "spread")
+    rows = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
     if job.nvlink_domain is not None:
         in_domain = [r for r in rows if r.domain is not None]
         res = _search(cluster, job, in_domain, tiers, cap=cap, by_domain=True)
@@ -230,23 +254,25 @@ def place_job(
     return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res)
 
 
-def _rows(cluster: Cluster, spec: Spec, job: JobRequest, *, spread: bool) -> list[_Row]:
-    """Every node matching the selector that can take at least one pod, with its chain."""
-    chains: dict[tuple[int, int], _Chain] = {}
+def _rows(
+    cluster: Cluster, spec: Spec, job: JobRequest, tiers: tuple[str, ...], *, spread: bool
+) -> list[_Row]:
+    """Every node matching the selector that can take at least one pod, with its chain, in
+    registration order. Walks the groups of equal nodes: a group that cannot take one pod
+    costs one cached search, whatever its size."""
+    index = _fabric_index(cluster, tiers)
     selector = spec.selector
     rows: list[_Row] = []
-    for name, labels, topo, shape, mask in cluster.job_nodes():
-        if selector and not all(labels.get(k) == v for k, v in selector):
+    for cid, (shape, mask, names) in enumerate(cluster.job_groups()):
+        chain = _chain(cluster, spec, shape, mask, limit=job.pods, cid=cid, spread=spread)
+        if not chain.choices:
             continue
-        ck = (shape.id, mask)
-        chain = chains.get(ck)
-        if chain is None:
-            chain = chains[ck] = _chain(
-                cluster, spec, shape, mask, limit=job.pods, cid=len(chains), spread=spread
-            )
-        if chain.choices:
-            dom = topo.nvlink_domain
-            rows.append(_Row(name, labels, None if dom is None else dom.key, chain))
+        for name in names:
+            order, labels, blocks, domain = index[name]
+            if selector and not all(labels.get(k) == v for k, v in selector):
+                continue
+            rows.append(_Row(name, order, labels, blocks, domain, chain))
+    rows.sort(key=lambda r: r.order)
     return rows
 
 
@@ -266,7 +292,6 @@ def _search(
     n = job.pods
     capacity = sum(len(r.chain.choices) for r in rows)
     names = ("node", *tiers, "cluster")
-    labels = [fabric_label(t) for t in tiers]
     best_seen = 0
     best_block = ""
     for level in range(cap + 1):
@@ -287,7 +312,7 @@ def _search(
                 seen_chains.add(ck)
                 bkey = r.name
             elif level <= len(tiers):
-                v = r.labels.get(labels[level - 1])
+                v = r.blocks[level - 1]
                 if v is None:
                     continue
                 bkey = v
@@ -382,8 +407,7 @@ def _fill(
             k = sum(1 for c in counts if c > i)
             if k:
                 take.append((row, k))
-    order = {r.name: i for i, r in enumerate(members)}
-    take.sort(key=lambda rk: order[rk[0].name])
+    take.sort(key=lambda rk: rk[0].order)
     return tuple(align), tuple(frag), take, met
 
 
