@@ -60,7 +60,10 @@ def test_job_lines_one_per_pod_then_the_job(tmp_path: Path, capsys: pytest.Captu
     }
     big = lines[4]
     assert big["status"] == "unschedulable" and big["job"]["placed"] == 0  # type: ignore[index]
-    assert big["reason"] == "3 pods of 8+8 (pcie-switch preferred): the cluster can take only 2"
+    assert big["reason"] == (
+        "3 pods of 8+8 (pcie-switch preferred): the cluster can take only 2 "
+        "(no pod fits on the other nodes: 3 nodes: fewer than 8 free GPUs)"
+    )
     nvl = lines[7]
     assert nvl["id"] == "nvl" and nvl["job"]["nodes"] == ["b-0", "b-1"]  # type: ignore[index]
     freed = lines[8]

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -473,7 +473,7 @@ class Cluster:
         for node in self._nodes.values():
             yield node.name, node.labels, node.topology, node.shape, node.mask
 
-    def job_groups(self) -> Iterator[tuple[Shape, int, Iterable[str]]]:
+    def job_groups(self) -> Iterator[tuple[Shape, int, Collection[str]]]:
         """``(shape, free mask, node names)`` per group of nodes with the same hardware and
         free slots: a whole job's per-node search runs once per group, not per node."""
         for (hw, mask), members in self._groups.items():

@@ -151,6 +151,7 @@ class _Chain:
     choices: list[Choice]
     order: list[tuple[tuple[int, ...], tuple[int, ...]]]
     fullness: int  # binpack: free GPUs (fuller first); spread: minus free GPUs
+    refusal: Refusal | None = None  # why not even one pod (no choices)
 
 
 @dataclass(slots=True)
@@ -194,6 +195,8 @@ def _chain(
     while len(choices) < limit:
         res = cluster.evaluate_free(spec, shape, free)
         if isinstance(res, Refusal):
+            if not choices:
+                return _Chain(cid, choices, order, 0, res)
             break
         key = (res.cross, res.frag)
         # The merge key must not decrease along a chain (a node's pods are taken in order).
@@ -239,7 +242,7 @@ def place_job(
         if job.fabric_policy == "required":
             cap = tiers.index(job.fabric) + 1
 
-    rows = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
+    rows, refused = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
     if job.nvlink_domain is not None:
         in_domain = [r for r in rows if r.domain is not None]
         res = _search(cluster, job, in_domain, tiers, cap=cap, by_domain=True)
@@ -249,23 +252,31 @@ def place_job(
             if not in_domain and rows:
                 res.reason = f"{_what(job, spec)}: no node that can take a pod is in an NVLink domain"
                 return res
-            return _explain(cluster, job, spec, res)
+            return _explain(cluster, job, spec, res, refused)
     res = _search(cluster, job, rows, tiers, cap=cap, by_domain=False)
-    return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res)
+    return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res, refused)
 
 
 def _rows(
     cluster: Cluster, spec: Spec, job: JobRequest, tiers: tuple[str, ...], *, spread: bool
-) -> list[_Row]:
+) -> tuple[list[_Row], dict[str, int]]:
     """Every node matching the selector that can take at least one pod, with its chain, in
-    registration order. Walks the groups of equal nodes: a group that cannot take one pod
-    costs one cached search, whatever its size."""
+    registration order; and per refusal text the matching nodes that cannot take one. Walks
+    the groups of equal nodes: a group that cannot take a pod costs one cached search."""
     index = _fabric_index(cluster, tiers)
     selector = spec.selector
     rows: list[_Row] = []
+    refused: dict[str, int] = {}
     for cid, (shape, mask, names) in enumerate(cluster.job_groups()):
         chain = _chain(cluster, spec, shape, mask, limit=job.pods, cid=cid, spread=spread)
-        if not chain.choices:
+        if chain.refusal is not None:
+            text = chain.refusal.text
+            if selector:
+                count = sum(1 for n in names if all(index[n][1].get(k) == v for k, v in selector))
+            else:
+                count = len(names)
+            if count:
+                refused[text] = refused.get(text, 0) + count
             continue
         for name in names:
             order, labels, blocks, domain = index[name]
@@ -273,7 +284,7 @@ def _rows(
                 continue
             rows.append(_Row(name, order, labels, blocks, domain, chain))
     rows.sort(key=lambda r: r.order)
-    return rows
+    return rows, refused
 
 
 # (score, (domain, block), pods per node, alignment, met)
@@ -434,8 +445,11 @@ def _tier_text(job: JobRequest, tier: str, block: str, best: int, capacity: int,
     return f"no {unit} can take {job.pods}; at most {best}{at}; the {where} could take {capacity}"
 
 
-def _explain(cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulable) -> JobUnschedulable:
-    """Prefix the job's summary; when no node can take even one pod, say why per node."""
+def _explain(
+    cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulable, refused: Mapping[str, int]
+) -> JobUnschedulable:
+    """Prefix the job's summary; when the cluster cannot take enough pods, say why the other
+    nodes cannot take one (the per-node reasons, most common first, as for a pod)."""
     if res.capacity == 0:
         one = cluster.decide(job.template())
         if isinstance(one, Unschedulable):
@@ -444,4 +458,9 @@ def _explain(cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulabl
             return res
     if not res.reason.startswith(_what(job, spec)):
         res.reason = f"{_what(job, spec)}: {res.reason}"
+    if res.capacity < job.pods and refused:
+        items = sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))
+        why = "; ".join(f"{n} node{'' if n == 1 else 's'}: {t}" for t, n in items[:4])
+        more = f"; {len(items) - 4} more reasons" if len(items) > 4 else ""
+        res.reason += f" (no pod fits on the other nodes: {why}{more})"
     return res
