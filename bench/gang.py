@@ -9,7 +9,7 @@ service's GC thresholds apply.
 Fleet: ``--nodes`` (2,000) 8-GPU servers — DGX H100 (50 %), DGX A100 (30 %) and a real
 8x H200 with 10 NICs (20 %, an imported ``nvidia-smi topo -m``), shuffled — in four fabric
 tiers: 20 nodes per ``leaf``, 5 leaves per ``spine``, 4 spines per ``pod``, pods split into
-two ``zone``\s (labels ``tandem.io/fabric-<tier>``).
+two ``zone`` blocks (labels ``tandem.io/fabric-<tier>``).
 
 Load: one seeded stream of items, the same for every mode: half are jobs of 2-64 pods of
 8 GPUs + 8 NICs (2: 30 %, 4: 25 %, 8: 20 %, 16: 12 %, 32: 8 %, 64: 5 %; ``fabric: leaf``,
