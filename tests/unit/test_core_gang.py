@@ -143,3 +143,22 @@ def test_nvlink_domain_and_fabric_labels_in_a_topology_file(tmp_path: Path) -> N
 
 def load_topology_text(text: str) -> object:
     return decode_topology(text, fmt="yaml")
+
+
+def test_job_request_on_the_wire() -> None:
+    j = job("train", pods=8, fabric="leaf", fabric_policy="required", nvlink_domain="preferred")
+    wire = msgspec.msgpack.encode(j)
+    back = msgspec.msgpack.decode(wire, type=JobRequest)
+    assert back == j and msgspec.to_builtins(j)["kind"] == "job.request"
+    t = j.template()
+    assert (t.request_id, t.gpus, t.rdma, t.scope, t.policy) == ("train", 8, 8, "pcie-switch", "required")
+    assert [j.pod_id(i) for i in (0, 7)] == ["train/0", "train/7"]
+    old = msgspec.msgpack.decode(
+        msgspec.msgpack.encode({"kind": "job.request", "job_id": "a", "pods": 2, "gpus": 1, "later": 1}),
+        type=JobRequest,
+    )
+    assert (old.fabric, old.fabric_policy, old.nvlink_domain, old.rdma) == (None, "preferred", None, 0)
+    for bad in ({"pods": 1025}, {"pods": 0}, {"fabric": "Leaf!"}, {"nvlink_domain": "maybe"}):
+        data = {"kind": "job.request", "job_id": "a", "pods": 2, "gpus": 1, **bad}
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(data, JobRequest)
