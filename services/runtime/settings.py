@@ -17,6 +17,7 @@ from typing import Annotated, Any
 import msgspec
 import yaml
 
+from schemas import limits
 from schemas.config import DeviceClass, default_device_classes
 from services.runtime.errors import SettingsError
 
@@ -92,7 +93,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".
     fabric_tiers: Annotated[
         list[Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")]],
-        msgspec.Meta(max_length=8),
+        msgspec.Meta(max_length=limits.MAX_FABRIC_TIERS),
     ] = msgspec.field(default_factory=lambda: ["leaf", "spine"])
 
 

@@ -162,3 +162,14 @@ def test_job_request_on_the_wire() -> None:
         data = {"kind": "job.request", "job_id": "a", "pods": 2, "gpus": 1, **bad}
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(data, JobRequest)
+
+
+def test_fabric_tiers_setting() -> None:
+    from services.runtime.errors import SettingsError
+    from services.runtime.settings import load_settings
+
+    assert load_settings("allocator", environ={}).fabric_tiers == ["leaf", "spine"]
+    env = {"TANDEM_FABRIC_TIERS": "[leaf, spine, pod, zone]"}
+    assert load_settings("allocator", environ=env).fabric_tiers == ["leaf", "spine", "pod", "zone"]
+    with pytest.raises(SettingsError, match="fabric_tiers"):
+        load_settings("allocator", environ={"TANDEM_FABRIC_TIERS": "[Leaf Switch]"})
