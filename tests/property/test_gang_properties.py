@@ -30,7 +30,7 @@ from services.allocator.core.search import Choice
 
 from .test_core_properties import check_placement
 
-SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=800, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TIERS = ("leaf", "spine")
 
 
