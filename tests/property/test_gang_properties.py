@@ -122,7 +122,7 @@ def reference(cluster: Cluster, job: JobRequest) -> tuple[int, int, tuple[int, .
         if job.nvlink_domain == "required" and not one_domain:
             continue
         outside = 0 if one_domain or job.nvlink_domain is None else 1
-        items = [c.cross for n, k in zip(names, counts, strict=True) for c in per[n][:k]]
+        items = [c.key for n, k in zip(names, counts, strict=True) for c in per[n][:k]]
         align = tuple(sum(col) for col in zip(*items, strict=True))
         key = (outside, level, align)
         if best is None or key < best:

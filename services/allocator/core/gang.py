@@ -17,28 +17,33 @@ fragmentation":
    block of that tier; it can still be used at a coarser one). ``fabric="leaf"`` with
    ``fabric_policy="required"`` never spans above one leaf; ``preferred`` (or no ``fabric``)
    takes the finest level that can hold the job;
-3. alignment: the sum over the pods of each pod's cross-node quality (:attr:`.search.Choice.
-   cross`: requested scope met, pairs within the requested scope and each coarser one, NVLink
-   fit), compared as a vector, lexicographically;
+3. alignment: the sum over the pods of each pod's in-node alignment quality
+   (:attr:`.search.Choice.key`: requested scope met, pairs within each scope level, finer
+   first, NVLink fit), compared as a vector, lexicographically. The full quality, not the
+   cross-node part ``Cluster.decide`` compares nodes by (which leaves out pairs finer than
+   requested): for a job the fabric block is already chosen, and only the full quality is
+   monotone along a node's pods, which exactness needs (below);
 4. fragmentation: the sum of the pods' in-node fragmentation (whole switches, NUMA nodes,
-   NVLink partitions broken), then the fabric block's spare room (``binpack``: the block
+   NVLink partitions broken; for a GPU-only or NIC-only pod, first the other kind left free
+   on its node), then the fabric block's spare room (``binpack``: the block
    the job fills best, so that free leaves stay whole for the next large job; ``spread``: the
    emptiest block), then the fullest nodes (``binpack``) or the emptiest (``spread``).
 
 How it is exact and fast. Several pods may share a node; a node's pods are placed one after
 another, each by the exact in-node search on what the earlier ones left
-(:meth:`Cluster.evaluate_free`, the cached search ``decide`` uses), so a node offers a
-*chain* of pod placements. A later pod of a chain never aligns better than an earlier one
-(its devices were free when the earlier one was chosen, and alignment leads the in-node
-order), so the ``N`` best pods of a fabric block — under a prefix constraint per node — are
-simply the ``N`` smallest chain items: a sorted merge, with no search over assignments. Sums
-of vectors keep the lexicographic order (swapping a chosen item for a worse one can only make
-the sum worse), so that choice minimises 3. exactly; the property tests compare it with an
-exhaustive search over every distribution of the pods across nodes. Chains depend only on
-(hardware, free mask), so identical nodes share one chain, and a block's items are merged per
-distinct chain with a multiplicity: a decision costs one pass over the nodes plus a sort of
-(distinct chains x pods per node) items per candidate block, milliseconds at 2,000 nodes
-(``bench/gang.py``).
+(:meth:`Cluster.evaluate_free`, the cached search ``decide`` uses), so a node offers a *chain*
+of pod placements. A later pod of a chain never aligns better than an earlier one (its devices
+were free when the earlier one was chosen, and the in-node search minimises the full quality
+first — the cross-node part alone would not do: a first pod may trade NVLink fit for finer
+pairs and a second get the NVLink fit back), so the ``N`` best pods of a fabric block — under
+a prefix constraint per node — are simply the ``N`` smallest chain items: a sorted merge, with
+no search over assignments. Sums of vectors keep the lexicographic order (swapping a chosen
+item for a worse one can only make the sum worse), so that choice minimises 3. exactly; the
+property tests compare it with an exhaustive search over every distribution of the pods across
+nodes. Chains depend only on (hardware, free mask), so identical nodes share one chain, and a
+block's items are merged per distinct chain with a multiplicity: a decision costs one pass
+over the nodes plus a sort of (distinct chains x pods per node) items per candidate block,
+milliseconds at 2,000 nodes (``bench/gang.py``).
 
 What "exact" means here: the optimum over distributions of pods across nodes, with each
 node's pods placed in sequence by the in-node search. Two pods on one node are not searched
@@ -102,7 +107,7 @@ class JobPlacement:
     ``tier`` is the highest level spanned: ``"node"`` (all pods on one node), a tier name
     (all within one block of it, ``block`` names which) or ``"cluster"``; ``level`` the same
     as a number (0 node, 1 the finest tier, ..., ``len(tiers) + 1`` cluster). ``alignment``
-    is the sum of the pods' cross-node quality vectors (smaller is better); ``met`` says
+    is the sum of the pods' in-node quality vectors (``Choice.key``, smaller is better); ``met`` says
     whether every pod's requested scope is met. ``nvlink_domain`` is the domain key when all
     pods are in one NVLink domain. ``candidates`` counts the nodes able to take a pod."""
 
@@ -198,7 +203,7 @@ def _chain(
             if not choices:
                 return _Chain(cid, choices, order, 0, res)
             break
-        key = (res.cross, res.frag)
+        key = (res.key, (res.cross[-1], *res.frag))  # cross[-1]: the one-sided waste
         # The merge key must not decrease along a chain (a node's pods are taken in order).
         # Alignment never does (see the module docstring); fragmentation may, so the key is
         # the running maximum, which leaves the alignment part as it is.
@@ -402,10 +407,10 @@ def _fill(
         choice = ch.choices[j]
         met = met and choice.met
         if align is None or frag is None:
-            align = [c * x for x in choice.cross]
+            align = [c * x for x in choice.key]
             frag = [c * x for x in choice.frag]
         else:
-            for i, x in enumerate(choice.cross):
+            for i, x in enumerate(choice.key):
                 align[i] += c * x
             for i, x in enumerate(choice.frag):
                 frag[i] += c * x
