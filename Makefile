@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-claims bench-cli gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -39,6 +39,12 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# Whole jobs across a 4-tier fabric at 2,000 nodes, against the per-pod and the
+# gang-without-fabric baselines (docs/benchmarks.md, "Whole jobs"); core in one process.
+BENCH_GANG_ARGS ?=
+bench-gang: $(STAMP)
+	$(BIN)/python -m bench.gang $(BENCH_GANG_ARGS)
 
 # The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
 # nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.

@@ -11,8 +11,10 @@ carrying ``value`` (the NVML return code).
 
 from __future__ import annotations
 
+import ctypes
 import queue
 import types
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +32,24 @@ nvmlEventTypeSingleBitEccError = 0x1
 nvmlEventTypeDoubleBitEccError = 0x2
 nvmlEventTypePState = 0x4
 nvmlEventTypeXidCriticalError = 0x8
+NVML_GPU_FABRIC_UUID_LEN = 16
+NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
+NVML_GPU_FABRIC_STATE_NOT_STARTED = 1
+NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
+NVML_GPU_FABRIC_STATE_COMPLETED = 3
+
+
+class c_nvmlGpuFabricInfoV_t(ctypes.Structure):
+    """pynvml's versioned fabric info struct (v2), filled through ``ctypes.byref``."""
+
+    _fields_ = [
+        ("version", ctypes.c_uint),
+        ("clusterUuid", ctypes.c_uint8 * NVML_GPU_FABRIC_UUID_LEN),
+        ("status", ctypes.c_uint),
+        ("cliqueId", ctypes.c_uint32),
+        ("state", ctypes.c_uint8),
+        ("healthMask", ctypes.c_uint32),
+    ]
 
 
 class NVMLError(Exception):
@@ -88,6 +108,8 @@ class FakeGpu:
     processes: list[int] = field(default_factory=list)
     lost: bool = False
     events_supported: int = nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError | 0x1
+    # Multi-node NVLink fabric: (cluster UUID, clique id, state, status); None = not supported.
+    fabric: tuple[str, int, int, int] | None = None
 
 
 @dataclass
@@ -182,6 +204,19 @@ def build(gpus: list[FakeGpu] | None, *, library_present: bool = True) -> types.
     @api
     def nvmlDeviceGetPciInfo_v3(h: _Handle) -> _Struct:
         return pci(handle_ok(h).bus_id)
+
+    mod.c_nvmlGpuFabricInfoV_t = c_nvmlGpuFabricInfoV_t  # type: ignore[attr-defined]
+
+    @api
+    def nvmlDeviceGetGpuFabricInfoV(h: _Handle, ref: Any) -> int:
+        g = handle_ok(h)
+        if g.fabric is None:
+            raise NVMLError_NotSupported()
+        info = ref._obj  # what ctypes.byref points at, as the C function would write it
+        cluster, clique, fstate, status = g.fabric
+        info.clusterUuid[:] = list(uuid.UUID(cluster).bytes)
+        info.cliqueId, info.state, info.status = clique, fstate, status
+        return NVML_SUCCESS
 
     @api
     def nvmlDeviceGetNumaNodeId(h: _Handle) -> int:

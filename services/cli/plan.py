@@ -11,8 +11,9 @@ Inputs:
   built-in name (``tandem topology list``), a topology file, or an ``nvidia-smi topo -m`` text
   file (``.txt``, imported on the fly); relative paths are relative to the cluster file.
 * ``--nodes FILE...``: individual topology files (node name = the topology's ``name``).
-* ``--requests FILE`` (``-`` for stdin): ``{"kind":"alloc","id":"p1","gpus":4,"rdma":4,...}``
-  or ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
+* ``--requests FILE`` (``-`` for stdin): ``{"kind":"alloc","id":"p1","gpus":4,"rdma":4,...}``,
+  ``{"kind":"job","id":"j1","pods":8,...}`` (a whole job, :mod:`services.cli.plan_jobs`) or
+  ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
   Claims, reservations and the planner's clock (``claim`` / ``tick`` lines, ``"claim"`` on an
   ``alloc``) are :mod:`services.cli.plan_claims`'s.
 """
@@ -31,10 +32,12 @@ import yaml
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest
-from schemas.topology import SCOPES, NodeTopology
+from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
 from services.allocator.core import Cluster, InvalidRequest, Placement
+from services.allocator.core.gang import DEFAULT_TIERS
 from services.cli.errors import CliError
 from services.cli.plan_claims import ClaimBook
+from services.cli.plan_jobs import JobBook, JobMode
 from services.topology import TopologyFileError, import_nvidia_smi, load_topology
 
 __all__ = ["run", "run_plan"]
@@ -75,14 +78,21 @@ def run(args: argparse.Namespace) -> int:
 
 def _emit(cluster: Cluster, lines: IO[str], name: str, args: argparse.Namespace) -> int:
     if args.output is None:
-        run_plan(cluster, lines, source=name, out=sys.stdout, summary=args.summary)
+        run_plan(cluster, lines, source=name, out=sys.stdout, summary=args.summary, **_job_args(args))
         return 0
     try:
         with args.output.open("w") as out:
-            run_plan(cluster, lines, source=name, out=out, summary=args.summary)
+            run_plan(cluster, lines, source=name, out=out, summary=args.summary, **_job_args(args))
     except OSError as exc:
         raise CliError(f"{args.output}: cannot write: {exc.strerror or exc}") from exc
     return 0
+
+
+def _job_args(args: argparse.Namespace) -> dict[str, Any]:
+    tiers = (
+        tuple(t for t in (args.fabric_tiers or "").split(",") if t) if args.fabric_tiers is not None else None
+    )
+    return {"tiers": DEFAULT_TIERS if tiers is None else tiers, "jobs": args.jobs}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,17 +100,27 @@ def _emit(cluster: Cluster, lines: IO[str], name: str, args: argparse.Namespace)
 
 
 def run_plan(
-    cluster: Cluster, lines: IO[str] | list[str], *, source: str, out: IO[str], summary: bool
+    cluster: Cluster,
+    lines: IO[str] | list[str],
+    *,
+    source: str,
+    out: IO[str],
+    summary: bool,
+    tiers: tuple[str, ...] = DEFAULT_TIERS,
+    jobs: JobMode = "gang",
 ) -> None:
-    """Replay ``lines`` against ``cluster``, writing one JSON line per request line."""
+    """Replay ``lines`` against ``cluster``, writing one JSON line per request line (a job
+    line: one per pod, then the job's). ``tiers``: the fabric tiers, finest first; ``jobs``:
+    how job lines are placed (see :mod:`services.cli.plan_jobs`)."""
     enc = msgspec.json.Encoder()
+    job_book = JobBook(cluster, tiers=tiers, mode=jobs)
     live: dict[str, str] = {}  # request id -> node
     counts = {"assigned": 0, "unschedulable": 0, "freed": 0}
     alignment = dict.fromkeys(SCOPES, 0)
     placement_scopes = dict.fromkeys(SCOPES, 0)
     busy = 0.0  # seconds spent deciding and holding (not parsing/printing)
     decisions = 0
-    book = ClaimBook(
+    claim_book = ClaimBook(
         cluster,
         alloc_keys=_ALLOC_KEYS,
         make_request=_request,
@@ -111,13 +131,22 @@ def run_plan(
     for lineno, obj in _records(lines, source):
         where = f"{source}:{lineno}"
         kind = obj.get("kind")
-        if book.wants(obj):
-            for claim_line in book.handle(obj, where=where):
+        if claim_book.wants(obj):
+            for claim_line in claim_book.handle(obj, where=where):
                 out.write(enc.encode(claim_line).decode() + "\n")
             continue
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise CliError(f"{where}: 'id' must be a non-empty string")
+        if kind == "free" and rid in job_book.live:
+            _no_extra(obj, _FREE_KEYS, where)
+            freed = job_book.free(rid)
+            out.write(enc.encode(freed).decode() + "\n")
+            continue
+        if kind == "job":
+            for job_line in job_book.place(obj, where):
+                out.write(enc.encode(job_line).decode() + "\n")
+            continue
         if kind == "free":
             _no_extra(obj, _FREE_KEYS, where)
             node = live.pop(rid, None)
@@ -127,7 +156,7 @@ def run_plan(
             line = _line(rid, "freed", node=node, reason="" if node else "was not allocated")
         elif kind == "alloc":
             _no_extra(obj, _ALLOC_KEYS, where)
-            if rid in live or book.holds(rid):
+            if rid in live or claim_book.holds(rid) or rid in job_book.live:
                 raise CliError(f"{where}: id {rid!r} is already allocated (free it first)")
             req = _request(obj, where)
             t0 = time.perf_counter()
@@ -157,7 +186,9 @@ def run_plan(
                 counts["unschedulable"] += 1
                 line = _line(rid, "unschedulable", reason=result.reason)
         else:
-            raise CliError(f'{where}: \'kind\' must be "alloc", "free", "claim" or "tick", got {kind!r}')
+            raise CliError(
+                f'{where}: \'kind\' must be "alloc", "job", "free", "claim" or "tick", got {kind!r}'
+            )
         out.write(enc.encode(line).decode() + "\n")
     if summary:
         totals = cluster.totals()
@@ -173,8 +204,10 @@ def run_plan(
                 "decisions_per_s": round(decisions / busy) if busy > 0 else None,
             }
         }
-        if any(book.summary().values()):
-            doc["summary"]["claims"] = book.summary()
+        if any(claim_book.summary().values()):
+            doc["summary"]["claims"] = claim_book.summary()
+        if job_book.seen:
+            doc["summary"]["jobs"] = job_book.summary()
         out.write(enc.encode(doc).decode() + "\n")
 
 
@@ -256,6 +289,8 @@ class _Entry(msgspec.Struct, forbid_unknown_fields=True):
     prefix: str | None = None
     labels: dict[str, str] = {}
     unavailable: list[str] = []
+    # Every node of the entry in this multi-node NVLink domain (over the topology's own).
+    nvlink_domain: NvlinkDomain | None = None
 
 
 def _read_structured(path: Path) -> Any:
@@ -304,6 +339,8 @@ def _load_cluster_file(cluster: Cluster, path: Path) -> None:
         if entry.count < 0:
             raise CliError(f"{path}: entry {i}: count must be >= 0")
         topo = load_topology_source(entry.topology, base=path.parent)
+        if entry.nvlink_domain is not None:
+            topo = msgspec.structs.replace(topo, nvlink_domain=entry.nvlink_domain)
         prefix = entry.prefix if entry.prefix is not None else f"{topo.name}-"
         width = len(str(max(entry.count - 1, 0)))
         for n in range(entry.count):

@@ -23,6 +23,17 @@ def register(sub: Any) -> None:
     p.add_argument("--summary", action="store_true", help="append a summary line")
     p.add_argument("--policy", choices=("binpack", "spread"), default="binpack", help="node policy")
     p.add_argument("--classes", type=Path, metavar="FILE", help="YAML/JSON mapping of device classes")
+    p.add_argument(
+        "--fabric-tiers",
+        metavar="T1,T2,...",
+        help="fabric tiers finest first, node labels tandem.io/fabric-<tier> (default leaf,spine)",
+    )
+    p.add_argument(
+        "--jobs",
+        choices=("gang", "gang-no-fabric", "per-pod"),
+        default="gang",
+        help="how job lines are placed: whole jobs (default) or a baseline",
+    )
     p.add_argument("-o", "--output", type=Path, metavar="FILE", help="write here instead of stdout")
     p.set_defaults(func=_run, light=True)
 

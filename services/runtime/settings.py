@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import yaml
 
+from schemas import limits
 from schemas.config import DeviceClass, default_device_classes
 from services.runtime.errors import SettingsError
 
@@ -81,8 +82,6 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Seconds after which a replica's claim of a request, or its half-done job commit, is
     # taken for abandoned (the replica died) and taken over.
     claim_timeout: float = 30.0
-    # The inter-node fabric tiers, finest first: node label ``tandem.io/fabric-<tier>``.
-    fabric_tiers: list[str] = msgspec.field(default_factory=lambda: ["leaf", "spine"])
     # Fault injection for crash tests only (0 = off): seconds an allocator waits after the
     # first node of a job commit is prepared, so a test can SIGKILL it half-way.
     fault_job_prepare_pause: float = 0.0
@@ -96,6 +95,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)
+    # The inter-node fabric's tiers, finest first: a node's block at tier T is its label
+    # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".
+    fabric_tiers: Annotated[
+        list[Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")]],
+        msgspec.Meta(max_length=limits.MAX_FABRIC_TIERS),
+    ] = msgspec.field(default_factory=lambda: ["leaf", "spine"])
 
 
 # Environment variables that are not TANDEM_* but are standard for their tool.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import msgspec
 import pytest
 
@@ -9,7 +11,7 @@ from schemas.messages import JobRequest
 from schemas.topology import NvlinkDomain
 from services.allocator.core import Cluster, InvalidRequest
 from services.allocator.core.gang import JobPlacement, JobUnschedulable, fabric_label, place_job
-from services.topology import load_topology
+from services.topology import TopologyFileError, decode_topology, dump_topology, load_topology
 
 
 def job(jid: str = "j", pods: int = 2, gpus: int = 8, rdma: int = 8, **kw: object) -> JobRequest:
@@ -115,3 +117,59 @@ def test_nvlink_domain_required_and_preferred() -> None:
     assert isinstance(res, JobUnschedulable) and "NVLink domain" in res.reason
     q = placed(place_job(c, job(pods=3, nvlink_domain="preferred")))
     assert q.nvlink_domain is None and q.tier == "leaf"
+
+
+def test_nvlink_domain_and_fabric_labels_in_a_topology_file(tmp_path: Path) -> None:
+    base = load_topology("dgx-h100")
+    labels = {**base.labels, "tandem.io/fabric-leaf": "leaf-3", "tandem.io/fabric-spine": "spine-1"}
+    text = dump_topology(base)
+    extra = "nvlink_domain: {cluster_uuid: 7d2f1c4e-0b5a-4e8e-9a51-3c6f0d2b8a10, clique_id: 3}\n"
+    (tmp_path / "t.yaml").write_text(extra + dump_topology(msgspec.structs.replace(base, labels=labels)))
+    topo = load_topology(tmp_path / "t.yaml")
+    assert topo.nvlink_domain == NvlinkDomain(
+        cluster_uuid="7d2f1c4e-0b5a-4e8e-9a51-3c6f0d2b8a10", clique_id=3
+    )
+    assert topo.labels["tandem.io/fabric-leaf"] == "leaf-3"
+    assert load_topology_text(dump_topology(topo)) == topo
+    c = Cluster()
+    c.set_node("a", topo)
+    c.set_node("b", topo)
+    p = placed(place_job(c, job(pods=2, nvlink_domain="required", fabric="leaf", fabric_policy="required")))
+    assert (p.tier, p.block, p.nvlink_domain) == ("leaf", "leaf-3", "7d2f1c4e-0b5a-4e8e-9a51-3c6f0d2b8a10/3")
+    (tmp_path / "bad.yaml").write_text("nvlink_domain: {cluster_uuid: 'x y', clique_id: -1}\n" + text)
+    with pytest.raises(TopologyFileError, match="nvlink_domain"):
+        load_topology(tmp_path / "bad.yaml")
+
+
+def load_topology_text(text: str) -> object:
+    return decode_topology(text, fmt="yaml")
+
+
+def test_job_request_on_the_wire() -> None:
+    j = job("train", pods=8, fabric="leaf", fabric_policy="required", nvlink_domain="preferred")
+    wire = msgspec.msgpack.encode(j)
+    back = msgspec.msgpack.decode(wire, type=JobRequest)
+    assert back == j and msgspec.to_builtins(j)["kind"] == "job.request"
+    t = j.template()
+    assert (t.request_id, t.gpus, t.rdma, t.scope, t.policy) == ("train", 8, 8, "pcie-switch", "required")
+    assert [j.pod_id(i) for i in (0, 7)] == ["train/0", "train/7"]
+    old = msgspec.msgpack.decode(
+        msgspec.msgpack.encode({"kind": "job.request", "job_id": "a", "pods": 2, "gpus": 1, "later": 1}),
+        type=JobRequest,
+    )
+    assert (old.fabric, old.fabric_policy, old.nvlink_domain, old.rdma) == (None, "preferred", None, 0)
+    for bad in ({"pods": 1025}, {"pods": 0}, {"fabric": "Leaf!"}, {"nvlink_domain": "maybe"}):
+        data = {"kind": "job.request", "job_id": "a", "pods": 2, "gpus": 1, **bad}
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.convert(data, JobRequest)
+
+
+def test_fabric_tiers_setting() -> None:
+    from services.runtime.errors import SettingsError
+    from services.runtime.settings import load_settings
+
+    assert load_settings("allocator", environ={}).fabric_tiers == ["leaf", "spine"]
+    env = {"TANDEM_FABRIC_TIERS": "[leaf, spine, pod, zone]"}
+    assert load_settings("allocator", environ=env).fabric_tiers == ["leaf", "spine", "pod", "zone"]
+    with pytest.raises(SettingsError, match="fabric_tiers"):
+        load_settings("allocator", environ={"TANDEM_FABRIC_TIERS": "[Leaf Switch]"})

@@ -107,7 +107,7 @@ def test_a_reservation_in_use_expires_when_its_last_pod_is_freed(
             '{"kind":"alloc","id":"p","claim":"c","scope":"numa"}',
             "unknown field(s) scope; allowed: claim, gpus",
         ),
-        ('{"kind":"lease","id":"p"}', '\'kind\' must be "alloc", "free", "claim" or "tick"'),
+        ('{"kind":"lease","id":"p"}', '\'kind\' must be "alloc", "job", "free", "claim" or "tick"'),
     ],
 )
 def test_bad_claim_lines_stop_with_the_line_and_the_field(

@@ -82,7 +82,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -251,6 +251,9 @@ class Cluster:
         self._capable: dict[int, int] = {}
         self._aligned_now: dict[int, int] = {}
         self._reserve_level: tuple[int, int] | None = None  # (K, reserve nodes), cached
+        # Bumped whenever a node's hardware or labels change or it goes: readers that index
+        # nodes by their labels (core.gang's fabric index) know when to rebuild.
+        self.nodes_version = 0
 
     # ------------------------------------------------------------------------------------
     # state changes
@@ -272,6 +275,7 @@ class Cluster:
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
         old = self._nodes.get(name)
+        self.nodes_version += 1
         self._nodes[name] = node
         if old is not None:
             self._index_labels(old, -1)
@@ -296,6 +300,7 @@ class Cluster:
         """Forget the node's hardware (its holds stay until released)."""
         node = self._nodes.pop(name, None)
         if node is not None:
+            self.nodes_version += 1
             self._index_labels(node, -1)
             self._count_capable(node.shape, -1)
             self._move(name, (node.hw, node.mask), None, was_impaired=node.impaired, now_impaired=False)
@@ -467,6 +472,12 @@ class Cluster:
         order. The labels are the node's own mapping: read it, never change it."""
         for node in self._nodes.values():
             yield node.name, node.labels, node.topology, node.shape, node.mask
+
+    def job_groups(self) -> Iterator[tuple[Shape, int, Collection[str]]]:
+        """``(shape, free mask, node names)`` per group of nodes with the same hardware and
+        free slots: a whole job's per-node search runs once per group, not per node."""
+        for (hw, mask), members in self._groups.items():
+            yield self._hw[hw][0], mask, members.keys()
 
     def evaluate_free(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
         """The cached in-node search of ``spec`` on ``shape`` with free slots ``mask`` (which

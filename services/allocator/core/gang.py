@@ -17,28 +17,33 @@ fragmentation":
    block of that tier; it can still be used at a coarser one). ``fabric="leaf"`` with
    ``fabric_policy="required"`` never spans above one leaf; ``preferred`` (or no ``fabric``)
    takes the finest level that can hold the job;
-3. alignment: the sum over the pods of each pod's cross-node quality (:attr:`.search.Choice.
-   cross`: requested scope met, pairs within the requested scope and each coarser one, NVLink
-   fit), compared as a vector, lexicographically;
+3. alignment: the sum over the pods of each pod's in-node alignment quality
+   (:attr:`.search.Choice.key`: requested scope met, pairs within each scope level, finer
+   first, NVLink fit), compared as a vector, lexicographically. The full quality, not the
+   cross-node part ``Cluster.decide`` compares nodes by (which leaves out pairs finer than
+   requested): for a job the fabric block is already chosen, and only the full quality is
+   monotone along a node's pods, which exactness needs (below);
 4. fragmentation: the sum of the pods' in-node fragmentation (whole switches, NUMA nodes,
-   NVLink partitions broken), then the fabric block's spare room (``binpack``: the block
+   NVLink partitions broken; for a GPU-only or NIC-only pod, first the other kind left free
+   on its node), then the fabric block's spare room (``binpack``: the block
    the job fills best, so that free leaves stay whole for the next large job; ``spread``: the
    emptiest block), then the fullest nodes (``binpack``) or the emptiest (``spread``).
 
 How it is exact and fast. Several pods may share a node; a node's pods are placed one after
 another, each by the exact in-node search on what the earlier ones left
-(:meth:`Cluster.evaluate_free`, the cached search ``decide`` uses), so a node offers a
-*chain* of pod placements. A later pod of a chain never aligns better than an earlier one
-(its devices were free when the earlier one was chosen, and alignment leads the in-node
-order), so the ``N`` best pods of a fabric block — under a prefix constraint per node — are
-simply the ``N`` smallest chain items: a sorted merge, with no search over assignments. Sums
-of vectors keep the lexicographic order (swapping a chosen item for a worse one can only make
-the sum worse), so that choice minimises 3. exactly; the property tests compare it with an
-exhaustive search over every distribution of the pods across nodes. Chains depend only on
-(hardware, free mask), so identical nodes share one chain, and a block's items are merged per
-distinct chain with a multiplicity: a decision costs one pass over the nodes plus a sort of
-(distinct chains x pods per node) items per candidate block, milliseconds at 2,000 nodes
-(``bench/gang.py``).
+(:meth:`Cluster.evaluate_free`, the cached search ``decide`` uses), so a node offers a *chain*
+of pod placements. A later pod of a chain never aligns better than an earlier one (its devices
+were free when the earlier one was chosen, and the in-node search minimises the full quality
+first — the cross-node part alone would not do: a first pod may trade NVLink fit for finer
+pairs and a second get the NVLink fit back), so the ``N`` best pods of a fabric block — under
+a prefix constraint per node — are simply the ``N`` smallest chain items: a sorted merge, with
+no search over assignments. Sums of vectors keep the lexicographic order (swapping a chosen
+item for a worse one can only make the sum worse), so that choice minimises 3. exactly; the
+property tests compare it with an exhaustive search over every distribution of the pods across
+nodes. Chains depend only on (hardware, free mask), so identical nodes share one chain, and a
+block's items are merged per distinct chain with a multiplicity: a decision costs one pass
+over the nodes plus a sort of (distinct chains x pods per node) items per candidate block,
+milliseconds at 2,000 nodes (``bench/gang.py``).
 
 What "exact" means here: the optimum over distributions of pods across nodes, with each
 node's pods placed in sequence by the in-node search. Two pods on one node are not searched
@@ -47,6 +52,7 @@ jointly (a joint search could, rarely, fit one more pod on an awkward node).
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -65,6 +71,7 @@ __all__ = [
     "JobPlacement",
     "JobUnschedulable",
     "fabric_label",
+    "fabric_span",
     "place_job",
 ]
 
@@ -77,6 +84,22 @@ def fabric_label(tier: str) -> str:
     return FABRIC_LABEL_PREFIX + tier
 
 
+def fabric_span(labels: Sequence[Mapping[str, str]], tiers: Sequence[str]) -> tuple[int, str, str]:
+    """The fabric level a set of nodes spans, given their labels: ``(level, tier name,
+    block)`` with the same meaning as :class:`JobPlacement`'s ``level`` / ``tier`` / ``block``
+    (for reports on placements made some other way, such as pod by pod)."""
+    if len(labels) <= 1:
+        return 0, "node", ""
+    for i, tier in enumerate(tiers, start=1):
+        key = fabric_label(tier)
+        values = {lab.get(key) for lab in labels}
+        if len(values) == 1:
+            (v,) = values
+            if v is not None:
+                return i, tier, v
+    return len(tiers) + 1, "cluster", ""
+
+
 @dataclass(slots=True)
 class JobPlacement:
     """Where every pod of a job goes. ``pods[i]`` is pod ``i`` (hold it as ``JOB/i``).
@@ -84,7 +107,7 @@ class JobPlacement:
     ``tier`` is the highest level spanned: ``"node"`` (all pods on one node), a tier name
     (all within one block of it, ``block`` names which) or ``"cluster"``; ``level`` the same
     as a number (0 node, 1 the finest tier, ..., ``len(tiers) + 1`` cluster). ``alignment``
-    is the sum of the pods' cross-node quality vectors (smaller is better); ``met`` says
+    is the sum of the pods' in-node quality vectors (``Choice.key``, smaller is better); ``met`` says
     whether every pod's requested scope is met. ``nvlink_domain`` is the domain key when all
     pods are in one NVLink domain. ``candidates`` counts the nodes able to take a pod."""
 
@@ -133,14 +156,38 @@ class _Chain:
     choices: list[Choice]
     order: list[tuple[tuple[int, ...], tuple[int, ...]]]
     fullness: int  # binpack: free GPUs (fuller first); spread: minus free GPUs
+    refusal: Refusal | None = None  # why not even one pod (no choices)
 
 
 @dataclass(slots=True)
 class _Row:
     name: str
+    order: int  # registration order: the last tie-break
     labels: Mapping[str, str]
+    blocks: tuple[str | None, ...]  # the node's block per tier (None: not labelled)
     domain: str | None
     chain: _Chain
+
+
+# Per cluster: (nodes_version, tiers, name -> (order, labels, blocks, domain)). Rebuilt only
+# when nodes change (Cluster.nodes_version), so a decision does not read every node's labels.
+_NodeFacts = tuple[int, Mapping[str, str], tuple[str | None, ...], str | None]
+_INDEX: weakref.WeakKeyDictionary[Cluster, tuple[int, tuple[str, ...], dict[str, _NodeFacts]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _fabric_index(cluster: Cluster, tiers: tuple[str, ...]) -> dict[str, _NodeFacts]:
+    cached = _INDEX.get(cluster)
+    if cached is not None and cached[0] == cluster.nodes_version and cached[1] == tiers:
+        return cached[2]
+    keys = [fabric_label(t) for t in tiers]
+    index: dict[str, _NodeFacts] = {}
+    for i, (name, labels, topo, _shape, _mask) in enumerate(cluster.job_nodes()):
+        dom = topo.nvlink_domain
+        index[name] = (i, labels, tuple(labels.get(k) for k in keys), None if dom is None else dom.key)
+    _INDEX[cluster] = (cluster.nodes_version, tiers, index)
+    return index
 
 
 def _chain(
@@ -153,8 +200,10 @@ def _chain(
     while len(choices) < limit:
         res = cluster.evaluate_free(spec, shape, free)
         if isinstance(res, Refusal):
+            if not choices:
+                return _Chain(cid, choices, order, 0, res)
             break
-        key = (res.cross, res.frag)
+        key = (res.key, (res.cross[-1], *res.frag))  # cross[-1]: the one-sided waste
         # The merge key must not decrease along a chain (a node's pods are taken in order).
         # Alignment never does (see the module docstring); fragmentation may, so the key is
         # the running maximum, which leaves the alignment part as it is.
@@ -198,7 +247,7 @@ def place_job(
         if job.fabric_policy == "required":
             cap = tiers.index(job.fabric) + 1
 
-    rows = _rows(cluster, spec, job, spread=cluster.policy == "spread")
+    rows, refused = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
     if job.nvlink_domain is not None:
         in_domain = [r for r in rows if r.domain is not None]
         res = _search(cluster, job, in_domain, tiers, cap=cap, by_domain=True)
@@ -208,29 +257,43 @@ def place_job(
             if not in_domain and rows:
                 res.reason = f"{_what(job, spec)}: no node that can take a pod is in an NVLink domain"
                 return res
-            return _explain(cluster, job, spec, res)
+            return _explain(cluster, job, spec, res, refused)
     res = _search(cluster, job, rows, tiers, cap=cap, by_domain=False)
-    return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res)
+    return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res, refused)
 
 
-def _rows(cluster: Cluster, spec: Spec, job: JobRequest, *, spread: bool) -> list[_Row]:
-    """Every node matching the selector that can take at least one pod, with its chain."""
-    chains: dict[tuple[int, int], _Chain] = {}
+def _rows(
+    cluster: Cluster, spec: Spec, job: JobRequest, tiers: tuple[str, ...], *, spread: bool
+) -> tuple[list[_Row], dict[str, int]]:
+    """Every node matching the selector that can take at least one pod, with its chain, in
+    registration order; and per refusal text the matching nodes that cannot take one. Walks
+    the groups of equal nodes: a group that cannot take a pod costs one cached search."""
+    index = _fabric_index(cluster, tiers)
     selector = spec.selector
     rows: list[_Row] = []
-    for name, labels, topo, shape, mask in cluster.job_nodes():
-        if selector and not all(labels.get(k) == v for k, v in selector):
+    refused: dict[str, int] = {}
+    for cid, (shape, mask, names) in enumerate(cluster.job_groups()):
+        chain = _chain(cluster, spec, shape, mask, limit=job.pods, cid=cid, spread=spread)
+        if chain.refusal is not None:
+            text = chain.refusal.text
+            if selector:
+                count = sum(1 for n in names if all(index[n][1].get(k) == v for k, v in selector))
+            else:
+                count = len(names)
+            if count:
+                refused[text] = refused.get(text, 0) + count
             continue
-        ck = (shape.id, mask)
-        chain = chains.get(ck)
-        if chain is None:
-            chain = chains[ck] = _chain(
-                cluster, spec, shape, mask, limit=job.pods, cid=len(chains), spread=spread
-            )
-        if chain.choices:
-            dom = topo.nvlink_domain
-            rows.append(_Row(name, labels, None if dom is None else dom.key, chain))
-    return rows
+        for name in names:
+            order, labels, blocks, domain = index[name]
+            if selector and not all(labels.get(k) == v for k, v in selector):
+                continue
+            rows.append(_Row(name, order, labels, blocks, domain, chain))
+    rows.sort(key=lambda r: r.order)
+    return rows, refused
+
+
+# (score, (domain, block), pods per node, alignment, met)
+_Best = tuple[tuple[object, ...], tuple[str | None, str], list[tuple[_Row, int]], tuple[int, ...], bool]
 
 
 def _search(
@@ -245,16 +308,27 @@ def _search(
     n = job.pods
     capacity = sum(len(r.chain.choices) for r in rows)
     names = ("node", *tiers, "cluster")
-    labels = [fabric_label(t) for t in tiers]
     best_seen = 0
     best_block = ""
     for level in range(cap + 1):
         blocks: dict[tuple[str | None, str], list[_Row]] = {}
+        best: _Best | None = None
+        seen = 0
+        seen_block = ""
+        seen_chains: set[tuple[str | None, int]] = set()
         for r in rows:
             if level == 0:
+                # One node: its score depends only on its chain (and domain), so nodes that
+                # share both are one candidate (the first registered stands for them).
+                if len(r.chain.choices) < n and seen < len(r.chain.choices):
+                    seen, seen_block = len(r.chain.choices), r.name
+                ck = (r.domain if by_domain else None, r.chain.id)
+                if len(r.chain.choices) < n or ck in seen_chains:
+                    continue
+                seen_chains.add(ck)
                 bkey = r.name
             elif level <= len(tiers):
-                v = r.labels.get(labels[level - 1])
+                v = r.blocks[level - 1]
                 if v is None:
                     continue
                 bkey = v
@@ -265,13 +339,6 @@ def _search(
             if members is None:
                 members = blocks[(dkey, bkey)] = []
             members.append(r)
-        best: (
-            tuple[tuple[object, ...], tuple[str | None, str], list[tuple[_Row, int]], tuple[int, ...], bool]
-            | None
-        )
-        best = None
-        seen = 0
-        seen_block = ""
         for bk, members in blocks.items():
             room = sum(len(r.chain.choices) for r in members)
             if room < n:
@@ -340,10 +407,10 @@ def _fill(
         choice = ch.choices[j]
         met = met and choice.met
         if align is None or frag is None:
-            align = [c * x for x in choice.cross]
+            align = [c * x for x in choice.key]
             frag = [c * x for x in choice.frag]
         else:
-            for i, x in enumerate(choice.cross):
+            for i, x in enumerate(choice.key):
                 align[i] += c * x
             for i, x in enumerate(choice.frag):
                 frag[i] += c * x
@@ -356,8 +423,7 @@ def _fill(
             k = sum(1 for c in counts if c > i)
             if k:
                 take.append((row, k))
-    order = {r.name: i for i, r in enumerate(members)}
-    take.sort(key=lambda rk: order[rk[0].name])
+    take.sort(key=lambda rk: rk[0].order)
     return tuple(align), tuple(frag), take, met
 
 
@@ -384,8 +450,11 @@ def _tier_text(job: JobRequest, tier: str, block: str, best: int, capacity: int,
     return f"no {unit} can take {job.pods}; at most {best}{at}; the {where} could take {capacity}"
 
 
-def _explain(cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulable) -> JobUnschedulable:
-    """Prefix the job's summary; when no node can take even one pod, say why per node."""
+def _explain(
+    cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulable, refused: Mapping[str, int]
+) -> JobUnschedulable:
+    """Prefix the job's summary; when the cluster cannot take enough pods, say why the other
+    nodes cannot take one (the per-node reasons, most common first, as for a pod)."""
     if res.capacity == 0:
         one = cluster.decide(job.template())
         if isinstance(one, Unschedulable):
@@ -394,4 +463,9 @@ def _explain(cluster: Cluster, job: JobRequest, spec: Spec, res: JobUnschedulabl
             return res
     if not res.reason.startswith(_what(job, spec)):
         res.reason = f"{_what(job, spec)}: {res.reason}"
+    if res.capacity < job.pods and refused:
+        items = sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))
+        why = "; ".join(f"{n} node{'' if n == 1 else 's'}: {t}" for t, n in items[:4])
+        more = f"; {len(items) - 4} more reasons" if len(items) > 4 else ""
+        res.reason += f" (no pod fits on the other nodes: {why}{more})"
     return res

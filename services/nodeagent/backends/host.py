@@ -14,9 +14,11 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import msgspec
+
 from schemas.topology import Gpu, NodeTopology
 from services.nodeagent.backends.base import BackendError, HealthChange
-from services.nodeagent.backends.nvml import NvmlBackend
+from services.nodeagent.backends.nvml import NvmlBackend, node_domain
 from services.nodeagent.backends.pcie import Placement, build_topology
 from services.nodeagent.backends.sysfs import SysfsBackend
 from services.runtime.tasks import Supervisor
@@ -50,7 +52,8 @@ class HostBackend:
 
         placed = await asyncio.to_thread(place)
         nics = await asyncio.to_thread(reader.nics)
-        return build_topology(self.node_name, gpus=placed, nics=nics, description="nvml+sysfs")
+        topo = build_topology(self.node_name, gpus=placed, nics=nics, description="nvml+sysfs")
+        return msgspec.structs.replace(topo, nvlink_domain=node_domain(facts))
 
     async def health_changes(self) -> AsyncIterator[HealthChange]:
         queue: asyncio.Queue[HealthChange] = asyncio.Queue()

@@ -2,13 +2,17 @@
 
 Discovery reads, per GPU index: UUID, model, minor number, total memory, PCI bus id, NUMA node
 and NVLink peers (a link to another GPU names that GPU; a link to an NVSwitch puts the GPU in
-the switch fabric, where every fabric GPU is a peer of every other). Health comes from one
-NVML event set: XID critical errors (application XIDs — 13, 31, 43, 45, 68, 109 by default —
-are ignored: they are the job's fault, not the GPU's), double-bit ECC errors, and a GPU that
-NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the bus"). Only failures are
-reported; a device returns to service through :class:`~services.nodeagent.health.HealthTracker`
-after its clean period or an operator's uncordon — never by restarting the agent. Compute
-processes per GPU back the "cleanup verified, not assumed" rule.
+the switch fabric, where every fabric GPU is a peer of every other), and the GPU's multi-node
+NVLink fabric (``nvmlDeviceGetGpuFabricInfoV``: cluster UUID and clique id once the fabric
+manager has registered the GPU, state ``COMPLETED``): when every GPU of the node reports the
+same one, it is the node's ``nvlink_domain`` (:func:`node_domain`; a GB200 NVL72 rack is one).
+Health comes from one NVML event set: XID critical errors (application XIDs — 13, 31, 43, 45,
+68, 109 by default — are ignored: they are the job's fault, not the GPU's), double-bit ECC
+errors, and a GPU that NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the
+bus"). Only failures are reported; a device returns to service through
+:class:`~services.nodeagent.health.HealthTracker` after its clean period or an operator's
+uncordon — never by restarting the agent. Compute processes per GPU back the "cleanup
+verified, not assumed" rule.
 
 NVML is a blocking C library: every call runs in a worker thread (``asyncio.to_thread``), one
 call at a time under a lock (NVML is thread-safe, but the event wait holds a thread for up to
@@ -24,13 +28,17 @@ return shapes; production imports ``pynvml``. Without the NVIDIA driver ``nvmlIn
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import threading
+import uuid as uuidlib
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from schemas.topology import Gpu, NodeTopology
+import msgspec
+
+from schemas.topology import Gpu, NodeTopology, NvlinkDomain
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id
 from services.runtime.logging import get_logger
@@ -42,6 +50,8 @@ __all__ = [
     "GpuFacts",
     "NvmlBackend",
     "classify_event",
+    "fabric_domain",
+    "node_domain",
     "nvlink_peers",
 ]
 
@@ -114,6 +124,30 @@ def nvlink_peers(links: dict[str, list[tuple[str, int]]]) -> dict[str, list[str]
 class GpuFacts:
     gpu: Gpu
     numa: int | None
+    fabric: NvlinkDomain | None = None
+
+
+# NVML's nvmlGpuFabricState_t value once the fabric manager has registered the GPU.
+_FABRIC_COMPLETED = 3
+
+
+def fabric_domain(cluster_uuid: bytes, clique_id: int, *, state: int, status: int) -> NvlinkDomain | None:
+    """A GPU's NVLink domain from its fabric info; None unless registration completed with
+    success and the cluster UUID is set (a GPU outside any multi-node fabric reports zeros)."""
+    if state != _FABRIC_COMPLETED or status != 0 or len(cluster_uuid) != 16 or not any(cluster_uuid):
+        return None
+    return NvlinkDomain(cluster_uuid=str(uuidlib.UUID(bytes=bytes(cluster_uuid))), clique_id=int(clique_id))
+
+
+def node_domain(facts: Iterable[GpuFacts]) -> NvlinkDomain | None:
+    """The node's NVLink domain: the one every GPU reports; None when any GPU reports none or
+    they disagree (a node is placed in one domain or in none, never half of each)."""
+    domains = {f.fabric for f in facts}
+    if len(domains) == 1:
+        return next(iter(domains))
+    if len(domains) > 1 and None not in domains:
+        log.warning("nvml_fabric_domains_differ", domains=sorted(d.key for d in domains if d))
+    return None
 
 
 def gpu_index(device: str) -> int | None:
@@ -193,6 +227,7 @@ class NvmlBackend:
             raise BackendError(f"NVML: cannot count GPUs: {exc}") from exc
         rows: list[tuple[int, str, str, int | None, int, str, int | None]] = []
         links: dict[str, list[tuple[str, int]]] = {}
+        fabric: dict[int, NvlinkDomain | None] = {}
         for index in range(count):
             try:
                 h = self._call("nvmlDeviceGetHandleByIndex", index)
@@ -208,6 +243,7 @@ class NvmlBackend:
             numa = self._optional("nvmlDeviceGetNumaNodeId", h)
             rows.append((index, uuid, model, minor, memory, bus, numa))
             links[bus] = self._links(h)
+            fabric[index] = self._fabric(h)
         peers = nvlink_peers(links)
         index_of = {bus: index for index, _, _, _, _, bus, _ in rows}
         return [
@@ -222,9 +258,30 @@ class NvmlBackend:
                     nvlink_peers=sorted(index_of[p] for p in peers.get(bus, []) if p in index_of),
                 ),
                 numa if isinstance(numa, int) and numa >= 0 else None,
+                fabric.get(index),
             )
             for index, uuid, model, minor, memory, bus, numa in rows
         ]
+
+    def _fabric(self, handle: Any) -> NvlinkDomain | None:
+        """The GPU's multi-node NVLink fabric info (the versioned call, else the older one);
+        None on GPUs, drivers and bindings without it."""
+        n = self.nvml
+        for fn, struct in (
+            ("nvmlDeviceGetGpuFabricInfoV", "c_nvmlGpuFabricInfoV_t"),
+            ("nvmlDeviceGetGpuFabricInfo", "c_nvmlGpuFabricInfo_t"),
+        ):
+            if not hasattr(n, fn) or not hasattr(n, struct):
+                continue
+            info = getattr(n, struct)()
+            try:
+                if self._optional(fn, handle, ctypes.byref(info)) is None:
+                    continue
+            except n.NVMLError as exc:
+                log.warning("nvml_fabric_unreadable", error=str(exc))
+                return None
+            return fabric_domain(bytes(info.clusterUuid), info.cliqueId, state=info.state, status=info.status)
+        return None
 
     def _links(self, handle: Any) -> list[tuple[str, int]]:
         n = self.nvml
@@ -337,7 +394,8 @@ class NvmlBackend:
             (f.gpu, Placement(socket=0, numa=f.numa or 0, root=f"numa{f.numa or 0}", switch=None))
             for f in facts
         ]
-        return build_topology(self.node_name, gpus=placed, nics=[], description="nvml")
+        topo = build_topology(self.node_name, gpus=placed, nics=[], description="nvml")
+        return msgspec.structs.replace(topo, nvlink_domain=node_domain(facts))
 
     async def health_changes(self) -> AsyncIterator[HealthChange]:
         by_uuid = await asyncio.to_thread(self._register_events)
