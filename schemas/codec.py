@@ -28,6 +28,7 @@ from schemas.messages import (
     NodeAllocations,
     NodeInventory,
     NodeRecord,
+    PreemptionPlan,
     Release,
     RequestRecord,
 )
@@ -35,7 +36,7 @@ from schemas.messages import (
 T = TypeVar("T")
 
 NodeEvent = NodeInventory | HealthEvent | Heartbeat | Applied | Cleaned
-AllocEvent = AllocationRequest | Assignment | AllocationFailed | Release | Freed
+AllocEvent = AllocationRequest | Assignment | AllocationFailed | Release | Freed | PreemptionPlan
 AnyMessage = NodeEvent | AllocEvent | DeadLetter | DeviceCommand | InventoryQuery | InventoryReply
 
 _encoder = msgspec.msgpack.Encoder()

@@ -50,8 +50,11 @@ __all__ = [
     "NodeRecord",
     "Pair",
     "PodRef",
+    "PreemptionMode",
+    "PreemptionPlan",
     "Release",
     "RequestRecord",
+    "Victim",
     "now",
 ]
 
@@ -69,6 +72,7 @@ LabelKey = Annotated[str, msgspec.Meta(min_length=1, max_length=limits.LABEL_KEY
 LabelValue = Annotated[str, msgspec.Meta(max_length=limits.LABEL_VALUE)]
 DeviceList = Annotated[list[DeviceName], msgspec.Meta(max_length=limits.MAX_DEVICES)]
 Policy = Literal["required", "preferred"]
+PreemptionMode = Literal["never", "lower-priority"]
 Pairing = Literal["per-gpu", "shared"]
 
 
@@ -165,6 +169,9 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     ] = {}
     network: NetworkSpec | None = None
     created_at: float = msgspec.field(default_factory=now)
+    # May this request evict allocations of lower priority when it cannot be placed
+    # (docs/sharing.md, "Preemption")? None: the device class says (default "never").
+    preemption: PreemptionMode | None = None
 
 
 class AssignedGpu(msgspec.Struct, gc=False, omit_defaults=True):
@@ -254,6 +261,29 @@ class Freed(_Msg, tag="alloc.freed"):
     ts: float = msgspec.field(default_factory=now)
 
 
+class Victim(msgspec.Struct, gc=False, omit_defaults=True):
+    """One allocation to evict: its request, its pod, where it runs and its priority."""
+
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName
+    priority: int = 0
+
+
+class PreemptionPlan(_Msg, tag="alloc.preempt"):
+    """The allocator's intent to evict ``victims`` so that ``request_id`` (of ``priority``)
+    can be placed on ``node`` once their devices are cleaned. The pod bridge evicts the
+    victims' pods through the Kubernetes Eviction API (respecting PodDisruptionBudgets);
+    their normal release then frees the devices."""
+
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName
+    priority: int = 0
+    victims: Annotated[list[Victim], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
+    ts: float = msgspec.field(default_factory=now)
+
+
 class AllocatorHeartbeat(_Msg, tag="allocator.heartbeat"):
     """An allocator replica saying it is alive (core NATS). The replicas seen alive split the
     nodes between them, so that they rarely decide on the same node."""
@@ -321,6 +351,9 @@ class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     priority: int = 0
     traceparent: str = ""
     updated_at: float = msgspec.field(default_factory=now)
+    # False: never evicted to make room for a request of higher priority (a claim, unless
+    # it allows it; docs/sharing.md, "Preemption").
+    preemptible: bool = True
 
 
 class NodeAllocations(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
@@ -349,3 +382,7 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     # The W3C trace context the request arrived with (its submitter's span): every later
     # decision about it, on any replica, joins that trace instead of starting a new one.
     traceparent: str = ""
+    # A pending request that preempts: the allocations being evicted for it and the node it
+    # goes to once they are freed (services/allocator/preemption.py).
+    victims: Annotated[list[RequestId], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
+    preempt_node: str | None = None

@@ -182,6 +182,7 @@ def allocator() -> Permissions:
         subjects.ALLOC_ASSIGNED_ALL,
         subjects.ALLOC_FAILED,
         subjects.ALLOC_FREED,
+        subjects.ALLOC_PREEMPT,
         subjects.ALLOCATOR_HEARTBEAT,
         subjects.dlq("allocator"),
         *_provision(),
@@ -216,6 +217,7 @@ def admission() -> Permissions:
         *_provision(),
         *_durable(a, subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL),
         *_durable(a, subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
+        *_durable(a, subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT),
         *_kv_reader(subjects.KV_REQUESTS),
         *_kv_reader(subjects.KV_ALLOCS),
     ]

@@ -26,6 +26,7 @@ from schemas.messages import (
     Heartbeat,
     InventoryQuery,
     NodeInventory,
+    PreemptionPlan,
     Release,
 )
 
@@ -45,6 +46,7 @@ _ALLOC_KINDS: dict[str, tuple[type, bool]] = {
     "freed": (Freed, False),
     "assigned": (Assignment, True),
     "release": (Release, True),
+    "preempt": (PreemptionPlan, False),
 }
 
 

@@ -231,6 +231,8 @@ class Cluster:
         )
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
+        # node -> preemptible hold -> its priority (see hold and .preempt)
+        self._victims: dict[str, dict[str, int]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -300,8 +302,23 @@ class Cluster:
             self._count_capable(node.shape, -1)
             self._move(name, (node.hw, node.mask), None, was_impaired=node.impaired, now_impaired=False)
 
-    def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
-        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
+    def hold(
+        self,
+        name: str,
+        request_id: str,
+        devices: Iterable[str],
+        *,
+        priority: int = 0,
+        preemptible: bool = False,
+    ) -> None:
+        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
+
+        ``preemptible``: a request of higher ``priority`` that may preempt may have this hold
+        evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim)."""
+        if preemptible:
+            self._victims.setdefault(name, {})[request_id] = priority
+        else:
+            self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
         devs = tuple(sorted(set(devices)))
         if holds.get(request_id) == devs:
@@ -313,6 +330,7 @@ class Cluster:
 
     def release(self, name: str, request_id: str) -> None:
         """Free ``request_id``'s hold on ``name``; releasing an unknown hold does nothing."""
+        self._drop_victim(name, request_id)
         holds = self._holds.get(name)
         if not holds or request_id not in holds:
             return
@@ -404,6 +422,57 @@ class Cluster:
             "evaluations": len(self._evals),
             "change_log": len(self._log),
         }
+
+    # ------------------------------------------------------------------------------------
+    # preemption support (the search itself is in .preempt)
+
+    def preemptible(self) -> dict[str, dict[str, tuple[tuple[str, ...], int]]]:
+        """Per known node that has any: its preemptible holds, as request id -> (devices,
+        priority)."""
+        out: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {}
+        for name, victims in self._victims.items():
+            if name in self._nodes:
+                holds = self._holds.get(name, {})
+                out[name] = {rid: (holds.get(rid, ()), prio) for rid, prio in victims.items()}
+        return out
+
+    def matches(self, name: str, spec: Spec) -> bool:
+        """Whether node ``name`` matches the request's node selector."""
+        labels = self._need(name).labels
+        return all(labels.get(k) == v for k, v in spec.selector)
+
+    def evaluate_without(self, name: str, spec: Spec, request_ids: Iterable[str]) -> Choice | Refusal:
+        """The in-node search on ``name`` as if the holds of ``request_ids`` were released
+        (cached like every in-node search; changes nothing)."""
+        node = self._need(name)
+        return self._eval(spec, node.shape, self._mask_without(node, frozenset(request_ids)))
+
+    def placement_on(self, name: str, choice: Choice, *, candidates: int = 1) -> Placement:
+        """The wire-level placement of an in-node result on ``name``."""
+        return self._placement(self._need(name), choice, candidates=candidates)
+
+    def _mask_without(self, node: _Node, skip: frozenset[str]) -> int:
+        """The node's free mask with the holds of ``skip`` released (as :meth:`_refresh`)."""
+        shape = node.shape
+        blocked = 0
+        slot_of = shape.slot_of
+        for dev in (*node.unavailable, *node.port_down):
+            s = slot_of.get(dev)
+            if s is not None:
+                blocked |= 1 << s
+        for rid, devs in self._holds.get(node.name, {}).items():
+            if rid in skip:
+                continue
+            for dev in devs:
+                s = slot_of.get(dev)
+                if s is not None:
+                    blocked |= 1 << s
+        return shape.effective_free(blocked)
+
+    def _drop_victim(self, name: str, request_id: str) -> None:
+        victims = self._victims.get(name)
+        if victims is not None and victims.pop(request_id, None) is not None and not victims:
+            del self._victims[name]
 
     # ------------------------------------------------------------------------------------
     # decisions
