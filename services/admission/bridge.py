@@ -12,7 +12,9 @@ Inputs and what they cause (all idempotent, keyed by ``request_id = <pod uid>.1`
   and lastTimestamp move while it stays pending (at most one write per ``event_interval`` for an
   unchanged reason);
 * a managed pod deleted or finished (Succeeded/Failed) → ``alloc.release`` on the node's release
-  subject (span ``bridge.release``).
+  subject (span ``bridge.release``);
+* ``alloc.preempt`` (durable ``CONSUMER_BRIDGE_PREEMPT``) → the victims' pods evicted through
+  the Eviction API, respecting PodDisruptionBudgets (:mod:`.evictions`).
 
 Nothing is lost while the bridge is down: outcomes wait in the durable consumers, and every
 (re)list of pods runs :meth:`Bridge.resync`, which compares the pods with the allocator's
@@ -38,8 +40,8 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
-from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
-from services.admission import metrics, names, policy
+from schemas.messages import AllocationFailed, Assignment, PodRef, PreemptionPlan, Release, RequestRecord
+from services.admission import evictions, metrics, names, policy
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
 from services.runtime.bus import Bus, Delivery, Retry
@@ -63,6 +65,7 @@ class Bridge:
         watch_timeout: int = 300,
         relist_backoff: float = 1.0,
         clock: Callable[[], float] = time.time,
+        eviction_backoff: float = 1.0,
     ) -> None:
         self.kube = kube
         self.bus = bus
@@ -71,6 +74,8 @@ class Bridge:
         self.watch_timeout = watch_timeout
         self.relist_backoff = relist_backoff
         self.clock = clock
+        # First delay before a preemption blocked by a PodDisruptionBudget is tried again.
+        self.eviction_backoff = eviction_backoff
         self.instance = bus.settings.instance
         self._tracer = tracer("tandem.bridge")
         self._requested: set[str] = set()
@@ -104,6 +109,17 @@ class Bridge:
                 filter_subject=subjects.ALLOC_FAILED,
                 decoder=codec.ALLOC_EVENT,
                 handler=self.on_outcome,
+                stop=stop,
+            ),
+        )
+        sup.spawn(
+            "preempt",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.CONSUMER_BRIDGE_PREEMPT,
+                filter_subject=subjects.ALLOC_PREEMPT,
+                decoder=codec.ALLOC_EVENT,
+                handler=self.on_preemption,
                 stop=stop,
             ),
         )
@@ -333,6 +349,10 @@ class Bridge:
         elif isinstance(msg, AllocationFailed):
             await self.on_failed(msg)
         # Other kinds on these subjects are not the bridge's business; ack them.
+
+    async def on_preemption(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, PreemptionPlan):
+            await evictions.evict_victims(self, msg, delivery)
 
     async def _bind(self, a: Assignment, *, raw: dict[str, Any] | None) -> None:
         if raw is None:

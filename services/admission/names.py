@@ -49,4 +49,8 @@ PRIORITY_RANGE = (-1_000_000, 1_000_000)
 # Event written on a pod whose allocation failed.
 EVENT_REASON_FAILED = "AllocationFailed"
 EVENT_REASON_INVALID = "InvalidTandemRequest"
+# Events of priority preemption: on the preemptor while a PodDisruptionBudget blocks the
+# eviction of a victim, and on each victim evicted for it.
+EVENT_REASON_PREEMPTION_BLOCKED = "PreemptionBlocked"
+EVENT_REASON_PREEMPTED = "Preempted"
 EVENT_COMPONENT = "tandem-bridge"
