@@ -179,6 +179,9 @@ _PENDING = None  # group status: passed the cheap check, not searched yet
 
 # (cross-node quality, frag/policy in the policy's order, full in-node quality, seq, group,
 # exact?); seq is unique, so comparisons never reach the group or the flag.
+# A node's preemption view: (shape id, blocked slots, preemptible holds' (priority, slots)).
+PreemptionView = tuple[int, int, tuple[tuple[int, int], ...]]
+
 HeapEntry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey, bool]
 
 
@@ -231,8 +234,13 @@ class Cluster:
         )
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
-        # node -> preemptible hold -> its priority (see hold and .preempt)
+        # node -> preemptible hold -> its priority (see hold and .preempt); the nodes'
+        # preemption views built from them, grouped by what a plan depends on (see
+        # preemption_groups), rebuilt lazily for the nodes changed since (_pv_dirty).
         self._victims: dict[str, dict[str, int]] = {}
+        self._pv: dict[str, PreemptionView] = {}
+        self._pv_groups: dict[PreemptionView, dict[str, None]] = {}
+        self._pv_dirty: set[str] = set()
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -273,6 +281,7 @@ class Cluster:
         merged = {**topology.labels, **(labels or {})}
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
+        self._pv_forget(name)
         old = self._nodes.get(name)
         self._nodes[name] = node
         if old is not None:
@@ -292,11 +301,13 @@ class Cluster:
         node = self._need(name)
         was = node.impaired
         node.unavailable = tuple(devices)
+        self._pv_forget(name)
         self._refresh(node, old_key=(node.hw, node.mask), was_impaired=was)
 
     def remove_node(self, name: str) -> None:
         """Forget the node's hardware (its holds stay until released)."""
         node = self._nodes.pop(name, None)
+        self._pv_forget(name)
         if node is not None:
             self._index_labels(node, -1)
             self._count_capable(node.shape, -1)
@@ -317,6 +328,7 @@ class Cluster:
         evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim)."""
         if preemptible:
             self._victims.setdefault(name, {})[request_id] = priority
+            self._pv_forget(name)
         else:
             self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
@@ -441,35 +453,75 @@ class Cluster:
         labels = self._need(name).labels
         return all(labels.get(k) == v for k, v in spec.selector)
 
-    def evaluate_without(self, name: str, spec: Spec, request_ids: Iterable[str]) -> Choice | Refusal:
-        """The in-node search on ``name`` as if the holds of ``request_ids`` were released
-        (cached like every in-node search; changes nothing)."""
+    def preemption_groups(self) -> dict[PreemptionView, dict[str, None]]:
+        """Nodes with preemptible holds, grouped by their *preemption view* ``(shape id,
+        blocked, holds)``: ``blocked`` is the slot mask of everything but those holds
+        (unavailable devices, protected holds), ``holds`` the preemptible holds' ``(priority,
+        slot mask)`` sorted. Nodes of one group offer the same placements for the same
+        evictions. A node's free mask with some holds released is ``shape.effective_free(
+        blocked | the other holds' masks)``. Maintained lazily: only the nodes whose holds or
+        hardware changed since the last call are looked at again."""
+        for name in self._pv_dirty:
+            victims = self._victims.get(name)
+            node = self._nodes.get(name)
+            if victims is None or node is None:
+                continue
+            view = self._pv[name] = self._preemption_view(node, victims)
+            members = self._pv_groups.get(view)
+            if members is None:
+                members = self._pv_groups[view] = {}
+            members[name] = None
+        self._pv_dirty.clear()
+        return self._pv_groups
+
+    def preemptible_holds(self, name: str) -> dict[str, tuple[int, int]]:
+        """The preemptible holds of ``name``: request id -> (priority, slot mask)."""
+        victims = self._victims.get(name, {})
         node = self._need(name)
-        return self._eval(spec, node.shape, self._mask_without(node, frozenset(request_ids)))
+        slot_of = node.shape.slot_of
+        out = {}
+        for rid, devs in self._holds.get(name, {}).items():
+            if rid in victims:
+                out[rid] = (victims[rid], _slot_mask(slot_of, devs))
+        return out
+
+    def shape_of(self, name: str) -> Shape:
+        return self._need(name).shape
+
+    def evaluate_free(self, spec: Spec, shape: Shape, free: int) -> Choice | Refusal:
+        """The (cached) in-node search of ``spec`` on ``shape`` with ``free`` slots free."""
+        return self._eval(spec, shape, free)
 
     def placement_on(self, name: str, choice: Choice, *, candidates: int = 1) -> Placement:
         """The wire-level placement of an in-node result on ``name``."""
         return self._placement(self._need(name), choice, candidates=candidates)
 
-    def _mask_without(self, node: _Node, skip: frozenset[str]) -> int:
-        """The node's free mask with the holds of ``skip`` released (as :meth:`_refresh`)."""
-        shape = node.shape
-        blocked = 0
-        slot_of = shape.slot_of
-        for dev in (*node.unavailable, *node.port_down):
-            s = slot_of.get(dev)
-            if s is not None:
-                blocked |= 1 << s
+    def _preemption_view(self, node: _Node, victims: dict[str, int]) -> PreemptionView:
+        slot_of = node.shape.slot_of
+        blocked = _slot_mask(slot_of, (*node.unavailable, *node.port_down))
+        holds: list[tuple[int, int]] = []
         for rid, devs in self._holds.get(node.name, {}).items():
-            if rid in skip:
-                continue
-            for dev in devs:
-                s = slot_of.get(dev)
-                if s is not None:
-                    blocked |= 1 << s
-        return shape.effective_free(blocked)
+            prio = victims.get(rid)
+            if prio is None:
+                blocked |= _slot_mask(slot_of, devs)
+            else:
+                holds.append((prio, _slot_mask(slot_of, devs)))
+        holds.sort(reverse=True)
+        return (node.shape.id, blocked, tuple(holds))
+
+    def _pv_forget(self, name: str) -> None:
+        """A node's holds or hardware changed: its preemption view is rebuilt when next asked."""
+        view = self._pv.pop(name, None)
+        if view is not None:
+            members = self._pv_groups[view]
+            del members[name]
+            if not members:
+                del self._pv_groups[view]
+        if view is not None or name in self._victims:
+            self._pv_dirty.add(name)
 
     def _drop_victim(self, name: str, request_id: str) -> None:
+        self._pv_forget(name)
         victims = self._victims.get(name)
         if victims is not None and victims.pop(request_id, None) is not None and not victims:
             del self._victims[name]
@@ -989,6 +1041,15 @@ class Cluster:
             counts=dict(items),
             reasons=reasons,
         )
+
+
+def _slot_mask(slot_of: Mapping[str, int], devices: Iterable[str]) -> int:
+    m = 0
+    for dev in devices:
+        s = slot_of.get(dev)
+        if s is not None:
+            m |= 1 << s
+    return m
 
 
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")

@@ -38,15 +38,18 @@ once their devices are free.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import combinations
+from typing import Any
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest
 
 from .cluster import Cluster, Placement
 from .errors import InvalidRequest
+from .model import Shape
 from .request import Spec
 from .search import Choice
 
@@ -94,66 +97,103 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
     does) nor whether the request fits without evicting (call it after ``decide`` failed)."""
     spec = cluster.normalise(request)
     prio = request.priority
-    # (len, priorities desc, quality, frag, node, ids) of the best so far, with its parts.
-    best: tuple[tuple[object, ...], str, Choice, list[Victim]] | None = None
-    best_size = None
-    for name, holds in sorted(cluster.preemptible().items()):
-        eligible = sorted(
-            (Victim(rid, p, devs) for rid, (devs, p) in holds.items() if p < prio and devs),
-            key=lambda v: (-v.priority, v.request_id),
-        )
-        if not eligible or not cluster.matches(name, spec):
+    # Pass 1: each group of nodes alike (Cluster.preemption_groups) as this request sees it —
+    # holds of its priority or above are as good as protected — and, per distinct view, the
+    # first node by name (which wins every tie, so the others need no search).
+    first: dict[tuple[int, int, tuple[tuple[int, int], ...]], str] = {}
+    for (shape_id, blocked, holds), members in cluster.preemption_groups().items():
+        eligible = tuple(h for h in holds if h[0] < prio and h[1])
+        if not eligible:
             continue
-        if not isinstance(cluster.evaluate_without(name, spec, [v.request_id for v in eligible]), Choice):
-            continue  # even evicting every eligible allocation does not make room here
-        top = len(eligible) if best_size is None else min(best_size, len(eligible))
-        for size in range(1, top + 1):
-            found = _best_of_size(cluster, name, spec, eligible, size, best)
-            if found is not None:
-                best = found
-                best_size = size
-                break
+        for p, m in holds:
+            if not (p < prio and m):
+                blocked |= m
+        if spec.selector:
+            names = [n for n in members if cluster.matches(n, spec)]
+            if not names:
+                continue
+            name = min(names)
+        else:
+            name = min(members)
+        view = (shape_id, blocked, eligible)
+        if view not in first or name < first[view]:
+            first[view] = name
+    # Pass 2: each distinct view's own best set (cached: views outlive plans, only the nodes
+    # that changed get new ones), then the best over the views.
+    cache = _CACHES.get(cluster)
+    if cache is None:
+        cache = _CACHES[cluster] = {}
+    best: tuple[tuple[Any, ...], str, Choice, tuple[tuple[int, int], ...], tuple[int, ...]] | None = None
+    for view, name in first.items():
+        key = (spec.key, view)
+        if key in cache:
+            own = cache[key]
+        else:
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            own = cache[key] = _best_in_view(cluster, spec, cluster.shape_of(name), view[1], view[2])
+        if own is None:
+            continue
+        order = (*own[0][:4], name, own[0][4])
+        if best is None or order < best[0]:
+            best = (order, name, own[1], view[2], own[0][4])
     if best is None:
         return None
-    order, name, choice, victims = best
-    placement = cluster.placement_on(name, choice)
-    return Preemption(placement=placement, victims=victims, order=order)
+    order, name, choice, eligible, chosen = best
+    victims = _victims(cluster, name, [eligible[i] for i in chosen])
+    return Preemption(placement=cluster.placement_on(name, choice), victims=victims, order=order)
 
 
-def _best_of_size(
-    cluster: Cluster,
-    name: str,
-    spec: Spec,
-    eligible: list[Victim],
-    size: int,
-    best: tuple[tuple[object, ...], str, Choice, list[Victim]] | None,
-) -> tuple[tuple[object, ...], str, Choice, list[Victim]] | None:
-    """The best set of ``size`` victims on ``name`` if it ranks before ``best``, else None."""
-    sets = sorted(
-        combinations(eligible, size),
-        key=lambda vs: (tuple(v.priority for v in vs), tuple(v.request_id for v in vs)),
-    )
-    found = None
-    current = best
-    for victims in sets:
-        prios = tuple(v.priority for v in victims)  # highest first: ``eligible`` is in that order
-        if current is not None:
-            head = current[0]
-            # Sets come in order of (size, priorities): once this one ranks behind the best
-            # on those alone, so do all the rest.
-            if (size, prios) > (head[0], head[1]):
+# Per cluster: (request key, view) -> that view's best set, or None (see plan).
+_CACHES: weakref.WeakKeyDictionary[Cluster, dict[tuple[object, ...], _Own | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHE_MAX = 50_000
+# A view's best: ((size, priorities, quality, fragmentation, chosen indexes), the choice).
+_Own = tuple[tuple[Any, ...], Choice]
+
+
+def _best_in_view(
+    cluster: Cluster, spec: Spec, shape: Shape, blocked: int, eligible: tuple[tuple[int, int], ...]
+) -> _Own | None:
+    """The best set of eligible holds to evict on a node with this view, or None: sets by
+    increasing size, and within a size in order of priorities (highest first), stopping at
+    the first size that has one and, within it, once the priorities rank behind the best."""
+    if not isinstance(cluster.evaluate_free(spec, shape, shape.effective_free(blocked)), Choice):
+        return None  # even evicting every eligible allocation does not make room here
+    n = len(eligible)
+    for size in range(1, n + 1):
+        # ``eligible`` is in order of priority, highest first, so each set's priorities are
+        # too; sets with equal priorities keep ``combinations``' fixed order.
+        sets = sorted(combinations(range(n), size), key=lambda ix: tuple(eligible[i][0] for i in ix))
+        found: _Own | None = None
+        for ix in sets:
+            prios = tuple(eligible[i][0] for i in ix)
+            if found is not None and prios > found[0][1]:
                 break
-        res = cluster.evaluate_without(name, spec, [v.request_id for v in victims])
-        if not isinstance(res, Choice):
-            continue
-        order: tuple[object, ...] = (
-            size,
-            prios,
-            res.key,
-            res.frag,
-            name,
-            tuple(sorted(v.request_id for v in victims)),
-        )
-        if current is None or order < current[0]:
-            current = found = (order, name, res, list(victims))
-    return found
+            mask = blocked
+            for i in range(n):
+                if i not in ix:
+                    mask |= eligible[i][1]
+            res = cluster.evaluate_free(spec, shape, shape.effective_free(mask))
+            if not isinstance(res, Choice):
+                continue
+            order = (size, prios, res.key, res.frag, ix)
+            if found is None or order < found[0]:
+                found = (order, res)
+        if found is not None:
+            return found
+    return None  # pragma: no cover - evicting all made room above
+
+
+def _victims(cluster: Cluster, name: str, chosen: list[tuple[int, int]]) -> list[Victim]:
+    """The holds on ``name`` behind the chosen (priority, slots) entries."""
+    holds = cluster.preemptible_holds(name)
+    devices = cluster.holds(name)
+    out: list[Victim] = []
+    taken: set[str] = set()
+    for entry in chosen:
+        rid = min(r for r, h in holds.items() if h == entry and r not in taken)
+        taken.add(rid)
+        out.append(Victim(rid, entry[0], tuple(sorted(devices[rid]))))
+    return out
