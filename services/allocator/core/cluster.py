@@ -75,7 +75,11 @@ nothing else is kept per selector (:meth:`Cluster.cache_stats` reports the sizes
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
-in-use devices handed out twice). Not thread-safe: one owner calls it.
+in-use devices handed out twice). A hold may be *preemptible* with a priority
+(``hold(..., priority=, preemptible=True)``): :mod:`.preempt` may then choose it as a victim
+for a request of higher priority; the nodes with such holds are kept grouped by what that
+search depends on (:meth:`Cluster.preemption_groups`), rebuilt lazily for the nodes whose
+holds changed. Not thread-safe: one owner calls it.
 """
 
 from __future__ import annotations
