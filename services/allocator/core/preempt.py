@@ -119,19 +119,34 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
         if view not in first or name < first[view]:
             first[view] = name
     # Pass 2: each distinct view's own best set (cached: views outlive plans, only the nodes
-    # that changed get new ones), then the best over the views.
+    # that changed get new ones), then the best over the views. Views are taken in order of
+    # their lowest eligible priority; a view is searched only if its bound — one victim of
+    # that priority, and the alignment with every eligible hold evicted (no set does better:
+    # more free devices never make the best placement worse) — does not rank behind the best.
     cache = _CACHES.get(cluster)
     if cache is None:
         cache = _CACHES[cluster] = {}
+    skey = spec.key
     best: tuple[tuple[Any, ...], str, Choice, tuple[tuple[int, int], ...], tuple[int, ...]] | None = None
-    for view, name in first.items():
-        key = (spec.key, view)
+    for view, name in sorted(first.items(), key=lambda kv: (kv[0][2][-1][0], kv[1])):
+        eligible = view[2]
+        key = (skey, view)
         if key in cache:
             own = cache[key]
         else:
+            lowest = (1, (eligible[-1][0],))
+            if best is not None and lowest > best[0][:2]:
+                break  # every later view's lowest priority is as high or higher
+            shape = cluster.shape_of(name)
+            every = cluster.evaluate_free(spec, shape, shape.effective_free(view[1]))
+            if not isinstance(every, Choice):
+                own = cache[key] = None
+                continue
+            if best is not None and (*lowest, every.key) > best[0][:3]:
+                continue
             if len(cache) >= _CACHE_MAX:
                 cache.clear()
-            own = cache[key] = _best_in_view(cluster, spec, cluster.shape_of(name), view[1], view[2])
+            own = cache[key] = _best_in_view(cluster, spec, shape, view[1], eligible)
         if own is None:
             continue
         order = (*own[0][:4], name, own[0][4])
