@@ -120,14 +120,22 @@ class Preemptions:
             return False
         return any(v in self.model.placed for v in record.victims)
 
-    async def consider(self, req: AllocationRequest, *, traceparent: str = "") -> str | None:
+    async def consider(
+        self, req: AllocationRequest, *, traceparent: str = "", republish: bool = False
+    ) -> str | None:
         """Preempt for an unschedulable request when it may: None when it may not or nothing
         can make room (the caller records it pending as usual), else the outcome
-        (``pending``: victims being evicted; ``duplicate``: it has an outcome already)."""
+        (``pending``: victims being evicted; ``duplicate``: it has an outcome already).
+
+        ``republish``: the request message is being handled (not a retry of a pending
+        request), so it may be a redelivery: a plan already recorded is published again (same
+        message id), in case the first publish was lost after the record was written."""
         if not preempt.may_preempt(req, self.device_classes):
             return None
         rid = req.request_id
         if self.waiting(req):
+            if republish:
+                await self._publish_recorded(req)
             return "pending"
         plan = preempt.plan(self.model.cluster, req)
         if plan is None:
@@ -156,16 +164,40 @@ class Preemptions:
             self.sweep_one(rid)
             raise
         self.book.pending[rid] = req
+        await self._publish(req, plan.node, victims)
+        log.info("preempting", request_id=rid, node=plan.node, victims=[v.request_id for v in victims])
+        return "pending"
+
+    async def _publish(self, req: AllocationRequest, node: str, victims: list[Victim]) -> None:
         ids = ",".join(v.request_id for v in victims)
         await self.bus.publish(
             subjects.ALLOC_PREEMPT,
             PreemptionPlan(
-                request_id=rid, pod=req.pod, node=plan.node, priority=req.priority, victims=victims
+                request_id=req.request_id, pod=req.pod, node=node, priority=req.priority, victims=victims
             ),
-            msg_id=subjects.msg_id(rid, "preempt", zlib.crc32(ids.encode())),
+            msg_id=subjects.msg_id(req.request_id, "preempt", zlib.crc32(ids.encode())),
         )
-        log.info("preempting", request_id=rid, node=plan.node, victims=ids)
-        return "pending"
+
+    async def _publish_recorded(self, req: AllocationRequest) -> None:
+        """Publish the plan the request record holds again (its victims still held)."""
+        known = self.book.store.cached(req.request_id)
+        record = known[0] if known is not None else None
+        if record is None or not record.preempt_node:
+            return
+        allocs = self.node_allocs.cached(record.preempt_node)
+        held = allocs[0].allocations if allocs is not None and allocs[0] is not None else {}
+        victims = [
+            Victim(
+                request_id=rid,
+                pod=held[rid].assignment.pod,
+                node=record.preempt_node,
+                priority=held[rid].priority,
+            )
+            for rid in record.victims
+            if rid in held
+        ]
+        if victims:
+            await self._publish(req, record.preempt_node, victims)
 
     def sweep_one(self, rid: str) -> None:
         held = self.reserved.pop(rid, None)

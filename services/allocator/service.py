@@ -397,7 +397,8 @@ class Allocator(Service):
                     metrics.DECISIONS.labels("unschedulable").inc()
                     span.set_attributes({"tandem.outcome": "unschedulable", "tandem.reason": decision.reason})
                     span.set_status(Status(StatusCode.ERROR, limits.clip(decision.reason, 500)))
-                    preempting = await self.preemptions.consider(req, traceparent=trace)
+                    # A message (not a retry): a plan it recorded before is published again.
+                    preempting = await self.preemptions.consider(req, traceparent=trace, republish=not retry)
                     if preempting is not None:
                         return preempting
                     return await self._unschedulable(req, decision, traceparent=trace)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest
+from opentelemetry.context import Context
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
@@ -43,7 +44,8 @@ async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[Loc
 async def test_high_priority_request_preempts_then_is_placed(
     stack: tuple[LocalStack, TandemClient], bus_factory: BusFactory
 ) -> None:
-    _, client = stack
+    st, client = stack
+    allocator = st.allocators[0]
     observer = await bus_factory("observer")
     plans = await observer.nc.subscribe(subjects.ALLOC_PREEMPT)
 
@@ -69,6 +71,13 @@ async def test_high_priority_request_preempts_then_is_placed(
     await wait_until(recorded, what="the preemption recorded on the request")
     rec = await client.request_record(hi.request_id)
     assert rec is not None and rec.preempt_node == "h100-0" and "preempting 1 allocation" in rec.reason
+
+    # The request message handled again (a redelivery): no second plan, the recorded one is
+    # published again (same message id) in case the first publish was lost.
+    again = await allocator.handle_request(hi, context=Context())
+    assert again == "pending"
+    replay = codec.ALLOC_EVENT.decode((await plans.next_msg(timeout=10)).data)
+    assert isinstance(replay, PreemptionPlan) and replay.victims == plan.victims
 
     # A request of even higher priority that may not preempt arrives meanwhile: the devices
     # freed by the eviction are kept for the preemptor, so it stays pending.
