@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from schemas.messages import PreemptionPlan, Victim
-from services.admission import names, policy
+from services.admission import metrics, names, policy
 from services.admission.errors import Conflict, KubeError, NotFound
 from services.runtime.bus import Delivery, Retry
 from services.runtime.logging import get_logger
@@ -74,6 +74,7 @@ async def _evict(bridge: Bridge, plan: PreemptionPlan, victim: Victim) -> str | 
     pod = await _live_pod(bridge, ref.namespace, ref.name, ref.uid)
     if pod is None:
         # Gone already (or another pod by that name): make sure its devices come back.
+        metrics.BRIDGE_EVICTIONS.labels("gone").inc()
         await bridge._publish_release(
             victim.request_id,
             ref,
@@ -90,9 +91,11 @@ async def _evict(bridge: Bridge, plan: PreemptionPlan, victim: Victim) -> str | 
         return None  # deleted or replaced meanwhile: the pod watch or resync releases it
     except KubeError as exc:
         if exc.status == TOO_MANY_REQUESTS:
+            metrics.BRIDGE_EVICTIONS.labels("blocked").inc()
             log.info("eviction_blocked", request_id=plan.request_id, victim=victim.request_id, why=str(exc))
             return str(exc)
         raise
+    metrics.BRIDGE_EVICTIONS.labels("evicted").inc()
     log.info("pod_evicted", request_id=plan.request_id, victim=victim.request_id, pod=ref.name)
     await bridge.record_event(
         pod,

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from schemas import subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, NodeAllocations, PreemptionPlan, RequestRecord, Victim
-from services.allocator import commits
+from services.allocator import commits, metrics
 from services.allocator.core import Placement, Unschedulable, preempt
 from services.allocator.readmodel import ReadModel
 from services.allocator.requestbook import RequestBook
@@ -164,6 +164,8 @@ class Preemptions:
             self.sweep_one(rid)
             raise
         self.book.pending[rid] = req
+        metrics.PREEMPTIONS.inc()
+        metrics.PREEMPTED.inc(len(victims))
         await self._publish(req, plan.node, victims)
         log.info("preempting", request_id=rid, node=plan.node, victims=[v.request_id for v in victims])
         return "pending"

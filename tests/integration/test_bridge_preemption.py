@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from prometheus_client import REGISTRY
 
 from schemas import subjects
 from schemas.messages import PreemptionPlan, Release, Victim
@@ -65,6 +66,10 @@ async def test_preempting_pod_evicts_victims_respecting_pdb_then_starts(
     for name in ("low-0", "low-1"):
         await eventually(lambda n=name: bound(n))
 
+    def evictions(result: str) -> float:
+        return REGISTRY.get_sample_value("tandem_bridge_evictions_total", {"result": result}) or 0.0
+
+    before = {r: evictions(r) for r in ("evicted", "blocked")}
     # A PodDisruptionBudget protects low-1 for now.
     emu.pdb_blocked[("ml", "low-1")] = "trainers"
     hi = reqs["hi-0"]
@@ -112,6 +117,8 @@ async def test_preempting_pod_evicts_victims_respecting_pdb_then_starts(
     assert ("ml", "low-1", 201) in emu.evictions
     # Exactly one successful eviction per victim, whatever the redeliveries.
     assert sorted(e for e in emu.evictions if e[2] == 201) == [("ml", "low-0", 201), ("ml", "low-1", 201)]
+    assert evictions("evicted") - before["evicted"] == 2
+    assert evictions("blocked") - before["blocked"] == sum(1 for e in emu.evictions if e[2] == 429)
 
     # The victims' devices are cleaned and freed; the allocator assigns the preemptor: it starts.
     assert emu.objects["v1/pods", "ml", "hi-0"].raw["spec"]["schedulingGates"] == [{"name": names.GATE}]

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 from opentelemetry.context import Context
+from prometheus_client import REGISTRY
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
@@ -57,6 +58,7 @@ async def test_high_priority_request_preempts_then_is_placed(
 
     # Priority 5, may preempt, needs 4 aligned GPU/NIC pairs: the node is full, and evicting
     # the priority-0 allocation is enough.
+    plans_before = REGISTRY.get_sample_value("tandem_allocator_preemptions_total") or 0.0
     hi = request("hi", 4, 4, priority=5, preemption="lower-priority", scope="pcie-switch", policy="required")
     await client.submit(hi)
     plan = codec.ALLOC_EVENT.decode((await plans.next_msg(timeout=10)).data)
@@ -69,6 +71,7 @@ async def test_high_priority_request_preempts_then_is_placed(
         return rec is not None and rec.state == "pending" and rec.victims == [low.request_id]
 
     await wait_until(recorded, what="the preemption recorded on the request")
+    assert (REGISTRY.get_sample_value("tandem_allocator_preemptions_total") or 0.0) - plans_before == 1
     rec = await client.request_record(hi.request_id)
     assert rec is not None and rec.preempt_node == "h100-0" and "preempting 1 allocation" in rec.reason
 
