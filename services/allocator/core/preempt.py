@@ -17,19 +17,37 @@ The plan is the exact minimum, over every node matching the request's selector a
    required scope met, pairs at each scope finer first, NVLink fit) — the best alignment the
    request can get with that eviction;
 4. fragmentation (``Choice.frag``);
-5. the node name, then the victims' request ids (only to make the answer unique).
+5. the node name, then which of the node's holds (only to make the answer unique; holds
+   alike in priority and devices are interchangeable, the smallest request id is named).
 
 Victims on other nodes never help a placement on one node, so sets spanning several nodes
 need not be considered; a minimal set never holds a victim whose devices the placement does not
 need (without it a smaller set would do, which 1. ranks first).
 
-Cost: only nodes with eligible holds are looked at; on each, one search with every eligible
-hold released rules the node out cheaply, then sets are tried by increasing size, never larger
-than the best size found so far on any node, and within a size in order of 2. (a set whose
-priorities rank behind the best found is not searched). The in-node searches are the cluster's
-cached ones, so identical nodes with identical holds cost one search each. A node with ``h``
-eligible holds costs at most ``2^h`` searches; nodes hold a few allocations each, and
-preemption runs only for requests nothing else can place.
+How it stays cheap — every step keeps the minimum exact:
+
+* **Alike nodes once.** The cluster keeps the nodes with preemptible holds grouped by their
+  *view* (:meth:`Cluster.preemption_groups`: hardware, blocked devices, each preemptible
+  hold's priority and devices), maintained lazily as holds change. For a request of priority
+  ``P`` holds of priority >= ``P`` count as blocked; nodes whose views then agree offer the
+  same sets with the same results, and the first of them by name wins every tie, so only it
+  is searched.
+* **Each view's best set is cached** per request shape (``spec.key``) for the cluster's
+  lifetime: a view is a pure function of the hardware and the masks, so its answer never goes
+  stale; a plan for a shape seen before reads the cache except for views that changed.
+* **Bounds.** Views are visited in order of their lowest eligible priority: once even one
+  victim of that priority ranks behind the best found, every later view does too (stop). A
+  view is searched only if its bound — one victim of its lowest priority, with the alignment
+  reached when *every* eligible hold is evicted (more free devices never make the in-node
+  optimum worse) — does not rank behind the best; that same search rules out views where
+  nothing helps.
+* **Within a view**, sets are tried by increasing size, stopping at the first size that has
+  one, and within a size in order of 2., stopping once the priorities rank behind the best
+  set of that size. A view with ``h`` eligible holds costs at most ``2^h`` in-node searches
+  (the cluster's cached ones); nodes hold a few allocations each.
+
+Preemption runs only for requests that may preempt and that nothing else can place
+(``docs/benchmarks.md``, "Preemption (core)", for its cost at 1,000 and 10,000 nodes).
 
 Pure: reads the :class:`~services.allocator.core.cluster.Cluster`, changes no hold. The
 caller (the allocator service, ``tandem plan``) evicts the victims and places the request
