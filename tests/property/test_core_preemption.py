@@ -68,15 +68,10 @@ def _blocked(name: str, bad: dict[str, set[str]], holds: list[Hold], gone: set[s
     return out
 
 
-@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1), n=st.integers(1, 2))
-def test_preemption_is_minimal_and_valid(seed: int, rseed: int, n: int) -> None:
-    cluster, topos, bad, holds = _cluster(seed, n)
-    rng = random.Random(rseed)
-    prio = rng.randint(1, 5)
+def _preemptor(rng: random.Random, rid: str, topos: dict[str, NodeTopology]) -> AllocationRequest:
     base = random_request(rng)
-    req = AllocationRequest(
-        request_id="hi",
+    return AllocationRequest(
+        request_id=rid,
         pod=base.pod,
         gpus=base.gpus,
         rdma=base.rdma,
@@ -85,13 +80,25 @@ def test_preemption_is_minimal_and_valid(seed: int, rseed: int, n: int) -> None:
         pairing=base.pairing,
         device_class=base.device_class,
         node_selector={k: v for k, v in base.node_selector.items() if k != HOSTNAME or v in topos},
-        priority=prio,
+        priority=rng.randint(1, 5),
         preemption="lower-priority",
     )
+
+
+def _check(
+    cluster: Cluster,
+    topos: dict[str, NodeTopology],
+    bad: dict[str, set[str]],
+    holds: list[Hold],
+    req: AllocationRequest,
+) -> preempt.Preemption | None:
+    """Plan for ``req`` and check the plan against the exhaustive reference (module docstring);
+    the plan, or None when none is needed or possible."""
+    prio = req.priority
     assert preempt.may_preempt(req, CLASSES)
     if isinstance(cluster.decide(req), Placement):
         event("fits without preemption")
-        return  # fits without evicting anyone: preemption is not asked
+        return None  # fits without evicting anyone: preemption is not asked
     spec = cluster.normalise(req)
     matching = [
         name for name in topos if all(cluster.labels(name).get(k) == v for k, v in req.node_selector.items())
@@ -118,7 +125,7 @@ def test_preemption_is_minimal_and_valid(seed: int, rseed: int, n: int) -> None:
     event("no plan" if best is None else f"plan evicting {best[0]}")
     if best is None:
         assert got is None, f"planned {got} where no set of eligible holds makes room"
-        return
+        return None
     assert got is not None, f"no plan, but evicting a set of {best[0]} makes room ({best})"
     by_id = {h[1]: h for h in holds}
     for v in got.victims:
@@ -130,12 +137,46 @@ def test_preemption_is_minimal_and_valid(seed: int, rseed: int, n: int) -> None:
     prios = tuple(sorted((v.priority for v in got.victims), reverse=True))
     assert (len(got.victims), prios, got.placement.quality) == best
 
-    # The placement is valid once the victims are gone, and the cluster agrees it then fits.
+    # The placement is valid once the victims are gone.
     gone = {v.request_id for v in got.victims}
     free = exhaustive.effective_free(topos[got.node], _blocked(got.node, bad, holds, gone))
     devs = got.placement.devices()
     assert set(devs) <= free and len(devs) == len(set(devs)) == spec.gpus + spec.rdma
-    for v in got.victims:
-        cluster.release(got.node, v.request_id)
-    again = cluster.decide(req)
-    assert isinstance(again, Placement)
+    return got
+
+
+@settings(max_examples=1000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1), n=st.integers(1, 2))
+def test_preemption_is_minimal_and_valid(seed: int, rseed: int, n: int) -> None:
+    cluster, topos, bad, holds = _cluster(seed, n)
+    req = _preemptor(random.Random(rseed), "hi", topos)
+    got = _check(cluster, topos, bad, holds, req)
+    if got is not None:
+        # The cluster, with the victims released, agrees that the request now fits.
+        for v in got.victims:
+            cluster.release(got.node, v.request_id)
+        assert isinstance(cluster.decide(req), Placement)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**32 - 1), rseed=st.integers(0, 2**32 - 1), n=st.integers(1, 2))
+def test_plans_in_a_row_stay_exact(seed: int, rseed: int, n: int) -> None:
+    """Several plans on one cluster, each applied (victims released, the preemptor held
+    preemptible at its priority) and the odd allocation freed in between: the cluster's
+    lazily kept groups and the per-view cache must never serve a stale answer."""
+    cluster, topos, bad, holds = _cluster(seed, n)
+    rng = random.Random(rseed)
+    for i in range(4):
+        req = _preemptor(rng, f"hi{i}", topos)
+        got = _check(cluster, topos, bad, holds, req)
+        if got is not None:
+            gone = {v.request_id for v in got.victims}
+            for rid in gone:
+                cluster.release(got.node, rid)
+            holds[:] = [h for h in holds if h[1] not in gone]
+            devs = frozenset(got.placement.devices())
+            cluster.hold(got.node, req.request_id, devs, priority=req.priority, preemptible=True)
+            holds.append((got.node, req.request_id, req.priority, True, devs))
+        if holds and rng.random() < 0.3:
+            node, rid, *_ = holds.pop(rng.randrange(len(holds)))
+            cluster.release(node, rid)
