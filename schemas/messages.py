@@ -386,3 +386,5 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     # goes to once they are freed (services/allocator/preemption.py).
     victims: Annotated[list[RequestId], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
     preempt_node: str | None = None
+    # The devices kept for it there meanwhile (every replica reserves them).
+    preempt_devices: DeviceList = []

@@ -10,11 +10,12 @@ recorded ``pending``:
    protected holds, and the devices reserved for other preemptors are never victims;
 2. the devices the request will get are *reserved* for it at once in this replica's read
    model (``ReadModel.reserve``, under a key that is not a request id), so that nothing
-   decided meanwhile takes them when the victims free them;
-3. the request record stays ``pending``, now with ``victims`` and ``preempt_node`` and a
-   reason naming them (``tandem requests`` / ``explain`` show it); the record is what every
-   replica reads, so no replica plans a second eviction while the victims of the first are
-   still held anywhere;
+   decided meanwhile takes them when the victims free them (and in the other replicas' as
+   the record reaches them, below);
+3. the request record stays ``pending``, now with ``victims``, ``preempt_node``,
+   ``preempt_devices`` and a reason naming them (``tandem requests`` / ``explain`` show it);
+   the record is what every replica reads, so no replica plans a second eviction while the
+   victims of the first are still held anywhere;
 4. a :class:`~schemas.messages.PreemptionPlan` is published on ``tandem.alloc.preempt``
    (message id from the request and its victims, so a redelivered request publishes it
    once). The pod bridge evicts the victims' pods through the Kubernetes Eviction API, which
@@ -22,13 +23,17 @@ recorded ``pending``:
    (``releasing`` → verified cleanup → freed);
 5. when the victims' devices are freed the pending request is decided again (capacity grew):
    :meth:`Preemptions.decide` gives the reservation back just before the decision (no await
-   in between, decisions are serial), so the request gets those devices — first in line on
-   this replica whatever the priorities of the other pending requests.
+   in between, decisions are serial), so the request gets those devices — first in line
+   whatever the priorities of the other pending requests.
 
-While any victim is still held the request waits (no new plan, nothing written). When all are
-gone and it still cannot be placed (another replica took the devices: reservations are kept
-by the planning replica only), it plans again. A request that leaves the pending set
-(cancelled, rejected, placed) drops its reservation (:meth:`Preemptions.sweep`).
+Every replica keeps the reservation: the record carries the devices (``preempt_devices``), and
+each replica reserves them as the record reaches it (:meth:`Preemptions._on_record`, told by
+the request book), keeps them while some replica has the request claimed, and drops them once
+the request is placed, cancelled or rejected (:meth:`Preemptions.sweep`). Until the record
+reaches another replica (a watch's delay), that replica could still decide on freed devices;
+the compare-and-set writes keep every device held once whatever happens, and a request that
+lost its devices plans again once its victims are gone. While any victim is still held the
+request waits (no new plan, nothing written).
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class Preemptions:
         self.node_allocs = node_allocs
         self.device_classes = device_classes
         self.reserved: dict[str, _Reserved] = {}  # preemptor request id → its reservation
+        book.on_record = self._on_record
 
     def decide(self, req: AllocationRequest, decide: Decide) -> Placement | Unschedulable:
         """``decide(req)`` with the request's own reservation given back first (synchronous:
@@ -105,9 +111,11 @@ class Preemptions:
         return decision
 
     def sweep(self, live: Collection[str], *, busy: Collection[str]) -> None:
-        """Drop the reservations of requests that are no longer pending (``live``) and not
-        in hand (``busy``: one being planned right now is not pending yet)."""
-        for rid in [r for r in self.reserved if r not in live and r not in busy]:
+        """Drop the reservations of requests that are no longer pending (``live``), not in
+        hand (``busy``: one being planned right now is not pending yet) and not claimed by a
+        replica that is placing them."""
+        claims = self.book.claims
+        for rid in [r for r in self.reserved if r not in live and r not in busy and r not in claims]:
             held = self.reserved.pop(rid)
             self.model.unreserve(held.node, reservation_key(rid))
             self.model.capacity.set()
@@ -154,7 +162,13 @@ class Preemptions:
         )
         try:
             record = _record_plan(
-                req, victims, node=plan.node, reason=reason, book=self.book, trace=traceparent
+                req,
+                victims,
+                node=plan.node,
+                devices=devices,
+                reason=reason,
+                book=self.book,
+                trace=traceparent,
             )
             await self.book.store.update(rid, record)
         except commits.AlreadyDone:
@@ -201,6 +215,32 @@ class Preemptions:
         if victims:
             await self._publish(req, record.preempt_node, victims)
 
+    def _on_record(self, rid: str, record: RequestRecord | None) -> None:
+        """Every replica keeps the devices a recorded plan names reserved while the request is
+        pending with it (its own plans are reserved before the record is even written)."""
+        planned = (
+            record is not None
+            and record.state == "pending"
+            and bool(record.preempt_node)
+            and bool(record.preempt_devices)
+            and rid not in self.model.placed
+        )
+        held = self.reserved.get(rid)
+        if record is not None and record.state in commits.CLAIMED_STATES and rid not in self.model.placed:
+            return  # being placed (on the reserved devices, most likely): keep them until it is
+        if not planned:
+            if held is not None:
+                self.sweep_one(rid)
+                self.model.capacity.set()
+            return
+        assert record is not None and record.preempt_node is not None
+        devices = list(record.preempt_devices)
+        if held is not None and held.node == record.preempt_node and held.devices == devices:
+            return
+        self.sweep_one(rid)
+        self.model.reserve(record.preempt_node, reservation_key(rid), devices)
+        self.reserved[rid] = _Reserved(record.preempt_node, devices)
+
     def sweep_one(self, rid: str) -> None:
         held = self.reserved.pop(rid, None)
         if held is not None:
@@ -223,7 +263,14 @@ class Preemptions:
 
 
 def _record_plan(
-    req: AllocationRequest, victims: list[Victim], *, node: str, reason: str, book: RequestBook, trace: str
+    req: AllocationRequest,
+    victims: list[Victim],
+    *,
+    node: str,
+    devices: list[str],
+    reason: str,
+    book: RequestBook,
+    trace: str,
 ) -> Mutation[RequestRecord]:
     """The request record: still ``pending``, with the plan (unless it has an outcome)."""
 
@@ -242,6 +289,7 @@ def _record_plan(
             traceparent=(current.traceparent if current is not None else "") or trace,
             victims=[v.request_id for v in victims],
             preempt_node=node,
+            preempt_devices=devices,
         )
 
     return mutate

@@ -16,6 +16,7 @@ from prometheus_client import REGISTRY
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
+from services.allocator.preemption import reservation_key
 from services.client import TandemClient
 from services.localstack import FleetEntry, LocalStack
 from tests.conftest import BusFactory, make_settings
@@ -112,3 +113,48 @@ async def test_high_priority_request_preempts_then_is_placed(
     peer_rec = await client.request_record(peer.request_id)
     assert peer_rec is not None and peer_rec.state == "pending" and peer_rec.victims == []
     await plans.unsubscribe()
+
+
+@pytest.fixture
+async def two_replicas(
+    nats_url: str, clean_jetstream: None
+) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
+    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=2, retry_interval=0.3)
+    await st.start()
+    await st.wait_ready()
+    client = await TandemClient(st.buses[0]).start()
+    yield st, client
+    await client.close()
+    await st.stop()
+
+
+async def test_every_replica_keeps_the_preemptors_devices(
+    two_replicas: tuple[LocalStack, TandemClient],
+) -> None:
+    """The record carries the reserved devices, so the replica that did not plan keeps them
+    too, until the preemptor is placed; then both let them go."""
+    st, client = two_replicas
+    low = request("low", 8, 8, priority=0)
+    await client.submit(low)
+    assert isinstance(await client.wait_for(low.request_id), Assignment)
+    hi = request("hi", 2, 2, priority=5, preemption="lower-priority", scope="pcie-switch", policy="required")
+    await client.submit(hi)
+    key = reservation_key(hi.request_id)
+
+    def reserved_everywhere() -> bool:
+        return all(key in a.cluster.holds("h100-0") for a in st.allocators)
+
+    await wait_until(reserved_everywhere, what="both replicas reserving the preemptor's devices")
+    rec = await client.request_record(hi.request_id)
+    assert rec is not None and rec.victims == [low.request_id]
+    devices = set(st.allocators[0].cluster.holds("h100-0")[key])
+    assert devices == set(st.allocators[1].cluster.holds("h100-0")[key]) and len(devices) == 4
+
+    await client.release(low.request_id)
+    placed = await client.wait_for(hi.request_id, (Assignment,), timeout=15)
+    assert isinstance(placed, Assignment) and set(placed.device_ids()) == devices
+    await wait_until(
+        lambda: not any(key in a.cluster.holds("h100-0") for a in st.allocators),
+        what="the reservations dropped once the preemptor is placed",
+    )
