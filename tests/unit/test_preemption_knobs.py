@@ -1,5 +1,6 @@
-"""The ``tandem.io/preemption`` annotation: validated, defaulted from the device class, carried
-into the allocation request (services/admission/policy.py)."""
+"""Where a request says it may preempt: the ``tandem.io/preemption`` pod annotation (validated,
+defaulted from the device class, carried into the allocation request by
+services/admission/policy.py) and ``tandem submit --preemption``."""
 
 from __future__ import annotations
 
@@ -43,3 +44,15 @@ def test_annotation_and_class_default() -> None:
 def test_bad_value_names_the_annotation() -> None:
     with pytest.raises(PolicyError, match=r"annotation tandem\.io/preemption: 'always' is not one of never"):
         policy.resolve(persisted(annotations={names.PREEMPTION: "always"}), device_classes=CLASSES)
+
+
+def test_cli_submit_carries_preemption() -> None:
+    from services.cli.main import build_parser
+    from services.cli.ops import new_request
+
+    args = build_parser().parse_args(
+        ["submit", "--gpus", "2", "--priority", "9", "--preemption", "lower-priority"]
+    )
+    req = new_request(args)
+    assert (req.priority, req.preemption) == (9, "lower-priority")
+    assert new_request(build_parser().parse_args(["submit", "--gpus", "2"])).preemption is None
