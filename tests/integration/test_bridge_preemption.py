@@ -6,6 +6,7 @@ plan, reads the releases, and assigns the preemptor once its victims are gone.""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -14,7 +15,8 @@ from prometheus_client import REGISTRY
 from schemas import subjects
 from schemas.messages import PreemptionPlan, Release, Victim
 from services.admission import names
-from tests.conftest import BusFactory
+from services.localstack import FleetEntry, LocalStack
+from tests.conftest import BusFactory, make_settings
 from tests.integration.test_bridge import (
     NODE,
     StartBridge,
@@ -164,3 +166,48 @@ async def test_preemption_for_a_gone_preemptor_evicts_nothing(
 
 async def _async(value: Any) -> Any:
     return value
+
+
+async def test_pod_preempts_through_the_real_allocator_and_bridge(
+    apiserver: tuple[Any, str],
+    start_bridge: StartBridge,
+    nats_url: str,
+    clean_jetstream: None,
+) -> None:
+    """End to end: pods in the API emulator, the real bridge, the real allocator and a
+    simulated node agent. A pod of priority 5 that may preempt finds the node full: the
+    allocator plans, the bridge evicts the victim pod through the Eviction API, the victim's
+    release is cleaned up on the node, and the preemptor is bound to the freed devices."""
+    emu, _ = apiserver
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
+    stack = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
+    await stack.start()
+    try:
+        await stack.wait_ready()
+        await start_bridge(eviction_backoff=0.2)
+
+        async def bound(name: str) -> dict[str, Any] | None:
+            obj = emu.objects["v1/pods", "ml", name]
+            return None if obj.deleted or obj.raw["spec"].get("schedulingGates") else dict(obj.raw)
+
+        await create_pod(emu, "batch", gpu="8", rdma="8")
+        low = await eventually(lambda: bound("batch"))
+        await create_pod(
+            emu,
+            "urgent",
+            gpu="4",
+            rdma="4",
+            annotations={names.PRIORITY: "5", names.PREEMPTION: "lower-priority"},
+        )
+        hi = await eventually(lambda: bound("urgent"))
+        assert ("ml", "batch", 201) in emu.evictions
+        assert emu.objects["v1/pods", "ml", "batch"].deleted
+        low_devices = json.loads(low["metadata"]["annotations"][names.ASSIGNMENT])
+        hi_devices = json.loads(hi["metadata"]["annotations"][names.ASSIGNMENT])
+        assert hi_devices["node"] == low_devices["node"] == "h100-0"
+        assert {p["scope"] for p in hi_devices["pairs"]} == {"pcie-switch"}
+        record = stack.allocators[0].node_allocs.cached("h100-0")
+        assert record is not None and record[0] is not None
+        assert [r.assignment.pod.name for r in record[0].allocations.values()] == ["urgent"]
+    finally:
+        await stack.stop()
