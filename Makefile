@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -45,6 +45,9 @@ bench: $(STAMP)
 BENCH_GANG_ARGS ?=
 bench-gang: $(STAMP)
 	$(BIN)/python -m bench.gang $(BENCH_GANG_ARGS)
+# Priority preemption plans in the core (docs/benchmarks.md, "Preemption"): one JSON line per size.
+bench-preempt: $(STAMP)
+	$(BIN)/python -m bench.preemption
 
 # The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
 # nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.

@@ -32,6 +32,7 @@ from schemas.messages import (
     NodeInventory,
     NodeLabels,
     NodeRecord,
+    PreemptionPlan,
     Release,
     RequestRecord,
 )
@@ -39,7 +40,7 @@ from schemas.messages import (
 T = TypeVar("T")
 
 NodeEvent = NodeInventory | HealthEvent | Heartbeat | Applied | Cleaned
-AllocEvent = AllocationRequest | JobRequest | Assignment | AllocationFailed | Release | Freed
+AllocEvent = AllocationRequest | JobRequest | Assignment | AllocationFailed | Release | Freed | PreemptionPlan
 AnyMessage = NodeEvent | AllocEvent | DeadLetter | DeviceCommand | InventoryQuery | InventoryReply
 
 _encoder = msgspec.msgpack.Encoder()

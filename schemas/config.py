@@ -26,6 +26,9 @@ class DeviceClass(msgspec.Struct, gc=False, omit_defaults=True, forbid_unknown_f
     policy: Literal["required", "preferred"] = "preferred"
     pairing: Literal["per-gpu", "shared"] | None = None
     """None: ``per-gpu`` when the request asks as many NICs as GPUs, else ``shared``."""
+    preemption: Literal["never", "lower-priority"] = "never"
+    """Whether a request of this class that cannot be placed may evict allocations of lower
+    priority (a request's own ``preemption`` overrides it; docs/sharing.md)."""
 
 
 def default_device_classes() -> dict[str, DeviceClass]:

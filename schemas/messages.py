@@ -55,8 +55,11 @@ __all__ = [
     "NodeRecord",
     "Pair",
     "PodRef",
+    "PreemptionMode",
+    "PreemptionPlan",
     "Release",
     "RequestRecord",
+    "Victim",
     "now",
 ]
 
@@ -83,6 +86,7 @@ Policy = Literal["required", "preferred"]
 TierName = Annotated[
     str, msgspec.Meta(min_length=1, max_length=40, pattern=r"^[a-z0-9]([a-z0-9-]*[a-z0-9])?$")
 ]
+PreemptionMode = Literal["never", "lower-priority"]
 Pairing = Literal["per-gpu", "shared"]
 
 
@@ -186,6 +190,9 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     # GPUs until sharing is built into it.
     gpu_memory_mib: Annotated[int, msgspec.Meta(ge=1, le=2**24)] | None = None
     gpu_cores_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
+    # May this request evict allocations of lower priority when it cannot be placed
+    # (docs/sharing.md, "Preemption")? None: the device class says (default "never").
+    preemption: PreemptionMode | None = None
 
 
 class ClaimMarker(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
@@ -347,6 +354,29 @@ class Freed(_Msg, tag="alloc.freed"):
     ts: float = msgspec.field(default_factory=now)
 
 
+class Victim(msgspec.Struct, gc=False, omit_defaults=True):
+    """One allocation to evict: its request, its pod, where it runs and its priority."""
+
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName
+    priority: int = 0
+
+
+class PreemptionPlan(_Msg, tag="alloc.preempt"):
+    """The allocator's intent to evict ``victims`` so that ``request_id`` (of ``priority``)
+    can be placed on ``node`` once their devices are cleaned. The pod bridge evicts the
+    victims' pods through the Kubernetes Eviction API (respecting PodDisruptionBudgets);
+    their normal release then frees the devices."""
+
+    request_id: RequestId
+    pod: PodRef
+    node: NodeName
+    priority: int = 0
+    victims: Annotated[list[Victim], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
+    ts: float = msgspec.field(default_factory=now)
+
+
 class AllocatorHeartbeat(_Msg, tag="allocator.heartbeat"):
     """An allocator replica saying it is alive (core NATS). The replicas seen alive split the
     nodes between them, so that they rarely decide on the same node."""
@@ -421,6 +451,9 @@ class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     # ``epoch``) that prepared it; "" / 0 for a single request.
     job: str = ""
     epoch: int = 0
+    # False: never evicted to make room for a request of higher priority (a claim, unless
+    # it allows it; docs/sharing.md, "Preemption").
+    preemptible: bool = True
 
 
 class NodeAllocations(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
@@ -449,6 +482,12 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     # The W3C trace context the request arrived with (its submitter's span): every later
     # decision about it, on any replica, joins that trace instead of starting a new one.
     traceparent: str = ""
+    # A pending request that preempts: the allocations being evicted for it and the node it
+    # goes to once they are freed (services/allocator/preemption.py).
+    victims: Annotated[list[RequestId], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
+    preempt_node: str | None = None
+    # The devices kept for it there meanwhile (every replica reserves them).
+    preempt_devices: DeviceList = []
 
 
 class JobRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):

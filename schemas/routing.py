@@ -27,6 +27,7 @@ from schemas.messages import (
     InventoryQuery,
     JobRequest,
     NodeInventory,
+    PreemptionPlan,
     Release,
 )
 
@@ -47,6 +48,7 @@ _ALLOC_KINDS: dict[str, tuple[type, bool]] = {
     "freed": (Freed, False),
     "assigned": (Assignment, True),
     "release": (Release, True),
+    "preempt": (PreemptionPlan, False),
 }
 
 

@@ -10,6 +10,7 @@ Subject tree (``<node>`` is a node token, see :func:`node_token`)::
     tandem.alloc.assigned.<node>                                stream ALLOC_STREAM
     tandem.alloc.failed | tandem.alloc.freed                    stream ALLOC_STREAM
     tandem.alloc.release.<node>  (``_unplaced`` when unknown)   stream ALLOC_STREAM
+    tandem.alloc.preempt                                        stream ALLOC_STREAM
     tandem.dlq.<service>                                        stream DLQ_STREAM
     tandem.query.inventory                                      core NATS request/reply
     tandem.allocator.heartbeat                                  core NATS (replica membership)
@@ -50,6 +51,9 @@ ALLOC_FAILED = f"{ROOT}.alloc.failed"
 ALLOC_FREED = f"{ROOT}.alloc.freed"
 ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
 ALLOC_RELEASE_ALL = f"{ROOT}.alloc.release.*"
+# Preemption plans: the allocator's intent to evict allocations for a request of higher
+# priority; the pod bridge evicts their pods (services/allocator/preemption.py).
+ALLOC_PREEMPT = f"{ROOT}.alloc.preempt"
 UNPLACED = "_unplaced"
 QUERY_INVENTORY = f"{ROOT}.query.inventory"
 ALLOCATOR_HEARTBEAT = f"{ROOT}.allocator.heartbeat"
@@ -88,6 +92,7 @@ CONSUMER_ALLOCATOR_RELEASES = "allocator-releases"
 CONSUMER_INVENTORY = "inventory-node-events"
 CONSUMER_BRIDGE = "bridge-outcomes"
 CONSUMER_BRIDGE_FAILED = "bridge-failures"
+CONSUMER_BRIDGE_PREEMPT = "bridge-preemptions"
 
 
 def node_token(node: str) -> str:

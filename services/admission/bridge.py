@@ -12,7 +12,9 @@ Inputs and what they cause (all idempotent, keyed by ``request_id = <pod uid>.1`
   and lastTimestamp move while it stays pending (at most one write per ``event_interval`` for an
   unchanged reason);
 * a managed pod deleted or finished (Succeeded/Failed) → ``alloc.release`` on the node's release
-  subject (span ``bridge.release``).
+  subject (span ``bridge.release``);
+* ``alloc.preempt`` (durable ``CONSUMER_BRIDGE_PREEMPT``) → the victims' pods evicted through
+  the Eviction API, respecting PodDisruptionBudgets (:mod:`.evictions`).
 
 Nothing is lost while the bridge is down: outcomes wait in the durable consumers, and every
 (re)list of pods runs :meth:`Bridge.resync`, which compares the pods with the allocator's
@@ -43,8 +45,16 @@ from nats.js.errors import KeyNotFoundError, NoKeysError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
-from schemas.messages import AllocationFailed, Assignment, JobRecord, PodRef, Release, RequestRecord
-from services.admission import claims, jobs, metrics, names, policy
+from schemas.messages import (
+    AllocationFailed,
+    Assignment,
+    JobRecord,
+    PodRef,
+    PreemptionPlan,
+    Release,
+    RequestRecord,
+)
+from services.admission import claims, evictions, jobs, metrics, names, policy
 from services.admission.claimbridge import ClaimBridge
 from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
 from services.admission.kube import KubeApi
@@ -73,6 +83,7 @@ class Bridge:
         mirror_node_labels: bool = True,
         clock: Callable[[], float] = time.time,
         claim_tick: float = 1.0,
+        eviction_backoff: float = 1.0,
     ) -> None:
         self.kube = kube
         self.bus = bus
@@ -86,6 +97,8 @@ class Bridge:
         # Fabric labels of Nodes into KV for the allocator (services.admission.nodelabels).
         self.mirror_node_labels = mirror_node_labels
         self.clock = clock
+        # First delay before a preemption blocked by a PodDisruptionBudget is tried again.
+        self.eviction_backoff = eviction_backoff
         self.instance = bus.settings.instance
         self._tracer = tracer("tandem.bridge")
         self._requested: set[str] = set()
@@ -131,6 +144,17 @@ class Bridge:
                 filter_subject=subjects.ALLOC_FAILED,
                 decoder=codec.ALLOC_EVENT,
                 handler=self.on_outcome,
+                stop=stop,
+            ),
+        )
+        sup.spawn(
+            "preempt",
+            lambda: self.bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable=subjects.CONSUMER_BRIDGE_PREEMPT,
+                filter_subject=subjects.ALLOC_PREEMPT,
+                decoder=codec.ALLOC_EVENT,
+                handler=self.on_preemption,
                 stop=stop,
             ),
         )
@@ -483,6 +507,10 @@ class Bridge:
         elif isinstance(msg, AllocationFailed):
             await self.on_failed(msg)
         # Other kinds on these subjects are not the bridge's business; ack them.
+
+    async def on_preemption(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, PreemptionPlan):
+            await evictions.evict_victims(self, msg, delivery)
 
     async def _bind(self, a: Assignment, *, raw: dict[str, Any] | None) -> None:
         if raw is None:

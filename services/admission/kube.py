@@ -47,6 +47,11 @@ class KubeApi(Protocol):
 
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj: ...
 
+    async def evict_pod(self, namespace: str, name: str, *, uid: str) -> Obj:
+        """Evict through the Eviction API (``policy/v1``), which respects PodDisruptionBudgets:
+        429 when one forbids it now, 409 when the pod's uid is not ``uid`` any more."""
+        ...
+
     async def create_event(self, namespace: str, body: Obj) -> Obj: ...
 
     async def get_event(self, namespace: str, name: str) -> Obj: ...
@@ -86,6 +91,10 @@ def _error(status: int, reason: str, body: str | bytes | None) -> KubeError:
         try:
             doc = json.loads(body)
             message = doc.get("message") or reason
+            # The why of a refusal, e.g. which PodDisruptionBudget forbids an eviction.
+            causes = [c.get("message") for c in (doc.get("details") or {}).get("causes") or []]
+            if any(causes):
+                message = f"{message} ({'; '.join(c for c in causes if c)})"
         except (ValueError, AttributeError):
             pass
     text = f"Kubernetes API {status}: {message}"
@@ -94,6 +103,19 @@ def _error(status: int, reason: str, body: str | bytes | None) -> KubeError:
     if status == 409:
         return Conflict(text, status=status, reason=reason)
     return KubeError(text, status=status, reason=reason)
+
+
+def eviction_body(namespace: str, name: str, *, uid: str) -> Obj:
+    """A ``policy/v1`` Eviction of one pod, only if it is still the pod with ``uid`` (a pod
+    recreated under the same name is not the victim)."""
+    body: Obj = {
+        "apiVersion": "policy/v1",
+        "kind": "Eviction",
+        "metadata": {"name": name, "namespace": namespace},
+    }
+    if uid:
+        body["deleteOptions"] = {"preconditions": {"uid": uid}}
+    return body
 
 
 class KubeClient:
@@ -197,6 +219,12 @@ class KubeClient:
             self.core.patch_namespaced_pod(
                 name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
             )
+        )
+
+    async def evict_pod(self, namespace: str, name: str, *, uid: str) -> Obj:
+        body = eviction_body(namespace, name, uid=uid)
+        return await self._json(
+            self.core.create_namespaced_pod_eviction(name, namespace, body, _preload_content=False)
         )
 
     async def create_event(self, namespace: str, body: Obj) -> Obj:

@@ -20,7 +20,16 @@ BRIDGE_REQUESTS = Counter("tandem_bridge_requests_total", "Allocation requests p
 BRIDGE_RELEASES = Counter(
     "tandem_bridge_releases_total", "Releases published for pods deleted, finished or gone"
 )
+EVICTION_RESULTS = ("evicted", "blocked", "gone")
+BRIDGE_EVICTIONS = Counter(
+    "tandem_bridge_evictions_total",
+    "Victim pods of a preemption: evicted through the Eviction API, blocked by a "
+    "PodDisruptionBudget (429, retried), or already gone",
+    ["result"],
+)
 for _outcome in REVIEW_OUTCOMES:
     REVIEWS.labels(_outcome)  # every outcome shown from 0
 for _result in BIND_RESULTS:
     BRIDGE_BINDS.labels(_result)
+for _result in EVICTION_RESULTS:
+    BRIDGE_EVICTIONS.labels(_result)

@@ -20,6 +20,8 @@ SCOPE = f"{PREFIX}scope"
 POLICY = f"{PREFIX}policy"
 PAIRING = f"{PREFIX}pairing"
 PRIORITY = f"{PREFIX}priority"
+PREEMPTION = f"{PREFIX}preemption"
+"""``never`` or ``lower-priority``: may the pod evict pods of lower priority (default: its class's)."""
 NETWORK_IFNAME_PREFIX = f"{PREFIX}network-ifname-prefix"
 NETWORK_MTU = f"{PREFIX}network-mtu"
 NETWORK_ADDRESSES = f"{PREFIX}network-addresses"
@@ -63,4 +65,8 @@ PRIORITY_RANGE = (-1_000_000, 1_000_000)
 EVENT_REASON_FAILED = "AllocationFailed"
 EVENT_REASON_INVALID = "InvalidTandemRequest"
 EVENT_REASON_CLAIM = "WaitingForClaim"
+# Events of priority preemption: on the preemptor while a PodDisruptionBudget blocks the
+# eviction of a victim, and on each victim evicted for it.
+EVENT_REASON_PREEMPTION_BLOCKED = "PreemptionBlocked"
+EVENT_REASON_PREEMPTED = "Preempted"
 EVENT_COMPONENT = "tandem-bridge"

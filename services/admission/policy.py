@@ -14,7 +14,9 @@ What counts as a Tandem request (documented for pod authors in ``docs/kubernetes
 * Counts are whole numbers 0..64; a pod whose total is 0 for both is not a Tandem pod.
 * ``spec.nodeName`` must be empty: Tandem chooses the node.
 * Annotations choose a device class (default ``default``) and may override its scope, policy
-  and pairing; ``priority`` orders the allocator's queue; ``network-*`` shape the RDMA netdevs.
+  and pairing; ``priority`` orders the allocator's queue; ``preemption: lower-priority`` lets the
+  pod evict pods of lower priority when nothing else makes room; ``network-*`` shape the RDMA
+  netdevs.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ has generation 1; the allocator's re-queue of a pod keeps the same request id.""
 
 Policy = Literal["required", "preferred"]
 Pairing = Literal["per-gpu", "shared"]
+PreemptionMode = Literal["never", "lower-priority"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -150,16 +153,21 @@ class TandemRequest:
     pairing: Pairing
     priority: int = names.DEFAULT_PRIORITY
     network: NetworkSpec | None = None
+    preemption: PreemptionMode = "never"
 
     def annotations(self) -> dict[str, str]:
-        """The normalised annotations the webhook writes (defaults made explicit)."""
-        return {
+        """The normalised annotations the webhook writes (defaults made explicit; preemption
+        only when allowed, so pods that never preempt look as they always did)."""
+        out = {
             names.DEVICE_CLASS: self.device_class,
             names.SCOPE: self.scope,
             names.POLICY: self.policy,
             names.PAIRING: self.pairing,
             names.PRIORITY: str(self.priority),
         }
+        if self.preemption != "never":
+            out[names.PREEMPTION] = self.preemption
+        return out
 
 
 _INT = re.compile(r"^[+-]?\d+$")
@@ -338,6 +346,10 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
     lo, hi = names.PRIORITY_RANGE
     if not _INT.match(prio_text) or not lo <= int(prio_text) <= hi:
         raise PolicyError(f"annotation {names.PRIORITY}: {prio_text!r} is not a whole number in {lo}..{hi}")
+    preemption = cast(
+        PreemptionMode,
+        _choice(ann.get(names.PREEMPTION, cls.preemption), ("never", "lower-priority"), key=names.PREEMPTION),
+    )
     return TandemRequest(
         gpus=gpus,
         rdma=rdma,
@@ -347,6 +359,7 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
         pairing=pairing,
         priority=int(prio_text),
         network=_network(ann, rdma=rdma),
+        preemption=preemption,
     )
 
 
@@ -463,6 +476,7 @@ def allocation_request(pod: PodView, *, device_classes: dict[str, DeviceClass]) 
         priority=req.priority,
         node_selector=dict(pod.spec.nodeSelector or {}),
         network=req.network,
+        preemption=req.preemption,
     )
 
 

@@ -38,6 +38,12 @@ PENDING_AGE_AT_PLACEMENT_SECONDS = Histogram(
     buckets=(0.1, 0.5, 1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600, 14400),
 )
 PAIRS = Counter("tandem_allocator_pairs_total", "GPU/NIC pairs assigned, by alignment scope", ["scope"])
+PREEMPTIONS = Counter(
+    "tandem_allocator_preemptions_total", "Preemption plans made for requests of higher priority"
+)
+PREEMPTED = Counter(
+    "tandem_allocator_preempted_allocations_total", "Allocations chosen to be evicted by a preemption plan"
+)
 COMMIT_CONFLICTS = Counter(
     "tandem_allocator_commit_conflicts_total", "Commits that lost the compare-and-set race and re-decided"
 )

@@ -55,6 +55,9 @@ class ReadModel:
         # Labels the cluster keeps on the Node objects (fabric blocks), mirrored by the pod
         # bridge into KV tandem-node-labels: they join the topology's own labels.
         self.cluster_labels: dict[str, dict[str, str]] = {}
+        # node → reservation key → devices: devices kept for a preempting request while its
+        # victims are evicted (services/allocator/preemption.py); never preemptible.
+        self._reserved: dict[str, dict[str, tuple[str, ...]]] = {}
 
     # -- node records -----------------------------------------------------------------------
 
@@ -137,12 +140,21 @@ class ReadModel:
     def _sync_holds(self, node: str, record: NodeAllocations | None) -> None:
         allocations = record.allocations if record is not None else {}
         tentative = self._tentative.get(node, {})
-        current = set(allocations) | set(tentative)
+        current = set(allocations) | set(tentative) | set(self._reserved.get(node, ()))
         for rid in set(self.cluster.holds(node)) - current:
             self.cluster.release(node, rid)
         for rid, rec in allocations.items():
             tentative.pop(rid, None)  # committed: the record's hold replaces it
-            self.cluster.hold(node, rid, rec.assignment.device_ids())
+            # A request of higher priority may evict a running allocation; one being released
+            # is on its way out already, and a protected one (a claim) stays.
+            self.cluster.hold(
+                node,
+                rid,
+                rec.assignment.device_ids(),
+                priority=rec.priority,
+                # A job pod in the first phase of its commit is not an allocation yet.
+                preemptible=rec.preemptible and rec.state not in ("releasing", "prepared"),
+            )
         if not tentative:
             self._tentative.pop(node, None)
 
@@ -152,6 +164,22 @@ class ReadModel:
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
         self.cluster.hold(node, request_id, devs)
+
+    def reserve(self, node: str, key: str, devices: list[str]) -> None:
+        """Keep ``devices`` from every decision under ``key`` (not a request id) until
+        :meth:`unreserve`: a preempting request's devices while its victims are evicted."""
+        devs = tuple(devices)
+        self._reserved.setdefault(node, {})[key] = devs
+        self.cluster.hold(node, key, devs)
+
+    def unreserve(self, node: str, key: str) -> None:
+        """Give a reservation back (no capacity event: the caller decides at once)."""
+        reserved = self._reserved.get(node)
+        if reserved is None or reserved.pop(key, None) is None:
+            return
+        if not reserved:
+            del self._reserved[node]
+        self.cluster.release(node, key)
 
     def drop_tentative(self, node: str, request_id: str) -> None:
         """The commit failed: free the devices unless the record holds the request after all."""

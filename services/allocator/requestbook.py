@@ -74,6 +74,9 @@ class RequestBook:
         )
         self.pending: dict[str, AllocationRequest] = {}
         self.claims: dict[str, RequestRecord] = {}  # claimed, not yet held by a node record
+        # Told of every record change after the book took it in (services/allocator/preemption.py
+        # keeps the devices reserved for preempting requests from it).
+        self.on_record: Callable[[str, RequestRecord | None], None] | None = None
 
     async def aclose(self) -> None:
         await self.store.aclose()
@@ -81,12 +84,13 @@ class RequestBook:
     def _on_record(self, key: str, record: RequestRecord | None, _: int) -> None:
         self.pending.pop(key, None)
         self.claims.pop(key, None)
-        if record is None:
-            return
-        if record.state == "pending":
-            self.pending[key] = record.request
-        elif record.state in commits.CLAIMED_STATES and key not in self.placed:
-            self.claims[key] = record
+        if record is not None:
+            if record.state == "pending":
+                self.pending[key] = record.request
+            elif record.state in commits.CLAIMED_STATES and key not in self.placed:
+                self.claims[key] = record
+        if self.on_record is not None:
+            self.on_record(key, record)
 
     def abandoned(self, *, busy: Collection[str]) -> list[AllocationRequest]:
         """Requests a replica claimed and then never committed (it crashed in between).

@@ -70,6 +70,7 @@ from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
 from services.allocator.core.gang import DEFAULT_TIERS
 from services.allocator.jobs import Jobs
+from services.allocator.preemption import Preemptions
 from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
@@ -152,6 +153,14 @@ class Allocator(Service):
             claim_timeout=claim_timeout,
             tiers=fabric_tiers,
             prepare_pause=fault_job_prepare_pause,
+        )
+        self.preemptions = Preemptions(
+            bus,
+            instance=instance,
+            model=self.model,
+            book=self.book,
+            node_allocs=self.node_allocs,
+            device_classes=self.cluster.device_classes,
         )
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
         self._frozen_at = 0  # nodes known at the last gc.freeze
@@ -390,7 +399,7 @@ class Allocator(Service):
                 span.set_attribute("tandem.retry", retry)
                 t0 = time.perf_counter()
                 try:
-                    decision = first if first is not None else self.replicas.decide(req)
+                    decision = first if first is not None else self._decide(req)
                     first = None
                 except InvalidRequest as exc:
                     # Retrying cannot help (e.g. a device class removed from the config after
@@ -405,6 +414,10 @@ class Allocator(Service):
                     metrics.DECISIONS.labels("unschedulable").inc()
                     span.set_attributes({"tandem.outcome": "unschedulable", "tandem.reason": decision.reason})
                     span.set_status(Status(StatusCode.ERROR, limits.clip(decision.reason, 500)))
+                    # A message (not a retry): a plan it recorded before is published again.
+                    preempting = await self.preemptions.consider(req, traceparent=trace, republish=not retry)
+                    if preempting is not None:
+                        return preempting
                     return await self._unschedulable(req, decision, traceparent=trace)
                 span.set_attributes(
                     {
@@ -467,12 +480,22 @@ class Allocator(Service):
             return "assigned"
         raise Retry(f"request {rid}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")
 
+    def _decide(self, req: AllocationRequest) -> Placement | Unschedulable:
+        """The replicas' decision, with devices reserved for the request by a preemption
+        given back to it first (services/allocator/preemption.py)."""
+        return self.preemptions.decide(req, self.replicas.decide)
+
     async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
         """Add the allocation to the node's record; False when a device went to another."""
         with _tracer.start_as_current_span("allocator.commit", kind=SpanKind.PRODUCER) as cspan:
             cspan.set_attributes(tracing.messaging(subjects.node_allocs(assignment.node), "publish"))
             rec = AllocRecord(
-                assignment=assignment, priority=req.priority, traceparent=current_traceparent() or ""
+                assignment=assignment,
+                priority=req.priority,
+                traceparent=current_traceparent() or "",
+                # A DeviceClaim's devices are never evicted for another request
+                # (docs/sharing.md, "Preemption").
+                preemptible=req.claim is None,
             )
             try:
                 await self.node_allocs.update(
@@ -527,6 +550,7 @@ class Allocator(Service):
         finds a place (or has something new to say) goes on, as a task, to claim and commit,
         so a pass over thousands of still-unschedulable requests writes nothing and their
         commits overlap."""
+        self.preemptions.sweep(self.book.pending, busy=self._inflight)
         abandoned = self.book.abandoned(busy=self._inflight)
         candidates = {r.request_id: r for r in [*abandoned, *self.book.pending.values()]}
         order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
@@ -554,7 +578,7 @@ class Allocator(Service):
                 continue
             await gate.acquire()
             try:
-                decision = self.replicas.decide(req)
+                decision = self._decide(req)
             except InvalidRequest:
                 decision = None  # handle_request rejects it, with the reason
             if isinstance(decision, Unschedulable) and not self.book.reason_due(rid, decision):

@@ -8,6 +8,9 @@ simulated node of a mixed fleet), then plays what a cluster would see:
    the GPU recovers and the pending pod is placed without being resubmitted;
 3. some pods finish: their devices are cleaned up (verified) and freed, and a large pod that
    did not fit before gets the whole freed board;
+4. an urgent job of higher priority that may preempt needs that board: the allocator plans the
+   eviction of the job on it (``tandem.alloc.preempt``), the demo evicts it as the pod bridge
+   would (its release, verified cleanup, freed), and the urgent job gets the board;
 
 and prints who got which GPUs and NICs with the alignment of each GPU/NIC pair, the latency
 from request to assignment (p50/p99, measured by the client on the wall clock), and the trace
@@ -26,7 +29,8 @@ from typing import Any
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef
+from schemas import codec, subjects
+from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
 from services.cli.ops import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
 from services.cli.table import render_table
 from services.client import TandemClient
@@ -226,6 +230,8 @@ async def _script(demo: Demo, t_start: float) -> int:
     print("a new 8-GPU job takes the freed board:")
     print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
 
+    await _preemption(demo, placed, outcome)
+
     _print_section("Alignment achieved (GPU/NIC pairs by scope)")
     hist = Counter(p.scope for a in demo.all_assignments() for p in a.pairs)
     total = sum(hist.values())
@@ -261,6 +267,43 @@ async def _script(demo: Demo, t_start: float) -> int:
         raise DemoFailure(f"trace {trace_id} lacks spans {sorted(expected - set(names))}")
     print(f"\nDemo finished in {time.perf_counter() - t_start:.1f} s")
     return 0
+
+
+async def _preemption(demo: Demo, placed: dict[str, Assignment], board: Assignment) -> None:
+    """Step 4: an urgent job pinned to ``board``'s node preempts the job holding it."""
+    _print_section("4. an urgent job (priority 100, may preempt) needs that board")
+    urgent = AllocationRequest(
+        **{
+            **_as_dict(_request("urgent-train", 8, 8, "pcie-switch", "required")),
+            "priority": 100,
+            "preemption": "lower-priority",
+            "node_selector": {HOSTNAME: board.node},
+        }
+    )
+    plans = await demo.client.bus.nc.subscribe(subjects.ALLOC_PREEMPT)
+    try:
+        await demo.submit(urgent)
+        try:
+            msg = await plans.next_msg(timeout=10.0)
+        except TimeoutError:
+            raise DemoFailure("no preemption plan for urgent-train") from None
+    finally:
+        await plans.unsubscribe()
+    plan = codec.ALLOC_EVENT.decode(msg.data)
+    if not isinstance(plan, PreemptionPlan) or plan.request_id != urgent.request_id or not plan.victims:
+        raise DemoFailure(f"unexpected preemption plan: {plan!r}")
+    for v in plan.victims:
+        # What the pod bridge does in a cluster: evict the pod (Eviction API, PDBs respected),
+        # whose deletion releases its allocation.
+        freed = await demo.release(v.request_id)
+        placed.pop(v.request_id, None)
+        print(f"{v.pod.name} (priority {v.priority}) preempted on {v.node}: evicted, cleaned, freed")
+        print(f"  {', '.join(freed.devices)}")
+    moved = await demo.client.wait_for(urgent.request_id, (Assignment,), timeout=15.0)
+    assert isinstance(moved, Assignment)
+    placed[moved.request_id] = moved
+    print("urgent-train takes the board once its devices are clean:")
+    print(render_table(assignment_rows([moved]), ASSIGNMENT_HEADERS))
 
 
 async def _until(predicate: Callable[[], bool], *, what: str, timeout: float = 10.0) -> None:

@@ -453,6 +453,7 @@ def new_request(args: argparse.Namespace) -> AllocationRequest:
         device_class=args.device_class,
         priority=args.priority,
         network=NetworkSpec(mtu=args.mtu) if args.mtu else None,
+        preemption=getattr(args, "preemption", None),
     )
     try:
         return codec.validated(req)

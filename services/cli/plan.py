@@ -16,6 +16,10 @@ Inputs:
   ``{"kind":"free","id":"p1"}`` per line; blank lines and ``#`` comments are skipped.
   Claims, reservations and the planner's clock (``claim`` / ``tick`` lines, ``"claim"`` on an
   ``alloc``) are :mod:`services.cli.plan_claims`'s.
+
+An ``alloc`` that finds no room and may preempt (its ``preemption``, or its class's, is
+``lower-priority``) evicts the allocations :func:`services.allocator.core.preempt.plan` names:
+a ``preempted`` line for each, then the request's own line.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import yaml
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest
 from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
-from services.allocator.core import Cluster, InvalidRequest, Placement
+from services.allocator.core import Cluster, InvalidRequest, Placement, preempt
 from services.allocator.core.gang import DEFAULT_TIERS
 from services.cli.errors import CliError
 from services.cli.plan_claims import ClaimBook
@@ -53,6 +57,7 @@ _ALLOC_KEYS = {
     "device_class",
     "priority",
     "node_selector",
+    "preemption",
 }
 _FREE_KEYS = {"kind", "id"}
 
@@ -115,7 +120,8 @@ def run_plan(
     enc = msgspec.json.Encoder()
     job_book = JobBook(cluster, tiers=tiers, mode=jobs)
     live: dict[str, str] = {}  # request id -> node
-    counts = {"assigned": 0, "unschedulable": 0, "freed": 0}
+    counts = {"assigned": 0, "unschedulable": 0, "freed": 0, "preempted": 0}
+    preempted: dict[str, str] = {}  # victim id -> the request that preempted it
     alignment = dict.fromkeys(SCOPES, 0)
     placement_scopes = dict.fromkeys(SCOPES, 0)
     busy = 0.0  # seconds spent deciding and holding (not parsing/printing)
@@ -153,7 +159,8 @@ def run_plan(
             if node is not None:
                 cluster.release(node, rid)
             counts["freed"] += 1 if node is not None else 0
-            line = _line(rid, "freed", node=node, reason="" if node else "was not allocated")
+            why = f"was preempted by {preempted[rid]}" if rid in preempted else "was not allocated"
+            line = _line(rid, "freed", node=node, reason="" if node else why)
         elif kind == "alloc":
             _no_extra(obj, _ALLOC_KEYS, where)
             if rid in live or claim_book.holds(rid) or rid in job_book.live:
@@ -162,10 +169,32 @@ def run_plan(
             t0 = time.perf_counter()
             try:
                 result = cluster.decide(req)
+                plan = _preemption(cluster, req, result)
             except InvalidRequest as exc:
                 raise CliError(f"{where}: {exc}") from None
+            if plan is not None:
+                # Evict the victims (a line each, before the preemptor's), then place.
+                topo = cluster.topology(plan.node)
+                for victim in plan.victims:
+                    devs = set(victim.devices)
+                    cluster.release(plan.node, victim.request_id)
+                    live.pop(victim.request_id, None)
+                    preempted[victim.request_id] = rid
+                    counts["preempted"] += 1
+                    vline = _line(
+                        victim.request_id,
+                        "preempted",
+                        node=plan.node,
+                        gpus=[{"index": g.index, "uuid": g.uuid} for g in topo.gpus() if g.id in devs],
+                        nics=[{"name": d} for d in victim.devices if not d.startswith("gpu")],
+                        reason=f"evicted for {rid} (priority {req.priority} > {victim.priority})",
+                        by=rid,
+                    )
+                    out.write(enc.encode(vline).decode() + "\n")
+                result = plan.placement
             if isinstance(result, Placement):
-                cluster.hold(result.node, rid, result.devices())
+                cluster.hold(result.node, rid, result.devices(), priority=req.priority, preemptible=True)
+                preempted.pop(rid, None)
             busy += time.perf_counter() - t0
             decisions += 1
             if isinstance(result, Placement):
@@ -211,6 +240,15 @@ def run_plan(
         out.write(enc.encode(doc).decode() + "\n")
 
 
+def _preemption(
+    cluster: Cluster, req: AllocationRequest, result: Placement | object
+) -> preempt.Preemption | None:
+    """The preemption plan for a request that may preempt and found no room (docs/plan.md)."""
+    if isinstance(result, Placement) or not preempt.may_preempt(req, cluster.device_classes):
+        return None
+    return preempt.plan(cluster, req)
+
+
 def _line(
     rid: str,
     status: str,
@@ -220,10 +258,13 @@ def _line(
     nics: list[dict[str, Any]] | None = None,
     pairs: list[dict[str, Any]] | None = None,
     reason: str = "",
+    by: str | None = None,
 ) -> dict[str, Any]:
+    head: dict[str, Any] = {"id": rid, "status": status}
+    if by is not None:
+        head["by"] = by  # only on "preempted" lines: the request that evicted this one
     return {
-        "id": rid,
-        "status": status,
+        **head,
         "node": node,
         "gpus": gpus or [],
         "nics": nics or [],
@@ -269,7 +310,7 @@ def _request(obj: dict[str, Any], where: str) -> AllocationRequest:
         "rdma": obj.get("rdma", 0),
         "created_at": 0.0,
     }
-    for key in ("scope", "policy", "pairing", "device_class", "priority", "node_selector"):
+    for key in ("scope", "policy", "pairing", "device_class", "priority", "node_selector", "preemption"):
         if key in obj:
             data[key] = obj[key]
     try:

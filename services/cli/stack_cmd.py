@@ -196,6 +196,12 @@ def register(sub: Any) -> None:
     s.add_argument(
         "--priority", type=int, default=0, help="higher is retried first while pending (default 0)"
     )
+    s.add_argument(
+        "--preemption",
+        choices=["never", "lower-priority"],
+        help="may it evict allocations of lower priority when nothing else makes room "
+        "(default: the class's, never)",
+    )
     s.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the pod's RDMA netdevs (576-9216)")
     s.add_argument(
         "--wait",

@@ -344,6 +344,7 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         ("", "pods", "list", ()),
         ("", "pods", "watch", ()),
         ("", "pods", "patch", ()),
+        ("", "pods/eviction", "create", ()),
         ("", "events", "create", ()),
         ("", "events", "get", ()),
         ("", "events", "patch", ()),

@@ -47,6 +47,9 @@ async def test_demo_exits_zero_and_exports_one_trace_per_allocation() -> None:
 
     assert "pod" in out and "alignment" in out and "pcie-switch" in out
     assert re.search(r"\d+ assignments: p50 [\d.]+ ms, p99 [\d.]+ ms", out)
+    # Step 4: a priority preemption, its victim evicted and the urgent job placed.
+    assert re.search(r"llm-pretrain-2 \(priority 0\) preempted on \S+: evicted, cleaned, freed", out), out
+    assert "urgent-train takes the board" in out
     match = re.search(r"trace_id ([0-9a-f]{32})", out)
     assert match, out
     trace_id = bytes.fromhex(match.group(1))

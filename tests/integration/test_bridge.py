@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import aiohttp.web
 import jsonpatch
 import kmock
 import kubernetes_validate
@@ -51,19 +53,93 @@ CLASSES = {"default": DeviceClass()}
 NODE = "gpu-node-1.example"
 
 
+EVICTION_PATH = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/eviction$")
+
+
+def _status(code: int, reason: str, message: str, **details: Any) -> aiohttp.web.Response:
+    """A ``v1 Status`` answer shaped like kube-apiserver's."""
+    body: dict[str, Any] = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Success" if code < 400 else "Failure",
+        "code": code,
+    }
+    if code >= 400:
+        body.update(message=message, reason=reason)
+    if details:
+        body["details"] = details
+    return aiohttp.web.json_response(body, status=code)
+
+
 class Apiserver(kmock.KubernetesEmulator):  # type: ignore[misc]
-    """kmock's emulator, accepting ``watch=True`` as kube-apiserver does.
+    """kmock's emulator, accepting ``watch=True`` as kube-apiserver does, and serving the pod
+    ``eviction`` subresource (kmock has none).
 
     kubernetes-asyncio spells the flag with a capital T; the real API server parses it with Go's
     ``strconv.ParseBool`` (which accepts it), kmock 0.8 only matches ``true``.
+
+    Evictions are answered as kube-apiserver's ``policy/v1`` Eviction REST handler does: 400 for
+    a body that is not an Eviction of the pod in the URL, 404 for a missing pod, 409 when a uid
+    precondition does not match, 429 ``TooManyRequests`` with a ``DisruptionBudget`` cause
+    while a PodDisruptionBudget forbids the eviction (``pdb_blocked``: (namespace, pod) → PDB
+    name), else the pod is deleted (a ``DELETED`` watch event) and the answer is 201 Success.
+    ``evictions`` records every eviction request as (namespace, pod, status).
     """
 
+    pdb_blocked: dict[tuple[str, str], str]
+    evictions: list[tuple[str, str, int]]
+
     async def __call__(self, raw_request: Any) -> Any:
+        match = EVICTION_PATH.match(raw_request.path)
+        if match is not None and raw_request.method == "POST":
+            return await self._evict(raw_request, match.group(1), match.group(2))
         if raw_request.query.get("watch") == "True":
             query = raw_request.query.copy()
             query["watch"] = "true"
             raw_request = raw_request.clone(rel_url=raw_request.rel_url.with_query(query))
         return await super().__call__(raw_request)
+
+    async def _evict(self, raw_request: Any, namespace: str, name: str) -> aiohttp.web.Response:
+        answer = await self._eviction_answer(raw_request, namespace, name)
+        self.evictions.append((namespace, name, answer.status))
+        return answer
+
+    async def _eviction_answer(self, raw_request: Any, namespace: str, name: str) -> aiohttp.web.Response:
+        body = await raw_request.json()
+        if body.get("kind") != "Eviction" or body.get("apiVersion") not in ("policy/v1", "policy/v1beta1"):
+            return _status(400, "BadRequest", f"not an Eviction: {body.get('apiVersion')}/{body.get('kind')}")
+        if (body.get("metadata") or {}).get("name") != name:
+            return _status(400, "BadRequest", "name in URL does not match name in Eviction object")
+        try:
+            pod = self.objects["v1/pods", namespace, name]
+        except KeyError:
+            pod = None
+        if pod is None or pod.deleted:
+            return _status(404, "NotFound", f'pods "{name}" not found', name=name, kind="pods")
+        uid = (((body.get("deleteOptions") or {}).get("preconditions")) or {}).get("uid")
+        have = pod.raw["metadata"].get("uid")
+        if uid and uid != have:
+            why = f"Precondition failed: UID in precondition: {uid}, UID in object meta: {have}"
+            return _status(409, "Conflict", why)
+        budget = self.pdb_blocked.get((namespace, name))
+        if budget is not None:
+            return _status(
+                429,
+                "TooManyRequests",
+                "Cannot evict pod as it would violate the pod's disruption budget.",
+                causes=[
+                    {
+                        "reason": "DisruptionBudget",
+                        "message": f"The disruption budget {budget} needs 1 healthy pods and has 1 currently",
+                    }
+                ],
+            )
+        # Through the emulator's own HTTP API: the DELETE watch event and the object's state
+        # are exactly those of a plain pod deletion.
+        deleted = await self.delete(f"/api/v1/namespaces/{namespace}/pods/{name}")
+        assert deleted.status == 200, await deleted.text()
+        return _status(201, "", "")
 
 
 @pytest.fixture(scope="module")
@@ -86,6 +162,8 @@ async def apiserver() -> AsyncIterator[tuple[Any, str]]:
             "kind": names.CLAIM_KIND,
             "subresources": ["status"],
         }
+        emu.pdb_blocked = {}
+        emu.evictions = []
         yield emu, str(srv.url).rstrip("/")
 
 

@@ -16,12 +16,14 @@ that few nodes match is decided on those nodes; see :mod:`.cluster`.
 Modules: :mod:`.gang` places whole jobs (N pods, all or nothing, by fabric tier);
 :mod:`.model` compiles a node topology into a bit-mask *shape*; :mod:`.search` is the
 exact in-node search and its quality order; :mod:`.cluster` is the node index and cache;
-:mod:`.request` applies device-class defaults and orders pending requests.
+:mod:`.request` applies device-class defaults and orders pending requests; :mod:`.preempt`
+finds the allocations of lower priority to evict for a request that cannot be placed.
 
 Exception tree: ``ValueError`` → :class:`InvalidRequest` (the only exception for bad input);
 "cannot place now" is the :class:`Unschedulable` value, not an exception.
 """
 
+from . import preempt
 from .cluster import Cluster, NodeReason, Placement, Unschedulable
 from .errors import InvalidRequest
 from .gang import JobPlacement, JobUnschedulable, place_job
@@ -42,4 +44,5 @@ __all__ = [
     "nvlink_partitions",
     "pending_order",
     "place_job",
+    "preempt",
 ]

@@ -75,7 +75,11 @@ nothing else is kept per selector (:meth:`Cluster.cache_stats` reports the sizes
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
-in-use devices handed out twice). Not thread-safe: one owner calls it.
+in-use devices handed out twice). A hold may be *preemptible* with a priority
+(``hold(..., priority=, preemptible=True)``): :mod:`.preempt` may then choose it as a victim
+for a request of higher priority; the nodes with such holds are kept grouped by what that
+search depends on (:meth:`Cluster.preemption_groups`), rebuilt lazily for the nodes whose
+holds changed. Not thread-safe: one owner calls it.
 """
 
 from __future__ import annotations
@@ -179,6 +183,9 @@ _PENDING = None  # group status: passed the cheap check, not searched yet
 
 # (cross-node quality, frag/policy in the policy's order, full in-node quality, seq, group,
 # exact?); seq is unique, so comparisons never reach the group or the flag.
+# A node's preemption view: (shape id, blocked slots, preemptible holds' (priority, slots)).
+PreemptionView = tuple[int, int, tuple[tuple[int, int], ...]]
+
 HeapEntry = tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...], int, GroupKey, bool]
 
 
@@ -231,6 +238,13 @@ class Cluster:
         )
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
+        # node -> preemptible hold -> its priority (see hold and .preempt); the nodes'
+        # preemption views built from them, grouped by what a plan depends on (see
+        # preemption_groups), rebuilt lazily for the nodes changed since (_pv_dirty).
+        self._victims: dict[str, dict[str, int]] = {}
+        self._pv: dict[str, PreemptionView] = {}
+        self._pv_groups: dict[PreemptionView, dict[str, None]] = {}
+        self._pv_dirty: set[str] = set()
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -274,6 +288,7 @@ class Cluster:
         merged = {**topology.labels, **(labels or {})}
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
+        self._pv_forget(name)
         old = self._nodes.get(name)
         self.nodes_version += 1
         self._nodes[name] = node
@@ -294,19 +309,37 @@ class Cluster:
         node = self._need(name)
         was = node.impaired
         node.unavailable = tuple(devices)
+        self._pv_forget(name)
         self._refresh(node, old_key=(node.hw, node.mask), was_impaired=was)
 
     def remove_node(self, name: str) -> None:
         """Forget the node's hardware (its holds stay until released)."""
         node = self._nodes.pop(name, None)
+        self._pv_forget(name)
         if node is not None:
             self.nodes_version += 1
             self._index_labels(node, -1)
             self._count_capable(node.shape, -1)
             self._move(name, (node.hw, node.mask), None, was_impaired=node.impaired, now_impaired=False)
 
-    def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
-        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
+    def hold(
+        self,
+        name: str,
+        request_id: str,
+        devices: Iterable[str],
+        *,
+        priority: int = 0,
+        preemptible: bool = False,
+    ) -> None:
+        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
+
+        ``preemptible``: a request of higher ``priority`` that may preempt may have this hold
+        evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim)."""
+        if preemptible:
+            self._victims.setdefault(name, {})[request_id] = priority
+            self._pv_forget(name)
+        else:
+            self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
         devs = tuple(sorted(set(devices)))
         if holds.get(request_id) == devs:
@@ -318,6 +351,7 @@ class Cluster:
 
     def release(self, name: str, request_id: str) -> None:
         """Free ``request_id``'s hold on ``name``; releasing an unknown hold does nothing."""
+        self._drop_victim(name, request_id)
         holds = self._holds.get(name)
         if not holds or request_id not in holds:
             return
@@ -409,6 +443,93 @@ class Cluster:
             "evaluations": len(self._evals),
             "change_log": len(self._log),
         }
+
+    # ------------------------------------------------------------------------------------
+    # preemption support (the search itself is in .preempt)
+
+    def preemptible(self) -> dict[str, dict[str, tuple[tuple[str, ...], int]]]:
+        """Per known node that has any: its preemptible holds, as request id -> (devices,
+        priority)."""
+        out: dict[str, dict[str, tuple[tuple[str, ...], int]]] = {}
+        for name, victims in self._victims.items():
+            if name in self._nodes:
+                holds = self._holds.get(name, {})
+                out[name] = {rid: (holds.get(rid, ()), prio) for rid, prio in victims.items()}
+        return out
+
+    def matches(self, name: str, spec: Spec) -> bool:
+        """Whether node ``name`` matches the request's node selector."""
+        labels = self._need(name).labels
+        return all(labels.get(k) == v for k, v in spec.selector)
+
+    def preemption_groups(self) -> dict[PreemptionView, dict[str, None]]:
+        """Nodes with preemptible holds, grouped by their *preemption view* ``(shape id,
+        blocked, holds)``: ``blocked`` is the slot mask of everything but those holds
+        (unavailable devices, protected holds), ``holds`` the preemptible holds' ``(priority,
+        slot mask)`` sorted. Nodes of one group offer the same placements for the same
+        evictions. A node's free mask with some holds released is ``shape.effective_free(
+        blocked | the other holds' masks)``. Maintained lazily: only the nodes whose holds or
+        hardware changed since the last call are looked at again."""
+        for name in self._pv_dirty:
+            victims = self._victims.get(name)
+            node = self._nodes.get(name)
+            if victims is None or node is None:
+                continue
+            view = self._pv[name] = self._preemption_view(node, victims)
+            members = self._pv_groups.get(view)
+            if members is None:
+                members = self._pv_groups[view] = {}
+            members[name] = None
+        self._pv_dirty.clear()
+        return self._pv_groups
+
+    def preemptible_holds(self, name: str) -> dict[str, tuple[int, int]]:
+        """The preemptible holds of ``name``: request id -> (priority, slot mask)."""
+        victims = self._victims.get(name, {})
+        node = self._need(name)
+        slot_of = node.shape.slot_of
+        out = {}
+        for rid, devs in self._holds.get(name, {}).items():
+            if rid in victims:
+                out[rid] = (victims[rid], _slot_mask(slot_of, devs))
+        return out
+
+    def shape_of(self, name: str) -> Shape:
+        return self._need(name).shape
+
+    def placement_on(self, name: str, choice: Choice, *, candidates: int = 1) -> Placement:
+        """The wire-level placement of an in-node result on ``name``."""
+        return self._placement(self._need(name), choice, candidates=candidates)
+
+    def _preemption_view(self, node: _Node, victims: dict[str, int]) -> PreemptionView:
+        slot_of = node.shape.slot_of
+        blocked = _slot_mask(slot_of, (*node.unavailable, *node.port_down))
+        holds: list[tuple[int, int]] = []
+        for rid, devs in self._holds.get(node.name, {}).items():
+            prio = victims.get(rid)
+            if prio is None:
+                blocked |= _slot_mask(slot_of, devs)
+            else:
+                holds.append((prio, _slot_mask(slot_of, devs)))
+        holds.sort(reverse=True)
+        return (node.shape.id, blocked, tuple(holds))
+
+    def _pv_forget(self, name: str) -> None:
+        """A node's holds or hardware changed: its preemption view is rebuilt when next asked."""
+        view = self._pv.pop(name, None)
+        if view is not None:
+            members = self._pv_groups[view]
+            del members[name]
+            if not members:
+                del self._pv_groups[view]
+        if view is not None or name in self._victims:
+            self._pv_dirty.add(name)
+
+    def _drop_victim(self, name: str, request_id: str) -> None:
+        self._pv_forget(name)
+        victims = self._victims.get(name)
+        if victims is not None and victims.pop(request_id, None) is not None and not victims:
+            del self._victims[name]
 
     # ------------------------------------------------------------------------------------
     # decisions
@@ -949,6 +1070,15 @@ class Cluster:
             counts=dict(items),
             reasons=reasons,
         )
+
+
+def _slot_mask(slot_of: Mapping[str, int], devices: Iterable[str]) -> int:
+    m = 0
+    for dev in devices:
+        s = slot_of.get(dev)
+        if s is not None:
+            m |= 1 << s
+    return m
 
 
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")

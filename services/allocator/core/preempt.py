@@ -1,0 +1,232 @@
+"""Priority preemption: which allocations to evict so that a request can be placed.
+
+When a request of priority ``P`` that may preempt (:func:`may_preempt`: its own
+``preemption`` field, else its device class's; ``"lower-priority"``) cannot be placed,
+:func:`plan` looks for a node on which evicting some allocations would make room. Only
+*eligible* holds are ever victims: held ``preemptible`` (``Cluster.hold``; a decision in
+flight, a claim or another preemptor's reservation is not), of priority strictly below ``P``.
+
+The plan is the exact minimum, over every node matching the request's selector and every set
+``V`` of eligible holds on that node after whose release the in-node search places the request
+(a ``required`` scope met, as always), of:
+
+1. ``len(V)`` — the fewest allocations evicted;
+2. the victims' priorities sorted from highest to lowest, compared element by element — the
+   highest priority evicted as low as possible, then the next, ...;
+3. the placement's in-node quality on the freed node (:class:`.search.Choice` ``key``:
+   required scope met, pairs at each scope finer first, NVLink fit) — the best alignment the
+   request can get with that eviction;
+4. fragmentation (``Choice.frag``);
+5. the node name, then which of the node's holds (only to make the answer unique; holds
+   alike in priority and devices are interchangeable, the smallest request id is named).
+
+Victims on other nodes never help a placement on one node, so sets spanning several nodes
+need not be considered; a minimal set never holds a victim whose devices the placement does not
+need (without it a smaller set would do, which 1. ranks first).
+
+How it stays cheap — every step keeps the minimum exact:
+
+* **Alike nodes once.** The cluster keeps the nodes with preemptible holds grouped by their
+  *view* (:meth:`Cluster.preemption_groups`: hardware, blocked devices, each preemptible
+  hold's priority and devices), maintained lazily as holds change. For a request of priority
+  ``P`` holds of priority >= ``P`` count as blocked; nodes whose views then agree offer the
+  same sets with the same results, and the first of them by name wins every tie, so only it
+  is searched.
+* **Each view's best set is cached** per request shape (``spec.key``) for the cluster's
+  lifetime: a view is a pure function of the hardware and the masks, so its answer never goes
+  stale; a plan for a shape seen before reads the cache except for views that changed.
+* **Bounds.** Views are visited in order of their lowest eligible priority: once even one
+  victim of that priority ranks behind the best found, every later view does too (stop). A
+  view is searched only if its bound — one victim of its lowest priority, with the alignment
+  reached when *every* eligible hold is evicted (more free devices never make the in-node
+  optimum worse) — does not rank behind the best; that same search rules out views where
+  nothing helps.
+* **Within a view**, sets are tried by increasing size, stopping at the first size that has
+  one, and within a size in order of 2., stopping once the priorities rank behind the best
+  set of that size. A view with ``h`` eligible holds costs at most ``2^h`` in-node searches
+  (the cluster's cached ones); nodes hold a few allocations each.
+
+Preemption runs only for requests that may preempt and that nothing else can place
+(``docs/benchmarks.md``, "Preemption (core)", for its cost at 1,000 and 10,000 nodes).
+
+Pure: reads the :class:`~services.allocator.core.cluster.Cluster`, changes no hold. The
+caller (the allocator service, ``tandem plan``) evicts the victims and places the request
+once their devices are free.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
+
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest
+
+from .cluster import Cluster, Placement
+from .errors import InvalidRequest
+from .model import Shape
+from .request import Spec
+from .search import Choice
+
+__all__ = ["Preemption", "Victim", "may_preempt", "plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class Victim:
+    """One allocation to evict: its request id, its priority and the devices it frees."""
+
+    request_id: str
+    priority: int
+    devices: tuple[str, ...]
+
+
+@dataclass(slots=True)
+class Preemption:
+    """A plan: evict ``victims`` (all on ``placement.node``), then place the request there.
+
+    ``order`` is the plan's rank in the module docstring's order (smaller is better)."""
+
+    placement: Placement
+    victims: list[Victim]
+    order: tuple[object, ...]
+
+    @property
+    def node(self) -> str:
+        return self.placement.node
+
+
+def may_preempt(request: AllocationRequest, classes: Mapping[str, DeviceClass]) -> bool:
+    """Whether ``request`` may evict allocations of lower priority (its own ``preemption``,
+    else its device class's). Raises InvalidRequest for an unknown class."""
+    if request.preemption is not None:
+        return request.preemption == "lower-priority"
+    dc = classes.get(request.device_class)
+    if dc is None:
+        raise InvalidRequest(f"request {request.request_id}: unknown device class {request.device_class!r}")
+    return dc.preemption == "lower-priority"
+
+
+def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
+    """The best preemption for ``request`` (module docstring), or None when evicting eligible
+    allocations cannot make room anywhere. Does not check :func:`may_preempt` (the caller
+    does) nor whether the request fits without evicting (call it after ``decide`` failed)."""
+    spec = cluster.normalise(request)
+    prio = request.priority
+    # Pass 1: each group of nodes alike (Cluster.preemption_groups) as this request sees it —
+    # holds of its priority or above are as good as protected — and, per distinct view, the
+    # first node by name (which wins every tie, so the others need no search).
+    first: dict[tuple[int, int, tuple[tuple[int, int], ...]], str] = {}
+    for (shape_id, blocked, holds), members in cluster.preemption_groups().items():
+        eligible = tuple(h for h in holds if h[0] < prio and h[1])
+        if not eligible:
+            continue
+        for p, m in holds:
+            if not (p < prio and m):
+                blocked |= m
+        if spec.selector:
+            names = [n for n in members if cluster.matches(n, spec)]
+            if not names:
+                continue
+            name = min(names)
+        else:
+            name = min(members)
+        view = (shape_id, blocked, eligible)
+        if view not in first or name < first[view]:
+            first[view] = name
+    # Pass 2: each distinct view's own best set (cached: views outlive plans, only the nodes
+    # that changed get new ones), then the best over the views. Views are taken in order of
+    # their lowest eligible priority; a view is searched only if its bound — one victim of
+    # that priority, and the alignment with every eligible hold evicted (no set does better:
+    # more free devices never make the best placement worse) — does not rank behind the best.
+    cache = _CACHES.get(cluster)
+    if cache is None:
+        cache = _CACHES[cluster] = {}
+    skey = spec.key
+    best: tuple[tuple[Any, ...], str, Choice, tuple[tuple[int, int], ...], tuple[int, ...]] | None = None
+    for view, name in sorted(first.items(), key=lambda kv: (kv[0][2][-1][0], kv[1])):
+        eligible = view[2]
+        key = (skey, view)
+        if key in cache:
+            own = cache[key]
+        else:
+            lowest = (1, (eligible[-1][0],))
+            if best is not None and lowest > best[0][:2]:
+                break  # every later view's lowest priority is as high or higher
+            shape = cluster.shape_of(name)
+            every = cluster.evaluate_free(spec, shape, shape.effective_free(view[1]))
+            if not isinstance(every, Choice):
+                own = cache[key] = None
+                continue
+            if best is not None and (*lowest, every.key) > best[0][:3]:
+                continue
+            if len(cache) >= _CACHE_MAX:
+                cache.clear()
+            own = cache[key] = _best_in_view(cluster, spec, shape, view[1], eligible)
+        if own is None:
+            continue
+        order = (*own[0][:4], name, own[0][4])
+        if best is None or order < best[0]:
+            best = (order, name, own[1], view[2], own[0][4])
+    if best is None:
+        return None
+    order, name, choice, eligible, chosen = best
+    victims = _victims(cluster, name, [eligible[i] for i in chosen])
+    return Preemption(placement=cluster.placement_on(name, choice), victims=victims, order=order)
+
+
+# Per cluster: (request key, view) -> that view's best set, or None (see plan).
+_CACHES: weakref.WeakKeyDictionary[Cluster, dict[tuple[object, ...], _Own | None]] = (
+    weakref.WeakKeyDictionary()
+)
+_CACHE_MAX = 50_000
+# A view's best: ((size, priorities, quality, fragmentation, chosen indexes), the choice).
+_Own = tuple[tuple[Any, ...], Choice]
+
+
+def _best_in_view(
+    cluster: Cluster, spec: Spec, shape: Shape, blocked: int, eligible: tuple[tuple[int, int], ...]
+) -> _Own | None:
+    """The best set of eligible holds to evict on a node with this view, or None: sets by
+    increasing size, and within a size in order of priorities (highest first), stopping at
+    the first size that has one and, within it, once the priorities rank behind the best."""
+    if not isinstance(cluster.evaluate_free(spec, shape, shape.effective_free(blocked)), Choice):
+        return None  # even evicting every eligible allocation does not make room here
+    n = len(eligible)
+    for size in range(1, n + 1):
+        # ``eligible`` is in order of priority, highest first, so each set's priorities are
+        # too; sets with equal priorities keep ``combinations``' fixed order.
+        sets = sorted(combinations(range(n), size), key=lambda ix: tuple(eligible[i][0] for i in ix))
+        found: _Own | None = None
+        for ix in sets:
+            prios = tuple(eligible[i][0] for i in ix)
+            if found is not None and prios > found[0][1]:
+                break
+            mask = blocked
+            for i in range(n):
+                if i not in ix:
+                    mask |= eligible[i][1]
+            res = cluster.evaluate_free(spec, shape, shape.effective_free(mask))
+            if not isinstance(res, Choice):
+                continue
+            order = (size, prios, res.key, res.frag, ix)
+            if found is None or order < found[0]:
+                found = (order, res)
+        if found is not None:
+            return found
+    return None  # pragma: no cover - evicting all made room above
+
+
+def _victims(cluster: Cluster, name: str, chosen: list[tuple[int, int]]) -> list[Victim]:
+    """The holds on ``name`` behind the chosen (priority, slots) entries."""
+    holds = cluster.preemptible_holds(name)
+    devices = cluster.holds(name)
+    out: list[Victim] = []
+    taken: set[str] = set()
+    for entry in chosen:
+        rid = min(r for r, h in holds.items() if h == entry and r not in taken)
+        taken.add(rid)
+        out.append(Victim(rid, entry[0], tuple(sorted(devices[rid]))))
+    return out

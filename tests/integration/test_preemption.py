@@ -1,0 +1,160 @@
+"""Priority preemption through the running system over a real nats-server.
+
+The real services (inventory, allocator, node agents with the simulated backend) run
+in-process; the test plays the pod bridge's part: it reads the allocator's preemption plans
+on ``tandem.alloc.preempt`` and releases the victims as a pod evicted through the Kubernetes
+Eviction API would be (the bridge's own test, against the API emulator, is in
+tests/integration/test_bridge.py)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import pytest
+from opentelemetry.context import Context
+from prometheus_client import REGISTRY
+
+from schemas import codec, subjects
+from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
+from services.allocator.preemption import reservation_key
+from services.client import TandemClient
+from services.localstack import FleetEntry, LocalStack
+from tests.conftest import BusFactory, make_settings
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+def request(name: str, gpus: int, rdma: int = 0, **kw: object) -> AllocationRequest:
+    return AllocationRequest(
+        request_id=f"uid-{name}.1", pod=PodRef("ns", name, f"uid-{name}"), gpus=gpus, rdma=rdma, **kw
+    )  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
+    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
+    await st.start()
+    await st.wait_ready()
+    client = await TandemClient(st.buses[0]).start()
+    yield st, client
+    await client.close()
+    await st.stop()
+
+
+async def test_high_priority_request_preempts_then_is_placed(
+    stack: tuple[LocalStack, TandemClient], bus_factory: BusFactory
+) -> None:
+    st, client = stack
+    allocator = st.allocators[0]
+    observer = await bus_factory("observer")
+    plans = await observer.nc.subscribe(subjects.ALLOC_PREEMPT)
+
+    low = request("low", 4, 4, priority=0)
+    other = request("other", 4, 4, priority=3)
+    for r in (low, other):
+        await client.submit(r)
+        assert isinstance(await client.wait_for(r.request_id), Assignment)
+
+    # Priority 5, may preempt, needs 4 aligned GPU/NIC pairs: the node is full, and evicting
+    # the priority-0 allocation is enough.
+    plans_before = REGISTRY.get_sample_value("tandem_allocator_preemptions_total") or 0.0
+    hi = request("hi", 4, 4, priority=5, preemption="lower-priority", scope="pcie-switch", policy="required")
+    await client.submit(hi)
+    plan = codec.ALLOC_EVENT.decode((await plans.next_msg(timeout=10)).data)
+    assert isinstance(plan, PreemptionPlan)
+    assert plan.request_id == hi.request_id and plan.node == "h100-0" and plan.priority == 5
+    assert [(v.request_id, v.pod.name, v.priority) for v in plan.victims] == [(low.request_id, "low", 0)]
+
+    async def recorded() -> bool:
+        rec = await client.request_record(hi.request_id)
+        return rec is not None and rec.state == "pending" and rec.victims == [low.request_id]
+
+    await wait_until(recorded, what="the preemption recorded on the request")
+    assert (REGISTRY.get_sample_value("tandem_allocator_preemptions_total") or 0.0) - plans_before == 1
+    rec = await client.request_record(hi.request_id)
+    assert rec is not None and rec.preempt_node == "h100-0" and "preempting 1 allocation" in rec.reason
+
+    # The request message handled again (a redelivery): no second plan, the recorded one is
+    # published again (same message id) in case the first publish was lost.
+    again = await allocator.handle_request(hi, context=Context())
+    assert again == "pending"
+    replay = codec.ALLOC_EVENT.decode((await plans.next_msg(timeout=10)).data)
+    assert isinstance(replay, PreemptionPlan) and replay.victims == plan.victims
+
+    # A request of even higher priority that may not preempt arrives meanwhile: the devices
+    # freed by the eviction are kept for the preemptor, so it stays pending.
+    rival = request("rival", 1, 1, priority=9)
+    await client.submit(rival)
+
+    # The eviction (what the bridge does for the victim's pod): release, cleanup, freed.
+    low_devices = set(client.assignment(low.request_id).device_ids())  # type: ignore[union-attr]
+    await client.release(low.request_id)
+    assert isinstance(await client.wait_for(low.request_id, (Freed,)), Freed)
+
+    placed = await client.wait_for(hi.request_id, (Assignment,), timeout=15)
+    assert isinstance(placed, Assignment) and placed.node == "h100-0"
+    assert set(placed.device_ids()) <= low_devices
+    assert {p.scope for p in placed.pairs} == {"pcie-switch"}
+    # Nothing else was evicted, the rival waits, and no device is held twice.
+    assert (await client.holder(other.request_id)) is not None
+    assert client.assignment(rival.request_id) is None
+    allocs = (await client.allocations(["h100-0"]))[0]
+    devices = [d for rec in allocs.allocations.values() for d in rec.assignment.device_ids()]
+    assert len(devices) == len(set(devices)) == 16
+    assert set(allocs.allocations) == {other.request_id, hi.request_id}
+
+    # A request of lower or equal priority never evicts: "other" (3) is safe from priority 3.
+    peer = request("peer", 4, 4, priority=3, preemption="lower-priority")
+    await client.submit(peer)
+    assert client.assignment(peer.request_id) is None
+    await wait_until(lambda: client.request_record(peer.request_id), what="the peer's request record")
+    peer_rec = await client.request_record(peer.request_id)
+    assert peer_rec is not None and peer_rec.state == "pending" and peer_rec.victims == []
+    await plans.unsubscribe()
+
+
+@pytest.fixture
+async def two_replicas(
+    nats_url: str, clean_jetstream: None
+) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
+    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=2, retry_interval=0.3)
+    await st.start()
+    await st.wait_ready()
+    client = await TandemClient(st.buses[0]).start()
+    yield st, client
+    await client.close()
+    await st.stop()
+
+
+async def test_every_replica_keeps_the_preemptors_devices(
+    two_replicas: tuple[LocalStack, TandemClient],
+) -> None:
+    """The record carries the reserved devices, so the replica that did not plan keeps them
+    too, until the preemptor is placed; then both let them go."""
+    st, client = two_replicas
+    low = request("low", 8, 8, priority=0)
+    await client.submit(low)
+    assert isinstance(await client.wait_for(low.request_id), Assignment)
+    hi = request("hi", 2, 2, priority=5, preemption="lower-priority", scope="pcie-switch", policy="required")
+    await client.submit(hi)
+    key = reservation_key(hi.request_id)
+
+    def reserved_everywhere() -> bool:
+        return all(key in a.cluster.holds("h100-0") for a in st.allocators)
+
+    await wait_until(reserved_everywhere, what="both replicas reserving the preemptor's devices")
+    rec = await client.request_record(hi.request_id)
+    assert rec is not None and rec.victims == [low.request_id]
+    devices = set(st.allocators[0].cluster.holds("h100-0")[key])
+    assert devices == set(st.allocators[1].cluster.holds("h100-0")[key]) and len(devices) == 4
+
+    await client.release(low.request_id)
+    placed = await client.wait_for(hi.request_id, (Assignment,), timeout=15)
+    assert isinstance(placed, Assignment) and set(placed.device_ids()) == devices
+    await wait_until(
+        lambda: not any(key in a.cluster.holds("h100-0") for a in st.allocators),
+        what="the reservations dropped once the preemptor is placed",
+    )

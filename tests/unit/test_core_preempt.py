@@ -1,0 +1,117 @@
+"""Priority preemption in the core (services/allocator/core/preempt.py): worked cases.
+
+The exhaustive check over random clusters is tests/property/test_core_preemption.py; these
+pin the order's parts one at a time on a DGX H100 (8 GPUs, 8 NICs, one GPU and one NIC per
+PCIe switch)."""
+
+from __future__ import annotations
+
+import pytest
+
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest, PodRef
+from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable, preempt
+from services.topology import load_topology
+
+
+def req(rid: str, gpus: int, rdma: int = 0, *, priority: int = 10, **kw: object) -> AllocationRequest:
+    return AllocationRequest(
+        request_id=rid,
+        pod=PodRef("ns", rid),
+        gpus=gpus,
+        rdma=rdma,
+        priority=priority,
+        preemption="lower-priority",
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def full_node(holds: dict[str, tuple[list[int], int, bool]]) -> Cluster:
+    """One DGX H100 whose GPUs ``holds`` takes: request id -> (GPU indexes, priority,
+    preemptible)."""
+    cluster = Cluster()
+    cluster.set_node("n0", load_topology("dgx-h100"))
+    for rid, (gpus, prio, ok) in holds.items():
+        cluster.hold("n0", rid, [f"gpu{i}" for i in gpus], priority=prio, preemptible=ok)
+    return cluster
+
+
+def test_fewest_victims_first_even_if_of_higher_priority() -> None:
+    cluster = full_node(
+        {"a": ([0, 1], 5, True), "b": ([2], 0, True), "c": ([3], 0, True), "d": ([4, 5, 6, 7], 7, True)}
+    )
+    request = req("hi", 2)
+    assert isinstance(cluster.decide(request), Unschedulable)
+    plan = preempt.plan(cluster, request)
+    assert plan is not None
+    # One victim (a, priority 5) beats two of priority 0 (b and c).
+    assert [v.request_id for v in plan.victims] == ["a"]
+    assert {g.index for g in plan.placement.gpus} == {0, 1}
+
+
+def test_lowest_priorities_among_sets_of_one_size() -> None:
+    cluster = full_node({"a": ([0, 1], 3, True), "b": ([2, 3], 1, True), "c": ([4, 5, 6, 7], 2, True)})
+    plan = preempt.plan(cluster, req("hi", 2))
+    assert plan is not None and [v.request_id for v in plan.victims] == ["b"]
+    assert plan.victims[0].priority == 1 and plan.victims[0].devices == ("gpu2", "gpu3")
+
+
+def test_never_equal_or_higher_priority_nor_protected() -> None:
+    cluster = full_node({"same": ([0, 1, 2, 3], 10, True), "claim": ([4, 5, 6, 7], 0, False)})
+    assert preempt.plan(cluster, req("hi", 1)) is None
+    # The protected hold stays protected at any priority; the lower one may go.
+    cluster.hold("n0", "same", ["gpu0", "gpu1", "gpu2", "gpu3"], priority=9, preemptible=True)
+    plan = preempt.plan(cluster, req("hi", 1))
+    assert plan is not None and [v.request_id for v in plan.victims] == ["same"]
+
+
+def test_alignment_decides_between_equal_sets() -> None:
+    # Two victims of equal priority, each holding 1 GPU + its switch's NIC, the other NICs
+    # held by a protected hold: evicting either frees an aligned pair; with a's GPU's NIC
+    # held by the claim, only b's eviction gives a switch-aligned pair.
+    cluster = Cluster()
+    cluster.set_node("n0", load_topology("dgx-h100"))
+    topo = cluster.topology("n0")
+    nics = [n.name for n in topo.nics()]
+    gpus = [g.id for g in topo.gpus()]
+    cluster.hold("n0", "claim", [*gpus[2:], *nics[2:], nics[0]], preemptible=False)
+    cluster.hold("n0", "a", [gpus[0]], priority=1, preemptible=True)
+    cluster.hold("n0", "b", [gpus[1], nics[1]], priority=1, preemptible=True)
+    plan = preempt.plan(cluster, req("hi", 1, 1, scope="pcie-switch", policy="preferred"))
+    assert plan is not None and [v.request_id for v in plan.victims] == ["b"]
+    assert plan.placement.pairs[0].scope == "pcie-switch"
+
+
+def test_plan_changes_nothing_and_release_makes_it_fit() -> None:
+    cluster = full_node({"a": ([0, 1, 2, 3], 0, True), "b": ([4, 5, 6, 7], 0, True)})
+    request = req("hi", 4, 4, scope="pcie-switch", policy="required")
+    plan = preempt.plan(cluster, request)
+    assert plan is not None and len(plan.victims) == 1
+    assert cluster.free_devices("n0") == [n.name for n in cluster.topology("n0").nics()]
+    cluster.release("n0", plan.victims[0].request_id)
+    placed = cluster.decide(request)
+    assert isinstance(placed, Placement) and placed.devices() == plan.placement.devices()
+
+
+def test_released_and_unknown_holds_are_no_victims() -> None:
+    cluster = full_node({"a": ([0, 1, 2, 3, 4, 5, 6, 7], 0, True)})
+    cluster.release("n0", "a")
+    cluster.hold("n0", "a", [f"gpu{i}" for i in range(8)])  # held again, protected (default)
+    assert preempt.plan(cluster, req("hi", 1)) is None
+    assert cluster.preemptible() == {}
+
+
+def test_may_preempt_request_overrides_class() -> None:
+    classes = {"default": DeviceClass(), "urgent": DeviceClass(preemption="lower-priority")}
+    plain = AllocationRequest(request_id="x", pod=PodRef("ns", "x"), gpus=1)
+    assert not preempt.may_preempt(plain, classes)
+    urgent = AllocationRequest(request_id="x", pod=PodRef("ns", "x"), gpus=1, device_class="urgent")
+    assert preempt.may_preempt(urgent, classes)
+    never = AllocationRequest(
+        request_id="x", pod=PodRef("ns", "x"), gpus=1, device_class="urgent", preemption="never"
+    )
+    assert not preempt.may_preempt(never, classes)
+    with pytest.raises(InvalidRequest, match="unknown device class 'nope'"):
+        preempt.may_preempt(
+            AllocationRequest(request_id="x", pod=PodRef("ns", "x"), gpus=1, device_class="nope"), classes
+        )
