@@ -154,11 +154,13 @@ async def test_node_agent_cannot_publish_as_another_node(
     await intruder.nc.publish(subjects.node_heartbeat(a), b"own")  # allowed: the control
     await intruder.nc.flush()
 
-    async with asyncio.timeout(5):
-        msg = await seen.next_msg(timeout=2)
+    # Generous deadlines: on a loaded machine the watcher's client may read late; the checks
+    # are that "own" arrives and nothing forged does, not how fast.
+    async with asyncio.timeout(20):
+        msg = await seen.next_msg(timeout=10)
         while msg.data != b"own":  # the real agents' heartbeats are also on the wire
             assert msg.data != b"forged"
-            msg = await seen.next_msg(timeout=2)
+            msg = await seen.next_msg(timeout=10)
     violations = await intruder.violations(len(forged))
     assert len(violations) == len(forged)
     assert all(any(s.lower() in v for v in violations) for s in forged)
