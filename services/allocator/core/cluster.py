@@ -76,6 +76,11 @@ nothing else is kept per selector (:meth:`Cluster.cache_stats` reports the sizes
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
 unknown node keeps its holds until they are released, so a node that comes back never has its
 in-use devices handed out twice). Not thread-safe: one owner calls it.
+
+Shares of GPUs (fractional GPUs, :mod:`.shares`): a hold may give some of its GPUs as shares
+(memory MiB, compute percent); a shared GPU leaves the free mask like a held one, and the
+node's share usage is packed into the group mask above the slot bits, so share requests go
+through the same groups, heaps and cache. Whole-GPU searches are cached on the slot bits.
 """
 
 from __future__ import annotations
@@ -94,6 +99,7 @@ from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
+from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, slot_bits
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -135,8 +141,20 @@ class Placement:
     met: bool = True
     quality: tuple[int, ...] = ()
 
+    # The device class's sharing mode and memory limit when the GPUs are shares.
+    sharing: str = ""
+    memory_limit: str = "hard"
+
     def devices(self) -> list[str]:
         return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+
+    def shares(self) -> dict[str, tuple[int, int]]:
+        """Shared GPUs by device id: (memory MiB, compute percent); empty for whole GPUs."""
+        return {
+            f"gpu{g.index}": (g.memory_mib or 0, g.cores_percent or 0)
+            for g in self.gpus
+            if g.memory_mib is not None or g.cores_percent is not None
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +249,8 @@ class Cluster:
         )
         self._nodes: dict[str, _Node] = {}
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
+        # node -> request -> its shared GPUs as (device id, memory MiB, compute percent)
+        self._shares: dict[str, dict[str, tuple[tuple[str, int, int], ...]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -300,13 +320,32 @@ class Cluster:
             self._count_capable(node.shape, -1)
             self._move(name, (node.hw, node.mask), None, was_impaired=node.impaired, now_impaired=False)
 
-    def hold(self, name: str, request_id: str, devices: Iterable[str]) -> None:
-        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold)."""
+    def hold(
+        self,
+        name: str,
+        request_id: str,
+        devices: Iterable[str],
+        *,
+        shares: Mapping[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
+
+        ``shares``: the GPUs of ``devices`` held as shares, device id -> (memory MiB, compute
+        percent), as :meth:`Placement.shares` gives them; the other devices are held whole."""
         holds = self._holds.setdefault(name, {})
         devs = tuple(sorted(set(devices)))
-        if holds.get(request_id) == devs:
+        shared = tuple(sorted((d, m, c) for d, (m, c) in shares.items())) if shares else ()
+        node_shares = self._shares.get(name)
+        old_shared = node_shares.get(request_id, ()) if node_shares else ()
+        if holds.get(request_id) == devs and old_shared == shared:
             return
         holds[request_id] = devs
+        if shared:
+            self._shares.setdefault(name, {})[request_id] = shared
+        elif old_shared and node_shares is not None:
+            del node_shares[request_id]
+            if not node_shares:
+                del self._shares[name]
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -319,6 +358,9 @@ class Cluster:
         del holds[request_id]
         if not holds:
             del self._holds[name]
+        node_shares = self._shares.get(name)
+        if node_shares and node_shares.pop(request_id, None) is not None and not node_shares:
+            del self._shares[name]
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -338,6 +380,16 @@ class Cluster:
     def holds(self, name: str) -> dict[str, frozenset[str]]:
         return {rid: frozenset(devs) for rid, devs in self._holds.get(name, {}).items()}
 
+    def shares(self, name: str) -> dict[str, dict[str, tuple[int, int]]]:
+        """The share holds of ``name``: request -> GPU device id -> (memory MiB, compute %)."""
+        return {rid: {d: (m, c) for d, m, c in per} for rid, per in self._shares.get(name, {}).items()}
+
+    def gpu_shares(self, name: str) -> dict[str, GpuUse]:
+        """Shared GPUs of ``name`` that can take more shares, by device id: (used memory MiB,
+        used compute percent, shares); a shared GPU that is out of service is left out."""
+        node = self._need(name)
+        return {f"gpu{node.shape.gpu_index[s]}": use for s, use in gpu_use(node.shape, node.mask).items()}
+
     def used_devices(self, name: str) -> set[str]:
         return {d for devs in self._holds.get(name, {}).values() for d in devs}
 
@@ -348,7 +400,7 @@ class Cluster:
     def free_devices(self, name: str) -> list[str]:
         """Device ids (``gpu<N>``, NIC and VF RDMA names) that a request could get now."""
         node = self._need(name)
-        return [node.shape.slot_id[s] for s in bits(node.mask)]
+        return [node.shape.slot_id[s] for s in bits(slot_bits(node.shape, node.mask))]
 
     def free_counts(self, name: str) -> tuple[int, int]:
         """(free GPUs, free NIC physical functions) of ``name``."""
@@ -451,7 +503,7 @@ class Cluster:
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
             name = next(iter(self._groups[gkey]))
-            return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
+            return self._placement(self._nodes[name], status, spec, candidates=st.feasible + st.pending)
         impaired: dict[str, int] = {}
         for gkey, n in self._impaired.items():
             rec = st.groups.get(gkey)
@@ -540,7 +592,7 @@ class Cluster:
             if best is None or order < best[0]:
                 best = (order, node, res)
         if best is not None:
-            return self._placement(best[1], best[2], candidates=feasible)
+            return self._placement(best[1], best[2], spec, candidates=feasible)
         others = len(self._nodes) - len(nodes)
         if others:
             text = _SELECTOR_REFUSAL.text
@@ -582,15 +634,51 @@ class Cluster:
             s = slot_of.get(dev)
             if s is not None:
                 blocked |= 1 << s
-        for devs in self._holds.get(node.name, {}).values():
-            for dev in devs:
-                s = slot_of.get(dev)
-                if s is not None:
-                    blocked |= 1 << s
-        node.mask = shape.effective_free(blocked)
+        node_shares = self._shares.get(node.name)
+        if node_shares is None:
+            for devs in self._holds.get(node.name, {}).values():
+                for dev in devs:
+                    s = slot_of.get(dev)
+                    if s is not None:
+                        blocked |= 1 << s
+            node.mask = shape.effective_free(blocked)
+        else:
+            node.mask = self._share_mask(node, blocked, node_shares)
         self._move(
             node.name, old_key, (node.hw, node.mask), was_impaired=was_impaired, now_impaired=node.impaired
         )
+
+    def _share_mask(
+        self, node: _Node, blocked: int, node_shares: Mapping[str, tuple[tuple[str, int, int], ...]]
+    ) -> int:
+        """The group mask of a node with shares: shared GPUs leave the free slots like held
+        ones, and their usage goes into the share bits (:func:`.shares.pack`), except for a
+        GPU that is also out of service or held whole, which takes no more shares."""
+        shape = node.shape
+        slot_of = shape.slot_of
+        use: dict[int, list[int]] = {}
+        for per in node_shares.values():
+            for dev, mem, cores in per:
+                s = slot_of.get(dev)
+                if s is not None and s < shape.n_gpus:
+                    u = use.get(s)
+                    if u is None:
+                        u = use[s] = [0, 0, 0]
+                    u[0] += mem
+                    u[1] += cores
+                    u[2] += 1
+        for rid, devs in self._holds.get(node.name, {}).items():
+            shared = {d for d, _m, _c in node_shares.get(rid, ())}
+            for dev in devs:
+                if dev in shared:
+                    continue
+                s = slot_of.get(dev)
+                if s is not None:
+                    blocked |= 1 << s
+        share_bits = pack(shape, {s: (u[0], u[1], u[2]) for s, u in use.items() if not blocked >> s & 1})
+        for s in use:
+            blocked |= 1 << s
+        return shape.effective_free(blocked) | share_bits
 
     def _move(
         self,
@@ -645,13 +733,20 @@ class Cluster:
         self._log_base = new_base
 
     def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
-        """The cached in-node search (the caller has checked the node selector)."""
+        """The cached in-node search (the caller has checked the node selector). A whole-GPU
+        search depends on the slot bits only; a share search on the share usage too."""
+        if not spec.shared:
+            mask = slot_bits(shape, mask)
         key = (spec.key, shape.id, mask)
         res = self._evals.get(key)
         if res is None:
             if len(self._evals) >= _EVAL_MAX:
                 self._evals.clear()
-            res = self._evals[key] = evaluate(shape, mask, spec)
+            if spec.shared:
+                res = evaluate_shared(shape, mask, spec, policy=self.policy)
+            else:
+                res = evaluate(shape, mask, spec)
+            self._evals[key] = res
         return res
 
     def _state(self, spec: Spec) -> _SigState:
@@ -764,6 +859,7 @@ class Cluster:
         spread: alignment, emptiness, fragmentation. ``status`` not a Choice: a lower bound."""
         hw, mask = gkey
         shape = self._hw[hw][0]
+        mask = slot_bits(shape, mask)
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
         exact = isinstance(status, Choice)
@@ -805,7 +901,7 @@ class Cluster:
         shape = self._hw[gkey[0]][0]
         if shape.aligned <= 0:
             return
-        now = shape.aligned_free(gkey[1])
+        now = shape.aligned_free(slot_bits(shape, gkey[1]))
         left = self._aligned_now.get(now, 0) + delta
         if left:
             self._aligned_now[now] = left
@@ -850,19 +946,31 @@ class Cluster:
         shape, labels = self._hw[hw]
         if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
+        if spec.shared:
+            cached = self._evals.get((spec.key, shape.id, mask))
+            if cached is not None:
+                return cached
+            return precheck_shared(shape, mask, spec)
+        mask = slot_bits(shape, mask)
         cached = self._evals.get((spec.key, shape.id, mask))
         if cached is not None:
             return cached
         return precheck(shape, mask, spec)
 
-    def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
+    def _placement(self, node: _Node, res: Choice, spec: Spec, *, candidates: int) -> Placement:
         shape = node.shape
         topo = node.topology
         gpus: list[AssignedGpu] = []
+        mem = spec.memory_mib if spec.shared and spec.memory_mib else None
+        cores = spec.cores_percent if spec.shared and spec.cores_percent else None
         for s in res.gpus:
             g = device_at(topo, shape.paths[s], nic=False)
             assert isinstance(g, Gpu)
-            gpus.append(AssignedGpu(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id))
+            gpus.append(
+                AssignedGpu(
+                    index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, memory_mib=mem, cores_percent=cores
+                )
+            )
         nics: list[AssignedNic] = []
         for s in res.nics:
             path = shape.paths[s]
@@ -889,6 +997,8 @@ class Cluster:
             candidates=candidates,
             met=res.met,
             quality=res.key + res.frag,
+            sharing=spec.dc.sharing if spec.shared else "",
+            memory_limit=spec.dc.memory_limit,
         )
 
     def _unschedulable(
