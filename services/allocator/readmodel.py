@@ -111,16 +111,24 @@ class ReadModel:
             self.cluster.release(node, rid)
         for rid, rec in allocations.items():
             tentative.pop(rid, None)  # committed: the record's hold replaces it
-            self.cluster.hold(node, rid, rec.assignment.device_ids())
+            self.cluster.hold(node, rid, rec.assignment.device_ids(), shares=rec.assignment.shares())
         if not tentative:
             self._tentative.pop(node, None)
 
     # -- decisions in flight ----------------------------------------------------------------
 
-    def hold_tentative(self, node: str, request_id: str, devices: list[str]) -> None:
+    def hold_tentative(
+        self,
+        node: str,
+        request_id: str,
+        devices: list[str],
+        *,
+        shares: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """``shares``: the GPUs held as shares (:meth:`Assignment.shares`), the rest whole."""
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
-        self.cluster.hold(node, request_id, devs)
+        self.cluster.hold(node, request_id, devs, shares=shares)
 
     def drop_tentative(self, node: str, request_id: str) -> None:
         """The commit failed: free the devices unless the record holds the request after all."""

@@ -120,6 +120,8 @@ def build_assignment(req: AllocationRequest, placement: Placement, *, instance: 
         candidates=placement.candidates,
         allocator=instance,
         requested_at=req.created_at,
+        sharing="hami" if placement.sharing == "hami" else "mps" if placement.sharing == "mps" else "",
+        memory_limit="soft" if placement.memory_limit == "soft" else "hard",
     )
 
 
@@ -399,7 +401,7 @@ class Allocator(Service):
                 node = decision.node
                 assignment = build_assignment(req, decision, instance=self.instance)
                 # Until the commit lands, the next decisions must see these devices as used.
-                self.model.hold_tentative(node, rid, assignment.device_ids())
+                self.model.hold_tentative(node, rid, assignment.device_ids(), shares=assignment.shares())
                 try:
                     if self.before_commit is not None:
                         await self.before_commit(req, decision)
@@ -545,7 +547,7 @@ class Allocator(Service):
                 continue
             if isinstance(decision, Placement):
                 # Held now, before the next decision (the task holds it again, idempotently).
-                self.model.hold_tentative(decision.node, rid, decision.devices())
+                self.model.hold_tentative(decision.node, rid, decision.devices(), shares=decision.shares())
             # Held in ``tasks`` and gathered below: not a bare task.
             tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
         results = await asyncio.gather(*tasks, return_exceptions=True)
