@@ -99,7 +99,7 @@ from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
-from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, slot_bits
+from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, share_bound, slot_bits
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -743,7 +743,7 @@ class Cluster:
             if len(self._evals) >= _EVAL_MAX:
                 self._evals.clear()
             if spec.shared:
-                res = evaluate_shared(shape, mask, spec, policy=self.policy)
+                res = evaluate_shared(shape, mask, spec, policy=self.policy, cache=self._evals)
             else:
                 res = evaluate(shape, mask, spec)
             self._evals[key] = res
@@ -857,9 +857,9 @@ class Cluster:
         server, fragmentation before fullness (packing that breaks no whole switch / partition
         first); under reserve pressure capacity cost before alignment, then fullness. For
         spread: alignment, emptiness, fragmentation. ``status`` not a Choice: a lower bound."""
-        hw, mask = gkey
+        hw, group_mask = gkey
         shape = self._hw[hw][0]
-        mask = slot_bits(shape, mask)
+        mask = slot_bits(shape, group_mask)
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
         exact = isinstance(status, Choice)
@@ -873,6 +873,11 @@ class Cluster:
             return ((0, *cross_bound(spec)), (), (), ())
         if isinstance(status, Choice):
             key, frag, full = status.cross, status.frag, status.key
+        elif spec.shared:
+            # A share search is costlier than a whole-GPU one (its candidates vary with the
+            # share usage): a tight bound, so that few groups are searched (see .shares).
+            key, frag, full = share_bound(shape, group_mask, spec, policy=self.policy), _NO_FRAG, ()
+            exact = True  # the bound's fragmentation part is a valid (zero) bound too
         else:
             key, frag, full = cross_bound(spec), (), ()
         if self.policy == "binpack":
@@ -1032,6 +1037,7 @@ class Cluster:
         )
 
 
+_NO_FRAG = (0, 0, 0, 0, 0)  # the least fragmentation: a lower bound of Choice.frag
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
 

@@ -43,7 +43,7 @@ from dataclasses import replace
 
 from .model import Shape
 from .request import Spec
-from .search import Choice, Refusal, evaluate, precheck
+from .search import Choice, Refusal, evaluate, one_sided_waste, precheck
 
 __all__ = [
     "FIELD",
@@ -53,6 +53,7 @@ __all__ = [
     "gpu_use",
     "pack",
     "precheck_shared",
+    "share_bound",
     "slot_bits",
 ]
 
@@ -92,20 +93,39 @@ def pack(shape: Shape, use: dict[int, GpuUse]) -> int:
 
 def gpu_use(shape: Shape, mask: int) -> dict[int, GpuUse]:
     """The shared GPUs of a group mask and their usage (the inverse of :func:`pack`)."""
-    out: dict[int, GpuUse] = {}
-    hi = mask >> shape.n_slots
-    s = 0
-    while hi:
-        field = hi & _FIELD_MASK
-        if field:
-            out[s] = (
-                field >> (_CORE_BITS + _COUNT_BITS),
-                (field >> _COUNT_BITS) & _CORE_MASK,
-                field & _COUNT_MASK,
-            )
-        hi >>= FIELD
-        s += 1
-    return out
+    return {s: (m, c, n) for s, m, c, n in _decoded(shape, mask >> shape.n_slots)}
+
+
+# Decoded share bits, by the bits alone (they do not depend on the shape): every signature
+# that meets a group decodes it, so the decode is cached (bounded like the search cache).
+_DECODED: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+_DECODED_MAX = 50_000
+
+
+def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int], ...]:
+    got = _DECODED.get(hi)
+    if got is None:
+        out = []
+        s = 0
+        bits = hi
+        while bits:
+            field = bits & _FIELD_MASK
+            if field:
+                out.append(
+                    (
+                        s,
+                        field >> (_CORE_BITS + _COUNT_BITS),
+                        (field >> _COUNT_BITS) & _CORE_MASK,
+                        field & _COUNT_MASK,
+                    )
+                )
+            bits >>= FIELD
+            s += 1
+        got = tuple(out)
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[hi] = got
+    return got
 
 
 def fit_mask(shape: Shape, mask: int, spec: Spec) -> int:
@@ -113,28 +133,38 @@ def fit_mask(shape: Shape, mask: int, spec: Spec) -> int:
     share count left, and whole-free GPUs with at least the share's memory."""
     out = 0
     limit = spec.dc.max_shares_per_gpu
-    for s, (mem, cores, count) in gpu_use(shape, mask).items():
-        if (
-            count < limit
-            and shape.gpu_memory[s] - mem >= spec.memory_mib
-            and 100 - cores >= spec.cores_percent
-        ):
+    need_mem = spec.memory_mib
+    max_cores = 100 - spec.cores_percent
+    memory = shape.gpu_memory
+    for s, mem, cores, count in _decoded(shape, mask >> shape.n_slots):
+        if count < limit and memory[s] - mem >= need_mem and cores <= max_cores:
             out |= 1 << s
     free_gpus = mask & shape.gpu_all
-    if spec.memory_mib:
+    if need_mem and free_gpus:
         for s in range(shape.n_gpus):
-            if free_gpus >> s & 1 and shape.gpu_memory[s] >= spec.memory_mib:
+            if free_gpus >> s & 1 and memory[s] >= need_mem:
                 out |= 1 << s
     else:
         out |= free_gpus
     return out
 
 
+# The last candidates computed: the index asks them twice in a row for each group a share
+# signature meets (the cheap check, then the heap key's bound).
+_LAST: list[object] = [None, (0, 0)]
+
+
 def _candidates(shape: Shape, mask: int, spec: Spec) -> tuple[int, int]:
-    """(candidate mask for the search, the shared GPUs among its GPUs)."""
-    low = slot_bits(shape, mask)
-    fit = fit_mask(shape, mask, spec)
-    return (low & ~shape.gpu_all) | fit, fit & ~low
+    """(candidate mask for the search, the shared GPUs among its GPUs), GPUs of the class."""
+    key = (spec.key, shape.id, mask)
+    if _LAST[0] == key:
+        return _LAST[1]  # type: ignore[return-value]
+    low = mask & ((1 << shape.n_slots) - 1)
+    fit = fit_mask(shape, mask, spec) & shape.view(spec.device_class, spec.dc).gpu_ok
+    got = ((low & ~shape.gpu_all) | fit, fit & ~low)
+    _LAST[0] = key
+    _LAST[1] = got
+    return got
 
 
 def _what(spec: Spec) -> str:
@@ -146,10 +176,39 @@ def _what(spec: Spec) -> str:
     return " and ".join(parts)
 
 
+_REFUSALS: dict[tuple[int, int, int], Refusal] = {}
+
+
 def _share_refusal(spec: Spec, res: Refusal) -> Refusal:
     if res.code != "gpus":
         return res
-    return Refusal("gpus", f"fewer than {spec.gpus} GPUs with {_what(spec)} free for a share")
+    key = (spec.gpus, spec.memory_mib, spec.cores_percent)
+    got = _REFUSALS.get(key)
+    if got is None:
+        if len(_REFUSALS) >= _DECODED_MAX:
+            _REFUSALS.clear()
+        got = _REFUSALS[key] = Refusal(
+            "gpus", f"fewer than {spec.gpus} GPUs with {_what(spec)} free for a share"
+        )
+    return got
+
+
+def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[int, ...]:
+    """A lower bound of a share search's ``Choice.cross`` on this node, from popcounts: the
+    pair fields as :func:`.search.cross_bound`, the fewest GPUs the share can open (binpack) or
+    the most it can (spread), and the one-sided waste exactly. Tight for GPU-only shares, so
+    the index searches few nodes per decision."""
+    g, r = spec.gpus, spec.rdma
+    lvl = int(spec.scope)
+    both = g > 0 and r > 0
+    c = -g if both else 0
+    d = -r if both and not spec.per_gpu else 0
+    cand, shared = _candidates(shape, mask, spec)
+    if policy == "binpack":
+        term = max(0, g - shared.bit_count())
+    else:
+        term = -min(g, (cand & shape.gpu_all & ~shared).bit_count())
+    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, one_sided_waste(shape, cand, g, r))
 
 
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
@@ -159,16 +218,35 @@ def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
     return None if res is None else _share_refusal(spec, res)
 
 
-def evaluate_shared(shape: Shape, mask: int, spec: Spec, *, policy: str) -> Choice | Refusal:
+def evaluate_shared(
+    shape: Shape,
+    mask: int,
+    spec: Spec,
+    *,
+    policy: str,
+    cache: dict[tuple[object, ...], Choice | Refusal] | None = None,
+) -> Choice | Refusal:
     """The best placement of a share request on a node whose group mask is ``mask``.
 
     The exact search runs on every candidate GPU; then, when some other placement of the
     same alignment quality would open fewer (binpack) or more (spread) fresh GPUs, the
     search runs again on those GPUs only and its result is taken if its quality is equal.
     ``Choice.cross`` gets the opened-GPU term before the one-sided waste (see the module
-    docstring)."""
+    docstring). ``cache``: the exact searches by candidate mask, which many share usages and
+    every share size have in common (the search depends on the candidates, not the sizes)."""
+    base = spec.key[:6]
+
+    def search(free: int) -> Choice | Refusal:
+        if cache is None:
+            return evaluate(shape, free, spec)
+        key = (base, shape.id, free)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = evaluate(shape, free, spec)
+        return got
+
     cand, shared = _candidates(shape, mask, spec)
-    res = evaluate(shape, cand, spec)
+    res = search(cand)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
     chosen = 0
@@ -188,7 +266,7 @@ def evaluate_shared(shape: Shape, mask: int, spec: Spec, *, policy: str) -> Choi
     elif policy != "binpack" and fresh_gpus and chosen & shared:
         alt_gpus = fresh_gpus
     if alt_gpus is not None:
-        alt = evaluate(shape, (cand & ~shape.gpu_all) | alt_gpus, spec)
+        alt = search((cand & ~shape.gpu_all) | alt_gpus)
         if isinstance(alt, Choice) and alt.key == res.key:
             res = alt
             chosen = 0
