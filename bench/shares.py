@@ -16,7 +16,8 @@ else decide + hold a new request) for a fixed number of decisions; then fills on
 measures again. Latency is ``Cluster.decide`` alone, wall and thread CPU time; decisions/s is
 decisions over the time spent in the core (decide + hold + release). Two configurations:
 *plain* (no node selectors) and *service* (every node labelled with its hostname, 10 % of
-requests pinned to a random node, as the allocator service runs).
+requests pinned to a random node, as the allocator service runs), and *plain-mixed*: plain
+with 16 distinct share sizes instead of 4 (see SIZES).
 """
 
 from __future__ import annotations
@@ -42,13 +43,32 @@ ROOT = Path(__file__).resolve().parent
 UTILS = (0.50, 0.85)
 SHARE_FRACTION = 0.30
 PINNED = 0.10
+# Share sizes (memory MiB, compute %). "profiles": a few standard sizes, as sharing setups
+# usually offer (HAMi users typically define a handful of gpumem / gpucores presets);
+# "mixed": every combination of four memory and four compute sizes, 16 distinct sizes.
+SIZES: dict[str, tuple[tuple[int, int], ...]] = {
+    "profiles": ((4096, 10), (8192, 25), (10240, 25), (20480, 50)),
+    "mixed": tuple((m, c) for m in (4096, 8192, 10240, 20480) for c in (10, 20, 25, 50)),
+}
+# plain / service as in bench.run (service: hostname labels, 10 % pinned); -mixed: "mixed" sizes.
+# plain-whole: plain with no share at all, the same driver's baseline.
+CONFIGS = ("plain", "service", "plain-mixed", "plain-whole")
 CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami", max_shares_per_gpu=8)}
 
 
 class ShareStream:
     """The core benchmark's whole-GPU stream with ``fraction`` of it replaced by shares."""
 
-    def __init__(self, seed: int, *, fraction: float, pinned: float, nodes: list[str]) -> None:
+    def __init__(
+        self,
+        seed: int,
+        *,
+        fraction: float,
+        pinned: float,
+        nodes: list[str],
+        profiles: tuple[tuple[int, int], ...],
+    ) -> None:
+        self.profiles = profiles
         self.whole = requests(seed, Workload(pinned=pinned), pin_to=nodes)
         self.rng = random.Random(seed + 17)
         self.fraction = fraction
@@ -64,6 +84,7 @@ class ShareStream:
         self.n += 1
         rid = f"share-{self.n}"
         g = 1 if rng.random() < 0.8 else 2
+        mem, cores = rng.choice(self.profiles)
         selector = {}
         if self.pinned and rng.random() < self.pinned:
             selector = {HOSTNAME_LABEL: rng.choice(self.nodes)}
@@ -73,8 +94,8 @@ class ShareStream:
             gpus=g,
             rdma=0 if rng.random() < 0.7 else g,
             device_class="shared",
-            gpu_memory_mib=rng.choice((4096, 8192, 10240, 20480)),
-            gpu_cores_percent=rng.choice((10, 20, 25, 50)),
+            gpu_memory_mib=mem,
+            gpu_cores_percent=cores,
             node_selector=selector,
             created_at=0.0,
         )
@@ -87,7 +108,9 @@ def _pct(values: list[int], q: float) -> float:
     return round(s[min(len(s) - 1, int(q * len(s)))] / 1e3, 1)
 
 
-def child(n_nodes: int, decisions: int, seed: int, *, service: bool) -> dict[str, Any]:
+def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, Any]:
+    service = config.startswith("service")
+    sizes = SIZES["mixed" if config.endswith("-mixed") else "profiles"]
     nodes = fleet(n_nodes)
     names = [name for name, _ in nodes]
     total = float(sum(len(t.gpus()) for _, t in nodes))
@@ -98,7 +121,13 @@ def child(n_nodes: int, decisions: int, seed: int, *, service: bool) -> dict[str
     build_s = time.perf_counter() - t0
     del nodes
     gc.freeze()  # as bench.run does: what a long-running allocator does after its inventory load
-    stream = ShareStream(seed, fraction=SHARE_FRACTION, pinned=PINNED if service else 0.0, nodes=names)
+    stream = ShareStream(
+        seed,
+        fraction=0.0 if config == "plain-whole" else SHARE_FRACTION,
+        pinned=PINNED if service else 0.0,
+        nodes=names,
+        profiles=sizes,
+    )
     rng = random.Random(seed + 1)
     live: list[tuple[str, str, float]] = []
     used = 0.0
@@ -195,7 +224,7 @@ def child(n_nodes: int, decisions: int, seed: int, *, service: bool) -> dict[str
         )
     return {
         "nodes": n_nodes,
-        "config": "service" if service else "plain",
+        "config": config,
         "build_s": round(build_s, 2),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "runs": rows,
@@ -228,12 +257,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nodes", type=int, default=10_000)
     ap.add_argument("--decisions", type=int, default=20_000, help="measured decisions per point")
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--configs", default="plain,service")
+    ap.add_argument("--configs", default=",".join(CONFIGS), help=f"some of {', '.join(CONFIGS)}")
     ap.add_argument("--out", type=Path, default=ROOT / "results_shares.json")
-    ap.add_argument("--child", choices=("plain", "service"), help=argparse.SUPPRESS)
+    ap.add_argument("--child", choices=CONFIGS, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
-        res = child(args.nodes, args.decisions, args.seed, service=args.child == "service")
+        res = child(args.nodes, args.decisions, args.seed, config=args.child)
         print(json.dumps(res))
         return 0
     results = []

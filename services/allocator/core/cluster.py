@@ -79,8 +79,11 @@ in-use devices handed out twice). Not thread-safe: one owner calls it.
 
 Shares of GPUs (fractional GPUs, :mod:`.shares`): a hold may give some of its GPUs as shares
 (memory MiB, compute percent); a shared GPU leaves the free mask like a held one, and the
-node's share usage is packed into the group mask above the slot bits, so share requests go
-through the same groups, heaps and cache. Whole-GPU searches are cached on the slot bits.
+node's share usage is packed into its mask above the slot bits. Whole-GPU requests are indexed
+exactly as before, by ``(hardware, slot bits)``: a change of share usage alone is not a change
+for them, so their decisions cost what they did. Share requests go through a second, parallel
+index of the same kind keyed by the full mask (its own groups and change log), with the same
+signature states, heaps, lazy search and cache.
 """
 
 from __future__ import annotations
@@ -258,6 +261,13 @@ class Cluster:
         self._impaired: dict[GroupKey, int] = {}  # group -> its nodes with devices out of service
         self._log: list[tuple[GroupKey, int]] = []
         self._log_base = 0
+        # The share index (see "Shares of GPUs" above): the same, keyed by the full group mask
+        # (slot bits and share bits), for share requests only; whole-GPU signatures never see
+        # the changes that move only share usage.
+        self._sgroups: dict[GroupKey, dict[str, None]] = {}
+        self._simpaired: dict[GroupKey, int] = {}
+        self._slog: list[tuple[GroupKey, int]] = []
+        self._slog_base = 0
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -430,7 +440,7 @@ class Cluster:
                 isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)
             )
         n = 0
-        for (hw, mask), members in self._groups.items():
+        for (hw, mask), members in (self._sgroups if spec.shared else self._groups).items():
             if isinstance(self._eval(spec, self._hw[hw][0], mask), Choice):
                 n += len(members)
         return n
@@ -455,6 +465,8 @@ class Cluster:
             "signature_records": self._sig_records,
             "evaluations": len(self._evals),
             "change_log": len(self._log),
+            "share_groups": len(self._sgroups),
+            "share_change_log": len(self._slog),
         }
 
     # ------------------------------------------------------------------------------------
@@ -502,10 +514,10 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter(self._groups[gkey]))
+            name = next(iter((self._sgroups if spec.shared else self._groups)[gkey]))
             return self._placement(self._nodes[name], status, spec, candidates=st.feasible + st.pending)
         impaired: dict[str, int] = {}
-        for gkey, n in self._impaired.items():
+        for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
             rec = st.groups.get(gkey)
             if rec is not None and isinstance(rec[1], Refusal):
                 impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
@@ -614,17 +626,24 @@ class Cluster:
         self._sig_records = 0
         self._log_base += len(self._log)
         self._log.clear()
-        groups = self._groups
+        self._sgroups.clear()
+        self._simpaired.clear()
+        self._slog_base += len(self._slog)
+        self._slog.clear()
         hw_id = self._hw_id
         for node in self._nodes.values():
             node.hw = hw = hw_id(node.shape, node.labels)
-            gkey = (hw, node.mask)
-            members = groups.get(gkey)
-            if members is None:
-                members = groups[gkey] = {}
-            members[node.name] = None
-            if node.unavailable or node.port_down:
-                self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
+            full = (hw, node.mask)
+            for groups, impaired, gkey in (
+                (self._groups, self._impaired, (hw, slot_bits(node.shape, node.mask))),
+                (self._sgroups, self._simpaired, full),
+            ):
+                members = groups.get(gkey)
+                if members is None:
+                    members = groups[gkey] = {}
+                members[node.name] = None
+                if node.unavailable or node.port_down:
+                    impaired[gkey] = impaired.get(gkey, 0) + 1
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -689,6 +708,13 @@ class Cluster:
         was_impaired: bool,
         now_impaired: bool,
     ) -> None:
+        """A node moves from group ``old`` to ``new`` (full keys: slot and share bits): in the
+        share index as they are, in the whole-GPU index by their slot bits."""
+        self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+        if old is not None:
+            old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
+        if new is not None:
+            new = (new[0], slot_bits(self._hw[new[0]][0], new[1]))
         if old == new:
             if old is not None and was_impaired != now_impaired:
                 self._count_impaired(old, 1 if now_impaired else -1)
@@ -714,7 +740,44 @@ class Cluster:
             if now_impaired:
                 self._count_impaired(new, 1)
         if len(log) > _LOG_MAX:
-            self._compact()
+            self._compact(shared=False)
+
+    def _move_share(
+        self,
+        name: str,
+        old: GroupKey | None,
+        new: GroupKey | None,
+        *,
+        was_impaired: bool,
+        now_impaired: bool,
+    ) -> None:
+        """:meth:`_move` in the share index (no reserve bookkeeping: that is the whole index's)."""
+        impaired = self._simpaired
+        if old == new:
+            if old is not None and was_impaired != now_impaired:
+                _count(impaired, old, 1 if now_impaired else -1)
+            return
+        groups = self._sgroups
+        log = self._slog
+        if old is not None:
+            members = groups.get(old)
+            if members is not None and name in members:
+                del members[name]
+                if not members:
+                    del groups[old]
+                log.append((old, -1))
+                if was_impaired:
+                    _count(impaired, old, -1)
+        if new is not None:
+            members = groups.get(new)
+            if members is None:
+                members = groups[new] = {}
+            members[name] = None
+            log.append((new, 1))
+            if now_impaired:
+                _count(impaired, new, 1)
+        if len(log) > _LOG_MAX:
+            self._compact(shared=True)
 
     def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
         left = self._impaired.get(gkey, 0) + delta
@@ -723,14 +786,20 @@ class Cluster:
         else:
             del self._impaired[gkey]
 
-    def _compact(self) -> None:
-        end = self._log_base + len(self._log)
+    def _compact(self, *, shared: bool) -> None:
+        log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
+        end = base + len(log)
         keep_from = end - _LOG_MAX // 2
-        for k in [k for k, st in self._sigs.items() if st.cursor < keep_from]:
+        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared}
+        for k in [k for k, st in mine.items() if st.cursor < keep_from]:
             self._drop_sig(k)
-        new_base = min((st.cursor for st in self._sigs.values()), default=end)
-        del self._log[: new_base - self._log_base]
-        self._log_base = new_base
+            del mine[k]
+        new_base = min((st.cursor for st in mine.values()), default=end)
+        del log[: new_base - base]
+        if shared:
+            self._slog_base = new_base
+        else:
+            self._log_base = new_base
 
     def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
         """The cached in-node search (the caller has checked the node selector). A whole-GPU
@@ -753,16 +822,20 @@ class Cluster:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        end = self._log_base + len(self._log)
+        if spec.shared:
+            log, base, all_groups = self._slog, self._slog_base, self._sgroups
+        else:
+            log, base, all_groups = self._log, self._log_base, self._groups
+        end = base + len(log)
         if st is not None:
             # Most recently used last, so the LRU drop below takes the stalest.
             self._sigs[sk] = self._sigs.pop(sk)
             backlog = end - st.cursor
             if backlog == 0:
                 return st
-            if backlog <= 2 * len(self._groups) + 256:
+            if backlog <= 2 * len(all_groups) + 256:
                 before = len(st.groups) + len(st.heap)
-                changes = self._log[st.cursor - self._log_base :]
+                changes = log[st.cursor - base :]
                 if backlog > 32:
                     # Under churn most groups come and go; replay only the net change.
                     net: dict[GroupKey, int] = {}
@@ -783,7 +856,7 @@ class Cluster:
             # A long-unused signature: rebuilding from the groups is cheaper than replaying.
             self._drop_sig(sk)
         st = _SigState(spec=spec, cursor=end, pressure=pressure)
-        self._replay(st, [(gkey, len(members)) for gkey, members in self._groups.items()])
+        self._replay(st, [(gkey, len(members)) for gkey, members in all_groups.items()])
         if len(self._sigs) >= _SIG_MAX:
             self._drop_sig(next(iter(self._sigs)))
         self._sigs[sk] = st
@@ -1040,6 +1113,14 @@ class Cluster:
 _NO_FRAG = (0, 0, 0, 0, 0)  # the least fragmentation: a lower bound of Choice.frag
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
+
+
+def _count(counts: dict[GroupKey, int], gkey: GroupKey, delta: int) -> None:
+    left = counts.get(gkey, 0) + delta
+    if left:
+        counts[gkey] = left
+    else:
+        del counts[gkey]
 
 
 def _port_down(topo: NodeTopology) -> tuple[str, ...]:

@@ -42,13 +42,14 @@ class Spec:
     memory_mib: int = 0
     cores_percent: int = 0
 
-    @property
-    def key(self) -> tuple[object, ...]:
-        """Everything node-independent the in-node search depends on."""
+    key: tuple[object, ...] = ()
+    """Everything node-independent the in-node search depends on (set on creation; the index
+    reads it for every group a signature meets, so it is computed once)."""
+
+    def __post_init__(self) -> None:
         base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
-        if self.shared:
-            return (*base, "share", self.memory_mib, self.cores_percent)
-        return base
+        key = (*base, "share", self.memory_mib, self.cores_percent) if self.shared else base
+        object.__setattr__(self, "key", key)
 
     @property
     def pairing(self) -> str:

@@ -149,21 +149,25 @@ def fit_mask(shape: Shape, mask: int, spec: Spec) -> int:
     return out
 
 
-# The last candidates computed: the index asks them twice in a row for each group a share
-# signature meets (the cheap check, then the heap key's bound).
-_LAST: list[object] = [None, (0, 0)]
+_FITS_MAX = 65536  # cached candidate pairs per shape
 
 
 def _candidates(shape: Shape, mask: int, spec: Spec) -> tuple[int, int]:
-    """(candidate mask for the search, the shared GPUs among its GPUs), GPUs of the class."""
-    key = (spec.key, shape.id, mask)
-    if _LAST[0] == key:
-        return _LAST[1]  # type: ignore[return-value]
-    low = mask & ((1 << shape.n_slots) - 1)
-    fit = fit_mask(shape, mask, spec) & shape.view(spec.device_class, spec.dc).gpu_ok
-    got = ((low & ~shape.gpu_all) | fit, fit & ~low)
-    _LAST[0] = key
-    _LAST[1] = got
+    """(candidate mask for the search, the shared GPUs among its GPUs), GPUs of the class.
+
+    Cached on the shape by (mask, class, size): every share signature that meets a group asks
+    it (the cheap check, then the heap key's bound), and signatures that differ only in GPU
+    or NIC count share it."""
+    cache = shape.share_fits
+    key = (mask, spec.device_class, spec.memory_mib, spec.cores_percent)
+    got = cache.get(key)
+    if got is None:
+        low = mask & ((1 << shape.n_slots) - 1)
+        fit = fit_mask(shape, mask, spec) & shape.view(spec.device_class, spec.dc).gpu_ok
+        got = ((low & ~shape.gpu_all) | fit, fit & ~low)
+        if len(cache) >= _FITS_MAX:
+            cache.clear()
+        cache[key] = got
     return got
 
 
@@ -214,6 +218,8 @@ def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[in
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
     """The cheap check of a share request (popcounts on the candidate mask)."""
     cand, _ = _candidates(shape, mask, spec)
+    if not spec.rdma and (cand & shape.gpu_all).bit_count() >= spec.gpus:
+        return None  # the candidates are GPUs of the class already; no NIC to check
     res = precheck(shape, cand, spec)
     return None if res is None else _share_refusal(spec, res)
 
