@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-shares bench-e2e bench-cli gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -39,6 +39,10 @@ test: lint typecheck
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
+
+# The core with fractional GPUs: 10,000 nodes, 30 % share requests (docs/benchmarks.md, "Shares").
+bench-shares: $(STAMP)
+	$(BIN)/python -m bench.shares
 
 # The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
 # nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.
