@@ -38,6 +38,7 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
 from services.allocator.core import Cluster, Placement
 from services.loadtest.mix import Workload
+from services.runtime.lifecycle import GC_THRESHOLDS
 
 ROOT = Path(__file__).resolve().parent
 UTILS = (0.50, 0.85)
@@ -120,7 +121,10 @@ def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, 
         cluster.set_node(name, topo, labels={**topo.labels, HOSTNAME_LABEL: name} if service else None)
     build_s = time.perf_counter() - t0
     del nodes
-    gc.freeze()  # as bench.run does: what a long-running allocator does after its inventory load
+    # As the allocator service runs: its long-lived state frozen after the inventory load
+    # (bench.run does the same) and the services' GC thresholds (services.runtime.lifecycle).
+    gc.freeze()
+    gc.set_threshold(*GC_THRESHOLDS)
     stream = ShareStream(
         seed,
         fraction=0.0 if config == "plain-whole" else SHARE_FRACTION,

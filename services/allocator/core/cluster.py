@@ -271,6 +271,9 @@ class Cluster:
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
+        # Share searches have their own cache (and bound): their many share usages must never
+        # push the whole-GPU searches out.
+        self._sevals: dict[tuple[object, ...], Choice | Refusal] = {}
         # Label index, and the label keys groups are split by (see the module docstring).
         self._labelled: dict[tuple[str, str], dict[str, None]] = {}
         self._keyed: frozenset[str] = frozenset()
@@ -464,6 +467,7 @@ class Cluster:
             "signatures": len(self._sigs),
             "signature_records": self._sig_records,
             "evaluations": len(self._evals),
+            "share_evaluations": len(self._sevals),
             "change_log": len(self._log),
             "share_groups": len(self._sgroups),
             "share_change_log": len(self._slog),
@@ -804,18 +808,22 @@ class Cluster:
     def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
         """The cached in-node search (the caller has checked the node selector). A whole-GPU
         search depends on the slot bits only; a share search on the share usage too."""
-        if not spec.shared:
-            mask = slot_bits(shape, mask)
         key = (spec.key, shape.id, mask)
+        if spec.shared:
+            cache = self._sevals
+            res = cache.get(key)
+            if res is None:
+                if len(cache) >= _EVAL_MAX:
+                    cache.clear()
+                res = cache[key] = evaluate_shared(shape, mask, spec, policy=self.policy, cache=cache)
+            return res
+        free = slot_bits(shape, mask)
+        key = (spec.key, shape.id, free)
         res = self._evals.get(key)
         if res is None:
             if len(self._evals) >= _EVAL_MAX:
                 self._evals.clear()
-            if spec.shared:
-                res = evaluate_shared(shape, mask, spec, policy=self.policy, cache=self._evals)
-            else:
-                res = evaluate(shape, mask, spec)
-            self._evals[key] = res
+            res = self._evals[key] = evaluate(shape, free, spec)
         return res
 
     def _state(self, spec: Spec) -> _SigState:
@@ -1025,7 +1033,7 @@ class Cluster:
         if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
         if spec.shared:
-            cached = self._evals.get((spec.key, shape.id, mask))
+            cached = self._sevals.get((spec.key, shape.id, mask))
             if cached is not None:
                 return cached
             return precheck_shared(shape, mask, spec)
