@@ -97,7 +97,9 @@ def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[Nod
     return mutate
 
 
-def set_state(request_id: str, state: AllocState, *, only_from: frozenset[str]) -> Mutation[NodeAllocations]:
+def set_state(
+    request_id: str, state: AllocState, *, only_from: frozenset[str]
+) -> Mutation[NodeAllocations]:
     """Move one allocation to ``state`` when it is in one of ``only_from`` (else no change)."""
 
     def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
