@@ -83,7 +83,9 @@ node's share usage is packed into its mask above the slot bits. Whole-GPU reques
 exactly as before, by ``(hardware, slot bits)``: a change of share usage alone is not a change
 for them, so their decisions cost what they did. Share requests go through a second, parallel
 index of the same kind keyed by the full mask (its own groups and change log), with the same
-signature states, heaps, lazy search and cache.
+signature states, heaps, lazy search and cache. The share index is built on first use (the
+first share request or share hold, O(nodes) once), so a fleet that never shares pays nothing
+for it, in time or memory.
 """
 
 from __future__ import annotations
@@ -268,6 +270,7 @@ class Cluster:
         self._simpaired: dict[GroupKey, int] = {}
         self._slog: list[tuple[GroupKey, int]] = []
         self._slog_base = 0
+        self._share_index = False  # built on first use (_share_index_on)
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -354,6 +357,7 @@ class Cluster:
             return
         holds[request_id] = devs
         if shared:
+            self._share_index_on()
             self._shares.setdefault(name, {})[request_id] = shared
         elif old_shared and node_shares is not None:
             del node_shares[request_id]
@@ -443,6 +447,8 @@ class Cluster:
                 isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)
             )
         n = 0
+        if spec.shared:
+            self._share_index_on()
         for (hw, mask), members in (self._sgroups if spec.shared else self._groups).items():
             if isinstance(self._eval(spec, self._hw[hw][0], mask), Choice):
                 n += len(members)
@@ -490,6 +496,8 @@ class Cluster:
             keys = frozenset(k for k, _ in spec.selector)
             if not keys <= self._keyed:
                 self._regroup(self._keyed | keys)
+        if spec.shared:
+            self._share_index_on()
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -630,24 +638,38 @@ class Cluster:
         self._sig_records = 0
         self._log_base += len(self._log)
         self._log.clear()
+        hw_id = self._hw_id
+        for node in self._nodes.values():
+            node.hw = hw = hw_id(node.shape, node.labels)
+            gkey = (hw, slot_bits(node.shape, node.mask))
+            members = self._groups.get(gkey)
+            if members is None:
+                members = self._groups[gkey] = {}
+            members[node.name] = None
+            if node.unavailable or node.port_down:
+                self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
+        if self._share_index:
+            self._share_index = False
+            self._share_index_on()
+
+    def _share_index_on(self) -> None:
+        """Build the share index from the nodes' current groups, once (see the module
+        docstring); from then on every move keeps it up to date."""
+        if self._share_index:
+            return
+        self._share_index = True
         self._sgroups.clear()
         self._simpaired.clear()
         self._slog_base += len(self._slog)
         self._slog.clear()
-        hw_id = self._hw_id
         for node in self._nodes.values():
-            node.hw = hw = hw_id(node.shape, node.labels)
-            full = (hw, node.mask)
-            for groups, impaired, gkey in (
-                (self._groups, self._impaired, (hw, slot_bits(node.shape, node.mask))),
-                (self._sgroups, self._simpaired, full),
-            ):
-                members = groups.get(gkey)
-                if members is None:
-                    members = groups[gkey] = {}
-                members[node.name] = None
-                if node.unavailable or node.port_down:
-                    impaired[gkey] = impaired.get(gkey, 0) + 1
+            gkey = (node.hw, node.mask)
+            members = self._sgroups.get(gkey)
+            if members is None:
+                members = self._sgroups[gkey] = {}
+            members[node.name] = None
+            if node.unavailable or node.port_down:
+                self._simpaired[gkey] = self._simpaired.get(gkey, 0) + 1
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -713,12 +735,14 @@ class Cluster:
         now_impaired: bool,
     ) -> None:
         """A node moves from group ``old`` to ``new`` (full keys: slot and share bits): in the
-        share index as they are, in the whole-GPU index by their slot bits."""
-        self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
-        if old is not None:
-            old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
-        if new is not None:
-            new = (new[0], slot_bits(self._hw[new[0]][0], new[1]))
+        share index as they are, in the whole-GPU index by their slot bits. Without the share
+        index no node has share bits (a share hold turns it on first)."""
+        if self._share_index:
+            self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+            if old is not None:
+                old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
+            if new is not None:
+                new = (new[0], slot_bits(self._hw[new[0]][0], new[1]))
         if old == new:
             if old is not None and was_impaired != now_impaired:
                 self._count_impaired(old, 1 if now_impaired else -1)
