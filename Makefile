@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -48,6 +48,9 @@ bench-gang: $(STAMP)
 # Priority preemption plans in the core (docs/benchmarks.md, "Preemption"): one JSON line per size.
 bench-preempt: $(STAMP)
 	$(BIN)/python -m bench.preemption
+# The core with fractional GPUs: 10,000 nodes, 30 % share requests (docs/benchmarks.md, "Shares").
+bench-shares: $(STAMP)
+	$(BIN)/python -m bench.shares
 
 # The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
 # nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.

@@ -8,7 +8,7 @@ classes in Helm values (``deviceClasses``) or the services' config file.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -29,6 +29,16 @@ class DeviceClass(msgspec.Struct, gc=False, omit_defaults=True, forbid_unknown_f
     preemption: Literal["never", "lower-priority"] = "never"
     """Whether a request of this class that cannot be placed may evict allocations of lower
     priority (a request's own ``preemption`` overrides it; docs/sharing.md)."""
+    sharing: Literal["none", "hami", "mps"] = "none"
+    """Whether requests of this class may take a *share* of a GPU (``gpu_memory_mib`` /
+    ``gpu_cores_percent``) and how the node agent limits it: ``hami`` hands the limits to the
+    container as HAMi-core environment variables, ``mps`` as CUDA MPS limits; ``none``
+    (the default) refuses share requests. See docs/sharing.md."""
+    max_shares_per_gpu: Annotated[int, msgspec.Meta(ge=1, le=255)] = 8
+    """At most this many shares on one GPU (counted when a share of this class is placed)."""
+    memory_limit: Literal["hard", "soft"] = "hard"
+    """``hard``: the container gets its memory share as a limit; ``soft``: the allocator still
+    never hands out more than the GPU's memory, but the container is not limited."""
 
 
 def default_device_classes() -> dict[str, DeviceClass]:

@@ -186,13 +186,18 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     # A DeviceClaim's request (docs/sharing.md "Claims"): held until the claim is released,
     # not until a pod ends. ``None`` for a pod's own request.
     claim: ClaimMarker | None = None
-    # GPU shares per GPU (issue 12 item 1). Carried from a claim's spec; the core places whole
-    # GPUs until sharing is built into it.
+    # Fractional GPUs (docs/sharing.md): a share of each of the ``gpus`` GPUs instead of the
+    # whole GPU. Either or both; a class with ``sharing: none`` refuses them.
     gpu_memory_mib: Annotated[int, msgspec.Meta(ge=1, le=2**24)] | None = None
     gpu_cores_percent: Annotated[int, msgspec.Meta(ge=1, le=100)] | None = None
     # May this request evict allocations of lower priority when it cannot be placed
     # (docs/sharing.md, "Preemption")? None: the device class says (default "never").
     preemption: PreemptionMode | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Asks shares of GPUs, not whole GPUs."""
+        return self.gpu_memory_mib is not None or self.gpu_cores_percent is not None
 
 
 class ClaimMarker(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
@@ -268,9 +273,18 @@ class JobRequest(_Msg, tag="job.request"):
 
 
 class AssignedGpu(msgspec.Struct, gc=False, omit_defaults=True):
+    """One GPU handed to the pod: whole, or a share when ``memory_mib`` / ``cores_percent``
+    is set (the share's memory, 0 when only compute was asked, and compute percent)."""
+
     index: int
     uuid: str
     pci_bus_id: BusId | None = None
+    memory_mib: int | None = None
+    cores_percent: int | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.memory_mib is not None or self.cores_percent is not None
 
 
 class AssignedNic(msgspec.Struct, gc=False, omit_defaults=True):
@@ -305,9 +319,17 @@ class Assignment(_Msg, tag="alloc.assigned"):
     allocator: ShortText = ""
     requested_at: float = 0.0
     decided_at: float = msgspec.field(default_factory=now)
+    # How the node agent limits shared GPUs (the device class's ``sharing`` and
+    # ``memory_limit``); empty for whole GPUs.
+    sharing: Literal["", "hami", "mps"] = ""
+    memory_limit: Literal["hard", "soft"] = "hard"
 
     def device_ids(self) -> list[str]:
         return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+
+    def shares(self) -> dict[str, tuple[int, int]]:
+        """Shared GPUs by device id: (memory MiB, compute percent), 0 for what was not asked."""
+        return {f"gpu{g.index}": (g.memory_mib or 0, g.cores_percent or 0) for g in self.gpus if g.shared}
 
 
 class AllocationFailed(_Msg, tag="alloc.failed"):

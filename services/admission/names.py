@@ -12,7 +12,9 @@ PREFIX = "tandem.io/"
 # Extended resources a container asks for in ``resources.limits`` (requests, if given, equal).
 RESOURCE_GPU = f"{PREFIX}gpu"
 RESOURCE_RDMA = f"{PREFIX}rdma"
-RESOURCES = (RESOURCE_GPU, RESOURCE_RDMA)
+# Shares of GPUs (docs/sharing.md): N shared GPUs, sized by the two annotations below.
+RESOURCE_GPU_SHARE = f"{PREFIX}gpu-share"
+RESOURCES = (RESOURCE_GPU, RESOURCE_RDMA, RESOURCE_GPU_SHARE)
 
 # Annotations a pod author may set; the webhook fills in the device class's defaults.
 DEVICE_CLASS = f"{PREFIX}device-class"
@@ -26,6 +28,11 @@ NETWORK_IFNAME_PREFIX = f"{PREFIX}network-ifname-prefix"
 NETWORK_MTU = f"{PREFIX}network-mtu"
 NETWORK_ADDRESSES = f"{PREFIX}network-addresses"
 NETWORK_KEYS = (NETWORK_IFNAME_PREFIX, NETWORK_MTU, NETWORK_ADDRESSES)
+GPU_MEMORY_MIB = f"{PREFIX}gpu-memory-mib"
+"""Memory of each shared GPU (``tandem.io/gpu-share``), MiB."""
+GPU_CORES_PERCENT = f"{PREFIX}gpu-cores-percent"
+"""Compute of each shared GPU (``tandem.io/gpu-share``), percent."""
+SHARE_KEYS = (GPU_MEMORY_MIB, GPU_CORES_PERCENT)
 
 # A pod that uses a DeviceClaim (same namespace) names it here; it gets exactly the claim's
 # devices and makes no allocation request of its own (docs/sharing.md "Claims").

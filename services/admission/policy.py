@@ -17,6 +17,9 @@ What counts as a Tandem request (documented for pod authors in ``docs/kubernetes
   and pairing; ``priority`` orders the allocator's queue; ``preemption: lower-priority`` lets the
   pod evict pods of lower priority when nothing else makes room; ``network-*`` shape the RDMA
   netdevs.
+* Shares of GPUs (docs/sharing.md): ``tandem.io/gpu-share: N`` instead of ``tandem.io/gpu``
+  asks N shared GPUs, each sized by the annotations ``tandem.io/gpu-memory-mib`` and/or
+  ``tandem.io/gpu-cores-percent``; the device class must allow sharing.
 """
 
 from __future__ import annotations
@@ -154,6 +157,8 @@ class TandemRequest:
     priority: int = names.DEFAULT_PRIORITY
     network: NetworkSpec | None = None
     preemption: PreemptionMode = "never"
+    gpu_memory_mib: int | None = None
+    gpu_cores_percent: int | None = None
 
     def annotations(self) -> dict[str, str]:
         """The normalised annotations the webhook writes (defaults made explicit; preemption
@@ -167,6 +172,10 @@ class TandemRequest:
         }
         if self.preemption != "never":
             out[names.PREEMPTION] = self.preemption
+        if self.gpu_memory_mib is not None:
+            out[names.GPU_MEMORY_MIB] = str(self.gpu_memory_mib)
+        if self.gpu_cores_percent is not None:
+            out[names.GPU_CORES_PERCENT] = str(self.gpu_cores_percent)
         return out
 
 
@@ -312,6 +321,13 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
         return None
     total = _totals(pod)
     gpus, rdma = total[names.RESOURCE_GPU], total[names.RESOURCE_RDMA]
+    shares = total[names.RESOURCE_GPU_SHARE]
+    if gpus and shares:
+        raise PolicyError(
+            f"the pod asks for both {names.RESOURCE_GPU} ({gpus}) and {names.RESOURCE_GPU_SHARE} "
+            f"({shares}); a pod gets either whole GPUs or shares of GPUs, so ask one of them"
+        )
+    gpus = gpus or shares
     if gpus == 0 and rdma == 0:
         return None
     if pod.spec.nodeName:
@@ -342,6 +358,7 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
             f"as {names.RESOURCE_GPU} (asked {rdma} and {gpus}); ask for equal counts or set "
             f"{names.PAIRING}: shared"
         )
+    memory, cores = _share_sizes(ann, shares=shares, cls=cls, class_name=class_name)
     prio_text = ann.get(names.PRIORITY, str(names.DEFAULT_PRIORITY)).strip()
     lo, hi = names.PRIORITY_RANGE
     if not _INT.match(prio_text) or not lo <= int(prio_text) <= hi:
@@ -360,7 +377,44 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
         priority=int(prio_text),
         network=_network(ann, rdma=rdma),
         preemption=preemption,
+        gpu_memory_mib=memory,
+        gpu_cores_percent=cores,
     )
+
+
+def _share_sizes(
+    ann: dict[str, str], *, shares: int, cls: DeviceClass, class_name: str
+) -> tuple[int | None, int | None]:
+    """The per-GPU share size of a pod asking ``tandem.io/gpu-share`` (None, None otherwise)."""
+    given = [k for k in names.SHARE_KEYS if k in ann]
+    if not shares:
+        if given:
+            raise PolicyError(
+                f"annotation {given[0]} sizes shares of GPUs, but the pod asks no "
+                f"{names.RESOURCE_GPU_SHARE}; ask {names.RESOURCE_GPU_SHARE} instead of "
+                f"{names.RESOURCE_GPU}, or remove the annotation"
+            )
+        return None, None
+    if cls.sharing == "none":
+        raise PolicyError(
+            f"device class {class_name!r} does not allow GPU shares (sharing: none); ask "
+            f"{names.RESOURCE_GPU} for whole GPUs, or choose a class with sharing in {names.DEVICE_CLASS}"
+        )
+    if not given:
+        raise PolicyError(
+            f"{names.RESOURCE_GPU_SHARE} needs the share's size: set annotation "
+            f"{names.GPU_MEMORY_MIB} and/or {names.GPU_CORES_PERCENT}"
+        )
+    out: list[int | None] = []
+    for key, lo, hi in ((names.GPU_MEMORY_MIB, 1, 2**24), (names.GPU_CORES_PERCENT, 1, 100)):
+        text = ann.get(key)
+        if text is None:
+            out.append(None)
+            continue
+        if not _INT.match(text.strip()) or not lo <= int(text) <= hi:
+            raise PolicyError(f"annotation {key}: {text!r} is not a whole number in {lo}..{hi}")
+        out.append(int(text))
+    return out[0], out[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -477,6 +531,8 @@ def allocation_request(pod: PodView, *, device_classes: dict[str, DeviceClass]) 
         node_selector=dict(pod.spec.nodeSelector or {}),
         network=req.network,
         preemption=req.preemption,
+        gpu_memory_mib=req.gpu_memory_mib,
+        gpu_cores_percent=req.gpu_cores_percent,
     )
 
 

@@ -28,7 +28,7 @@ from typing import Literal
 
 import msgspec
 
-from schemas.messages import AllocationRequest, AllocRecord, NodeAllocations, RequestRecord
+from schemas.messages import AllocationRequest, AllocRecord, Assignment, NodeAllocations, RequestRecord
 from services.runtime.bus import Refuse, Retry
 from services.runtime.records import Conflict, Mutation
 
@@ -67,14 +67,27 @@ def check_same(current: RequestRecord | None, req: AllocationRequest) -> None:
 # -- node allocation records -------------------------------------------------------------------
 
 
-def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[NodeAllocations]:
-    devices = set(rec.assignment.device_ids())
+def _clash(base: NodeAllocations, assignment: Assignment) -> set[str]:
+    """Devices of ``assignment`` another allocation of ``base`` holds: any device held whole
+    by either side. Two shares of one GPU do not clash here: how much of a GPU its shares may
+    take is the allocator core's decision (docs/sharing.md), made on the node's full state."""
+    mine = set(assignment.device_ids())
+    my_shares = assignment.shares()
+    whole: set[str] = set()
+    shared: set[str] = set()
+    for other in base.allocations.values():
+        theirs = other.assignment.shares()
+        for dev in other.assignment.device_ids():
+            (shared if dev in theirs else whole).add(dev)
+    return (mine & whole) | ((mine - set(my_shares)) & shared)
 
+
+def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[NodeAllocations]:
     def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
         base = current if current is not None else NodeAllocations(node=node)
         if request_id in base.allocations:
             raise Conflict(f"{request_id} is already held on {node}")
-        clash = base.used() & devices
+        clash = _clash(base, rec.assignment)
         if clash:
             raise Conflict(f"{node}: {', '.join(sorted(clash))} held by another allocation")
         allocations = dict(base.allocations)

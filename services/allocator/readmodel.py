@@ -154,16 +154,25 @@ class ReadModel:
                 priority=rec.priority,
                 # A job pod in the first phase of its commit is not an allocation yet.
                 preemptible=rec.preemptible and rec.state not in ("releasing", "prepared"),
+                shares=rec.assignment.shares(),
             )
         if not tentative:
             self._tentative.pop(node, None)
 
     # -- decisions in flight ----------------------------------------------------------------
 
-    def hold_tentative(self, node: str, request_id: str, devices: list[str]) -> None:
+    def hold_tentative(
+        self,
+        node: str,
+        request_id: str,
+        devices: list[str],
+        *,
+        shares: dict[str, tuple[int, int]] | None = None,
+    ) -> None:
+        """``shares``: the GPUs held as shares (:meth:`Assignment.shares`), the rest whole."""
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
-        self.cluster.hold(node, request_id, devs)
+        self.cluster.hold(node, request_id, devs, shares=shares)
 
     def reserve(self, node: str, key: str, devices: list[str]) -> None:
         """Keep ``devices`` from every decision under ``key`` (not a request id) until

@@ -429,7 +429,7 @@ class Allocator(Service):
                 node = decision.node
                 assignment = build_assignment(req, decision, instance=self.instance)
                 # Until the commit lands, the next decisions must see these devices as used.
-                self.model.hold_tentative(node, rid, assignment.device_ids())
+                self.model.hold_tentative(node, rid, assignment.device_ids(), shares=assignment.shares())
                 try:
                     if self.before_commit is not None:
                         await self.before_commit(req, decision)
@@ -586,7 +586,7 @@ class Allocator(Service):
                 continue
             if isinstance(decision, Placement):
                 # Held now, before the next decision (the task holds it again, idempotently).
-                self.model.hold_tentative(decision.node, rid, decision.devices())
+                self.model.hold_tentative(decision.node, rid, decision.devices(), shares=decision.shares())
             # Held in ``tasks`` and gathered below: not a bare task.
             tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
         results = await asyncio.gather(*tasks, return_exceptions=True)

@@ -34,4 +34,6 @@ def build_assignment(req: AllocationRequest, placement: Placement, *, instance: 
         candidates=placement.candidates,
         allocator=instance,
         requested_at=req.created_at,
+        sharing="hami" if placement.sharing == "hami" else "mps" if placement.sharing == "mps" else "",
+        memory_limit="soft" if placement.memory_limit == "soft" else "hard",
     )

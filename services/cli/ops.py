@@ -269,8 +269,17 @@ class Row:
     scope: str | None = None
     trace_id: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+    # Shared GPUs (docs/sharing.md): device id -> (memory MiB, compute percent).
+    shares: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    def asks(self) -> str:
+        if not self.shares:
+            return f"{self.gpus} GPUs + {self.rdma} NICs"
+        mem, cores = next(iter(self.shares.values()))
+        return f"{self.gpus} GPU shares ({mem} MiB, {cores} %) + {self.rdma} NICs"
 
     def as_dict(self, now: float) -> dict[str, Any]:
+        shares = {d: {"memory_mib": m, "cores_percent": c} for d, (m, c) in self.shares.items()}
         return {
             "request_id": self.request_id,
             "pod": f"{self.namespace}/{self.pod}",
@@ -286,6 +295,7 @@ class Row:
             "created_at": self.created_at,
             "updated_at": self.updated_at,
             **self.extra,
+            **({"shares": shares} if shares else {}),
         }
 
 
@@ -352,6 +362,7 @@ def build_rows(
                     alloc.traceparent if alloc is not None else (record.traceparent if record else "")
                 ),
                 extra=_claim_extra(req, claims.get(rid)),
+                shares=assignment.shares() if assignment is not None else {},
             )
         )
     return sorted(rows, key=lambda r: (r.created_at, r.request_id))
@@ -422,7 +433,7 @@ async def requests(client: TandemClient, args: argparse.Namespace) -> int:
         ]
         if wide:
             line += [
-                f"{r.gpus} GPUs + {r.rdma} NICs",
+                r.asks(),
                 r.device_class or "-",
                 r.scope or "-",
                 str(r.priority),

@@ -35,7 +35,7 @@ import msgspec
 import yaml
 
 from schemas.config import DeviceClass, default_device_classes
-from schemas.messages import AllocationRequest
+from schemas.messages import AllocationRequest, AssignedGpu
 from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
 from services.allocator.core import Cluster, InvalidRequest, Placement, preempt
 from services.allocator.core.gang import DEFAULT_TIERS
@@ -58,6 +58,8 @@ _ALLOC_KEYS = {
     "priority",
     "node_selector",
     "preemption",
+    "gpu_memory_mib",
+    "gpu_cores_percent",
 }
 _FREE_KEYS = {"kind", "id"}
 
@@ -195,6 +197,7 @@ def run_plan(
             if isinstance(result, Placement):
                 cluster.hold(result.node, rid, result.devices(), priority=req.priority, preemptible=True)
                 preempted.pop(rid, None)
+                cluster.hold(result.node, rid, result.devices(), shares=result.shares())
             busy += time.perf_counter() - t0
             decisions += 1
             if isinstance(result, Placement):
@@ -207,7 +210,7 @@ def run_plan(
                     rid,
                     "assigned",
                     node=result.node,
-                    gpus=[{"index": g.index, "uuid": g.uuid} for g in result.gpus],
+                    gpus=[_gpu(g) for g in result.gpus],
                     nics=[{"name": n.name} for n in result.nics],
                     pairs=[{"gpu": p.gpu, "nic": p.nic, "scope": p.scope} for p in result.pairs],
                 )
@@ -273,6 +276,15 @@ def _line(
     }
 
 
+def _gpu(g: AssignedGpu) -> dict[str, Any]:
+    """A GPU of an assigned line; a share also carries its ``memory_mib`` / ``cores_percent``."""
+    out: dict[str, Any] = {"index": g.index, "uuid": g.uuid}
+    if g.shared:
+        out["memory_mib"] = g.memory_mib or 0
+        out["cores_percent"] = g.cores_percent or 0
+    return out
+
+
 def _records(lines: IO[str] | list[str], source: str) -> Iterator[tuple[int, dict[str, Any]]]:
     dec = msgspec.json.Decoder()
     numbered = enumerate(lines, 1)
@@ -310,7 +322,17 @@ def _request(obj: dict[str, Any], where: str) -> AllocationRequest:
         "rdma": obj.get("rdma", 0),
         "created_at": 0.0,
     }
-    for key in ("scope", "policy", "pairing", "device_class", "priority", "node_selector", "preemption"):
+    for key in (
+        "preemption",
+        "scope",
+        "policy",
+        "pairing",
+        "device_class",
+        "priority",
+        "node_selector",
+        "gpu_memory_mib",
+        "gpu_cores_percent",
+    ):
         if key in obj:
             data[key] = obj[key]
     try:

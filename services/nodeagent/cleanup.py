@@ -7,6 +7,11 @@ either: the failure becomes a problem for that GPU, so the device is marked unhe
 held (and the cleanup is tried again with back-off), never freed unverified. Each GPU
 is asked on its own, so one lost GPU does not hide the verdict on the others.
 
+A *shared* GPU (docs/sharing.md) whose other shares are still in use on the node runs their
+processes, which NVML cannot tell from the leaving share's: for it the check is that the GPU
+answers, not that it is empty (``busy``). The last share to leave a GPU is checked like a
+whole GPU.
+
 Every problem names its device first (``"gpu1: ..."``, ``"mlx5_3: ..."``);
 :func:`problems_by_device` turns a cleanup's problems into one reason per device, so each
 device is marked unhealthy with its own problem. An unverified cleanup is tried again (the node
@@ -29,7 +34,11 @@ def process_problems(procs: dict[int, list[int]]) -> list[str]:
     return [f"gpu{i}: compute processes {pids} still running" for i, pids in sorted(procs.items()) if pids]
 
 
-async def gpu_problems(backend: DiscoveryBackend, indices: list[int]) -> list[str]:
+async def gpu_problems(
+    backend: DiscoveryBackend, indices: list[int], *, busy: frozenset[int] = frozenset()
+) -> list[str]:
+    """Problems of the GPUs ``indices``; those in ``busy`` (shared GPUs with other shares in
+    use) must only answer, their processes are the other shares'."""
     problems: list[str] = []
     for index in indices:
         try:
@@ -41,7 +50,8 @@ async def gpu_problems(backend: DiscoveryBackend, indices: list[int]) -> list[st
                 text if text.startswith(prefix) else f"{prefix}cannot verify compute processes: {text}"
             )
             continue
-        problems += process_problems(procs)
+        if index not in busy:
+            problems += process_problems(procs)
     return problems
 
 

@@ -57,6 +57,8 @@ class HostAgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     ignored_xids: list[int] = msgspec.field(default_factory=lambda: sorted(DEFAULT_IGNORED_XIDS))
     sync_interval: float = 0.5
     netlink: bool = True  # RTNL link events for the NICs' netdevs (the agent runs with hostNetwork)
+    # Share replicas per GPU of the tandem.io/gpu-share resource (docs/sharing.md); 0: none.
+    gpu_share_replicas: int = 0
 
 
 async def allocated_requests(bus: Bus, node: str) -> set[str] | None:
@@ -125,7 +127,12 @@ async def build_host_agent(
         resolver=resolver,
         sysfs_root=cfg.sysfs_root,
     )
-    plugins = DevicePlugins(plugin_dir=cfg.plugin_dir, uverbs=sysfs.reader.uverbs_of, cdi_dir=cfg.cdi_dir)
+    plugins = DevicePlugins(
+        plugin_dir=cfg.plugin_dir,
+        uverbs=sysfs.reader.uverbs_of,
+        cdi_dir=cfg.cdi_dir,
+        share_replicas=cfg.gpu_share_replicas,
+    )
     agent = NodeAgent(
         bus,
         node=node,

@@ -346,7 +346,15 @@ class NodeAgent(Service):
                 problems = await self.applier.cleanup(assignment)
             except BackendError as exc:  # not verified either: retried like any other problem
                 problems = [f"cleanup raised: {exc}"]
-            problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus])
+            # Shared GPUs with other shares still applied here run those shares' processes.
+            busy = frozenset(
+                g.index
+                for other in self.assignments.values()
+                if other.request_id != request_id
+                for g in other.gpus
+                if g.shared
+            ) & frozenset(g.index for g in assignment.gpus if g.shared)
+            problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus], busy=busy)
             reasons = problems_by_device(problems, devices)
             if problems:
                 span.set_status(trace.StatusCode.ERROR, "; ".join(problems))

@@ -75,3 +75,20 @@ def test_short_forms() -> None:
     assert [age(s) for s in (0, 59, 60, 7199, 7200, 2 * 86400 + 5)] == ["0s", "59s", "1m", "119m", "2h", "2d"]
     assert without_id("request r.1: unknown device class", "r.1") == "unknown device class"
     assert without_id("request r.2: x", "r.1") == "request r.2: x"
+
+
+def test_shared_gpus_show_their_share() -> None:
+    assignment = Assignment(
+        request_id="s.1",
+        pod=PodRef("team", "s"),
+        node="n1",
+        gpus=[AssignedGpu(index=4, uuid="GPU-4", memory_mib=20480, cores_percent=25)],
+        sharing="hami",
+    )
+    allocs = [NodeAllocations(node="n1", allocations={"s.1": AllocRecord(assignment=assignment)})]
+    (row,) = build_rows({}, allocs)
+    assert row.shares == {"gpu4": (20480, 25)}
+    assert row.asks() == "1 GPU shares (20480 MiB, 25 %) + 0 NICs"
+    assert row.as_dict(0.0)["shares"] == {"gpu4": {"memory_mib": 20480, "cores_percent": 25}}
+    whole = build_rows({}, [NodeAllocations(node="n1", allocations={"a.1": held("a.1")})])[0]
+    assert "shares" not in whole.as_dict(0.0) and whole.asks() == "1 GPUs + 1 NICs"

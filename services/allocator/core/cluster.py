@@ -79,7 +79,17 @@ in-use devices handed out twice). A hold may be *preemptible* with a priority
 (``hold(..., priority=, preemptible=True)``): :mod:`.preempt` may then choose it as a victim
 for a request of higher priority; the nodes with such holds are kept grouped by what that
 search depends on (:meth:`Cluster.preemption_groups`), rebuilt lazily for the nodes whose
-holds changed. Not thread-safe: one owner calls it.
+holds changed (a hold with GPU shares is never a victim). Not thread-safe: one owner calls it.
+
+Shares of GPUs (fractional GPUs, :mod:`.shares`): a hold may give some of its GPUs as shares
+(memory MiB, compute percent); a shared GPU leaves the free mask like a held one, and the
+node's share usage is packed into its mask above the slot bits. Whole-GPU requests are indexed
+exactly as before, by ``(hardware, slot bits)``: a change of share usage alone is not a change
+for them, so their decisions cost what they did. Share requests go through a second, parallel
+index of the same kind keyed by the full mask (its own groups and change log), with the same
+signature states, heaps, lazy search and cache. The share index is built on first use (the
+first share request or share hold, O(nodes) once), so a fleet that never shares pays nothing
+for it, in time or memory.
 """
 
 from __future__ import annotations
@@ -98,6 +108,7 @@ from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
+from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, share_bound, slot_bits
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -139,8 +150,20 @@ class Placement:
     met: bool = True
     quality: tuple[int, ...] = ()
 
+    # The device class's sharing mode and memory limit when the GPUs are shares.
+    sharing: str = ""
+    memory_limit: str = "hard"
+
     def devices(self) -> list[str]:
         return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+
+    def shares(self) -> dict[str, tuple[int, int]]:
+        """Shared GPUs by device id: (memory MiB, compute percent); empty for whole GPUs."""
+        return {
+            f"gpu{g.index}": (g.memory_mib or 0, g.cores_percent or 0)
+            for g in self.gpus
+            if g.memory_mib is not None or g.cores_percent is not None
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -245,6 +268,8 @@ class Cluster:
         self._pv: dict[str, PreemptionView] = {}
         self._pv_groups: dict[PreemptionView, dict[str, None]] = {}
         self._pv_dirty: set[str] = set()
+        # node -> request -> its shared GPUs as (device id, memory MiB, compute percent)
+        self._shares: dict[str, dict[str, tuple[tuple[str, int, int], ...]]] = {}
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -252,9 +277,20 @@ class Cluster:
         self._impaired: dict[GroupKey, int] = {}  # group -> its nodes with devices out of service
         self._log: list[tuple[GroupKey, int]] = []
         self._log_base = 0
+        # The share index (see "Shares of GPUs" above): the same, keyed by the full group mask
+        # (slot bits and share bits), for share requests only; whole-GPU signatures never see
+        # the changes that move only share usage.
+        self._sgroups: dict[GroupKey, dict[str, None]] = {}
+        self._simpaired: dict[GroupKey, int] = {}
+        self._slog: list[tuple[GroupKey, int]] = []
+        self._slog_base = 0
+        self._share_index = False  # built on first use (_share_index_on)
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
+        # Share searches have their own cache (and bound): their many share usages must never
+        # push the whole-GPU searches out.
+        self._sevals: dict[tuple[object, ...], Choice | Refusal] = {}
         # Label index, and the label keys groups are split by (see the module docstring).
         self._labelled: dict[tuple[str, str], dict[str, None]] = {}
         self._keyed: frozenset[str] = frozenset()
@@ -330,21 +366,36 @@ class Cluster:
         *,
         priority: int = 0,
         preemptible: bool = False,
+        shares: Mapping[str, tuple[int, int]] | None = None,
     ) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
 
         ``preemptible``: a request of higher ``priority`` that may preempt may have this hold
-        evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim)."""
-        if preemptible:
+        evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim).
+        ``shares``: the GPUs of ``devices`` held as shares, device id -> (memory MiB, compute
+        percent), as :meth:`Placement.shares` gives them; the other devices are held whole. A
+        hold with shares is never a victim: evicting one share frees no whole GPU, which is
+        what the preemption search counts on."""
+        if preemptible and not shares:
             self._victims.setdefault(name, {})[request_id] = priority
             self._pv_forget(name)
         else:
             self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
         devs = tuple(sorted(set(devices)))
-        if holds.get(request_id) == devs:
+        shared = tuple(sorted((d, m, c) for d, (m, c) in shares.items())) if shares else ()
+        node_shares = self._shares.get(name)
+        old_shared = node_shares.get(request_id, ()) if node_shares else ()
+        if holds.get(request_id) == devs and old_shared == shared:
             return
         holds[request_id] = devs
+        if shared:
+            self._share_index_on()
+            self._shares.setdefault(name, {})[request_id] = shared
+        elif old_shared and node_shares is not None:
+            del node_shares[request_id]
+            if not node_shares:
+                del self._shares[name]
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -358,6 +409,9 @@ class Cluster:
         del holds[request_id]
         if not holds:
             del self._holds[name]
+        node_shares = self._shares.get(name)
+        if node_shares and node_shares.pop(request_id, None) is not None and not node_shares:
+            del self._shares[name]
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -377,6 +431,16 @@ class Cluster:
     def holds(self, name: str) -> dict[str, frozenset[str]]:
         return {rid: frozenset(devs) for rid, devs in self._holds.get(name, {}).items()}
 
+    def shares(self, name: str) -> dict[str, dict[str, tuple[int, int]]]:
+        """The share holds of ``name``: request -> GPU device id -> (memory MiB, compute %)."""
+        return {rid: {d: (m, c) for d, m, c in per} for rid, per in self._shares.get(name, {}).items()}
+
+    def gpu_shares(self, name: str) -> dict[str, GpuUse]:
+        """Shared GPUs of ``name`` that can take more shares, by device id: (used memory MiB,
+        used compute percent, shares); a shared GPU that is out of service is left out."""
+        node = self._need(name)
+        return {f"gpu{node.shape.gpu_index[s]}": use for s, use in gpu_use(node.shape, node.mask).items()}
+
     def used_devices(self, name: str) -> set[str]:
         return {d for devs in self._holds.get(name, {}).values() for d in devs}
 
@@ -387,7 +451,7 @@ class Cluster:
     def free_devices(self, name: str) -> list[str]:
         """Device ids (``gpu<N>``, NIC and VF RDMA names) that a request could get now."""
         node = self._need(name)
-        return [node.shape.slot_id[s] for s in bits(node.mask)]
+        return [node.shape.slot_id[s] for s in bits(slot_bits(node.shape, node.mask))]
 
     def free_counts(self, name: str) -> tuple[int, int]:
         """(free GPUs, free NIC physical functions) of ``name``."""
@@ -417,7 +481,9 @@ class Cluster:
                 isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)
             )
         n = 0
-        for (hw, mask), members in self._groups.items():
+        if spec.shared:
+            self._share_index_on()
+        for (hw, mask), members in (self._sgroups if spec.shared else self._groups).items():
             if isinstance(self._eval(spec, self._hw[hw][0], mask), Choice):
                 n += len(members)
         return n
@@ -441,7 +507,10 @@ class Cluster:
             "signatures": len(self._sigs),
             "signature_records": self._sig_records,
             "evaluations": len(self._evals),
+            "share_evaluations": len(self._sevals),
             "change_log": len(self._log),
+            "share_groups": len(self._sgroups),
+            "share_change_log": len(self._slog),
         }
 
     # ------------------------------------------------------------------------------------
@@ -497,10 +566,6 @@ class Cluster:
     def shape_of(self, name: str) -> Shape:
         return self._need(name).shape
 
-    def placement_on(self, name: str, choice: Choice, *, candidates: int = 1) -> Placement:
-        """The wire-level placement of an in-node result on ``name``."""
-        return self._placement(self._need(name), choice, candidates=candidates)
-
     def _preemption_view(self, node: _Node, victims: dict[str, int]) -> PreemptionView:
         slot_of = node.shape.slot_of
         blocked = _slot_mask(slot_of, (*node.unavailable, *node.port_down))
@@ -548,6 +613,8 @@ class Cluster:
             keys = frozenset(k for k, _ in spec.selector)
             if not keys <= self._keyed:
                 self._regroup(self._keyed | keys)
+        if spec.shared:
+            self._share_index_on()
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -576,10 +643,10 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter(self._groups[gkey]))
-            return self._placement(self._nodes[name], status, candidates=st.feasible + st.pending)
+            name = next(iter((self._sgroups if spec.shared else self._groups)[gkey]))
+            return self._placement(self._nodes[name], status, spec, candidates=st.feasible + st.pending)
         impaired: dict[str, int] = {}
-        for gkey, n in self._impaired.items():
+        for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
             rec = st.groups.get(gkey)
             if rec is not None and isinstance(rec[1], Refusal):
                 impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
@@ -605,9 +672,10 @@ class Cluster:
         need not be a node's current mask: a job asks what is left after its earlier pods)."""
         return self._eval(spec, shape, mask)
 
-    def placement_of(self, name: str, choice: Choice, *, candidates: int) -> Placement:
-        """``choice`` (slot-level, on ``name``'s shape) as a :class:`Placement`."""
-        return self._placement(self._need(name), choice, candidates=candidates)
+    def placement_of(self, name: str, choice: Choice, spec: Spec, *, candidates: int = 1) -> Placement:
+        """``choice`` (slot-level, on ``name``'s shape, found for ``spec``) as a
+        :class:`Placement` (the wire-level one a decision returns)."""
+        return self._placement(self._need(name), choice, spec, candidates=candidates)
 
     # ------------------------------------------------------------------------------------
     # internals
@@ -690,7 +758,7 @@ class Cluster:
             if best is None or order < best[0]:
                 best = (order, node, res)
         if best is not None:
-            return self._placement(best[1], best[2], candidates=feasible)
+            return self._placement(best[1], best[2], spec, candidates=feasible)
         others = len(self._nodes) - len(nodes)
         if others:
             text = _SELECTOR_REFUSAL.text
@@ -712,17 +780,38 @@ class Cluster:
         self._sig_records = 0
         self._log_base += len(self._log)
         self._log.clear()
-        groups = self._groups
         hw_id = self._hw_id
         for node in self._nodes.values():
             node.hw = hw = hw_id(node.shape, node.labels)
-            gkey = (hw, node.mask)
-            members = groups.get(gkey)
+            gkey = (hw, slot_bits(node.shape, node.mask))
+            members = self._groups.get(gkey)
             if members is None:
-                members = groups[gkey] = {}
+                members = self._groups[gkey] = {}
             members[node.name] = None
             if node.unavailable or node.port_down:
                 self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
+        if self._share_index:
+            self._share_index = False
+            self._share_index_on()
+
+    def _share_index_on(self) -> None:
+        """Build the share index from the nodes' current groups, once (see the module
+        docstring); from then on every move keeps it up to date."""
+        if self._share_index:
+            return
+        self._share_index = True
+        self._sgroups.clear()
+        self._simpaired.clear()
+        self._slog_base += len(self._slog)
+        self._slog.clear()
+        for node in self._nodes.values():
+            gkey = (node.hw, node.mask)
+            members = self._sgroups.get(gkey)
+            if members is None:
+                members = self._sgroups[gkey] = {}
+            members[node.name] = None
+            if node.unavailable or node.port_down:
+                self._simpaired[gkey] = self._simpaired.get(gkey, 0) + 1
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -732,15 +821,51 @@ class Cluster:
             s = slot_of.get(dev)
             if s is not None:
                 blocked |= 1 << s
-        for devs in self._holds.get(node.name, {}).values():
-            for dev in devs:
-                s = slot_of.get(dev)
-                if s is not None:
-                    blocked |= 1 << s
-        node.mask = shape.effective_free(blocked)
+        node_shares = self._shares.get(node.name)
+        if node_shares is None:
+            for devs in self._holds.get(node.name, {}).values():
+                for dev in devs:
+                    s = slot_of.get(dev)
+                    if s is not None:
+                        blocked |= 1 << s
+            node.mask = shape.effective_free(blocked)
+        else:
+            node.mask = self._share_mask(node, blocked, node_shares)
         self._move(
             node.name, old_key, (node.hw, node.mask), was_impaired=was_impaired, now_impaired=node.impaired
         )
+
+    def _share_mask(
+        self, node: _Node, blocked: int, node_shares: Mapping[str, tuple[tuple[str, int, int], ...]]
+    ) -> int:
+        """The group mask of a node with shares: shared GPUs leave the free slots like held
+        ones, and their usage goes into the share bits (:func:`.shares.pack`), except for a
+        GPU that is also out of service or held whole, which takes no more shares."""
+        shape = node.shape
+        slot_of = shape.slot_of
+        use: dict[int, list[int]] = {}
+        for per in node_shares.values():
+            for dev, mem, cores in per:
+                s = slot_of.get(dev)
+                if s is not None and s < shape.n_gpus:
+                    u = use.get(s)
+                    if u is None:
+                        u = use[s] = [0, 0, 0]
+                    u[0] += mem
+                    u[1] += cores
+                    u[2] += 1
+        for rid, devs in self._holds.get(node.name, {}).items():
+            shared = {d for d, _m, _c in node_shares.get(rid, ())}
+            for dev in devs:
+                if dev in shared:
+                    continue
+                s = slot_of.get(dev)
+                if s is not None:
+                    blocked |= 1 << s
+        share_bits = pack(shape, {s: (u[0], u[1], u[2]) for s, u in use.items() if not blocked >> s & 1})
+        for s in use:
+            blocked |= 1 << s
+        return shape.effective_free(blocked) | share_bits
 
     def _move(
         self,
@@ -751,6 +876,15 @@ class Cluster:
         was_impaired: bool,
         now_impaired: bool,
     ) -> None:
+        """A node moves from group ``old`` to ``new`` (full keys: slot and share bits): in the
+        share index as they are, in the whole-GPU index by their slot bits. Without the share
+        index no node has share bits (a share hold turns it on first)."""
+        if self._share_index:
+            self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+            if old is not None:
+                old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
+            if new is not None:
+                new = (new[0], slot_bits(self._hw[new[0]][0], new[1]))
         if old == new:
             if old is not None and was_impaired != now_impaired:
                 self._count_impaired(old, 1 if now_impaired else -1)
@@ -776,7 +910,44 @@ class Cluster:
             if now_impaired:
                 self._count_impaired(new, 1)
         if len(log) > _LOG_MAX:
-            self._compact()
+            self._compact(shared=False)
+
+    def _move_share(
+        self,
+        name: str,
+        old: GroupKey | None,
+        new: GroupKey | None,
+        *,
+        was_impaired: bool,
+        now_impaired: bool,
+    ) -> None:
+        """:meth:`_move` in the share index (no reserve bookkeeping: that is the whole index's)."""
+        impaired = self._simpaired
+        if old == new:
+            if old is not None and was_impaired != now_impaired:
+                _count(impaired, old, 1 if now_impaired else -1)
+            return
+        groups = self._sgroups
+        log = self._slog
+        if old is not None:
+            members = groups.get(old)
+            if members is not None and name in members:
+                del members[name]
+                if not members:
+                    del groups[old]
+                log.append((old, -1))
+                if was_impaired:
+                    _count(impaired, old, -1)
+        if new is not None:
+            members = groups.get(new)
+            if members is None:
+                members = groups[new] = {}
+            members[name] = None
+            log.append((new, 1))
+            if now_impaired:
+                _count(impaired, new, 1)
+        if len(log) > _LOG_MAX:
+            self._compact(shared=True)
 
     def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
         left = self._impaired.get(gkey, 0) + delta
@@ -785,39 +956,60 @@ class Cluster:
         else:
             del self._impaired[gkey]
 
-    def _compact(self) -> None:
-        end = self._log_base + len(self._log)
+    def _compact(self, *, shared: bool) -> None:
+        log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
+        end = base + len(log)
         keep_from = end - _LOG_MAX // 2
-        for k in [k for k, st in self._sigs.items() if st.cursor < keep_from]:
+        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared}
+        for k in [k for k, st in mine.items() if st.cursor < keep_from]:
             self._drop_sig(k)
-        new_base = min((st.cursor for st in self._sigs.values()), default=end)
-        del self._log[: new_base - self._log_base]
-        self._log_base = new_base
+            del mine[k]
+        new_base = min((st.cursor for st in mine.values()), default=end)
+        del log[: new_base - base]
+        if shared:
+            self._slog_base = new_base
+        else:
+            self._log_base = new_base
 
     def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
-        """The cached in-node search (the caller has checked the node selector)."""
+        """The cached in-node search (the caller has checked the node selector). A whole-GPU
+        search depends on the slot bits only; a share search on the share usage too."""
         key = (spec.key, shape.id, mask)
+        if spec.shared:
+            cache = self._sevals
+            res = cache.get(key)
+            if res is None:
+                if len(cache) >= _EVAL_MAX:
+                    cache.clear()
+                res = cache[key] = evaluate_shared(shape, mask, spec, policy=self.policy, cache=cache)
+            return res
+        free = slot_bits(shape, mask)
+        key = (spec.key, shape.id, free)
         res = self._evals.get(key)
         if res is None:
             if len(self._evals) >= _EVAL_MAX:
                 self._evals.clear()
-            res = self._evals[key] = evaluate(shape, mask, spec)
+            res = self._evals[key] = evaluate(shape, free, spec)
         return res
 
     def _state(self, spec: Spec) -> _SigState:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        end = self._log_base + len(self._log)
+        if spec.shared:
+            log, base, all_groups = self._slog, self._slog_base, self._sgroups
+        else:
+            log, base, all_groups = self._log, self._log_base, self._groups
+        end = base + len(log)
         if st is not None:
             # Most recently used last, so the LRU drop below takes the stalest.
             self._sigs[sk] = self._sigs.pop(sk)
             backlog = end - st.cursor
             if backlog == 0:
                 return st
-            if backlog <= 2 * len(self._groups) + 256:
+            if backlog <= 2 * len(all_groups) + 256:
                 before = len(st.groups) + len(st.heap)
-                changes = self._log[st.cursor - self._log_base :]
+                changes = log[st.cursor - base :]
                 if backlog > 32:
                     # Under churn most groups come and go; replay only the net change.
                     net: dict[GroupKey, int] = {}
@@ -838,7 +1030,7 @@ class Cluster:
             # A long-unused signature: rebuilding from the groups is cheaper than replaying.
             self._drop_sig(sk)
         st = _SigState(spec=spec, cursor=end, pressure=pressure)
-        self._replay(st, [(gkey, len(members)) for gkey, members in self._groups.items()])
+        self._replay(st, [(gkey, len(members)) for gkey, members in all_groups.items()])
         if len(self._sigs) >= _SIG_MAX:
             self._drop_sig(next(iter(self._sigs)))
         self._sigs[sk] = st
@@ -912,8 +1104,9 @@ class Cluster:
         server, fragmentation before fullness (packing that breaks no whole switch / partition
         first); under reserve pressure capacity cost before alignment, then fullness. For
         spread: alignment, emptiness, fragmentation. ``status`` not a Choice: a lower bound."""
-        hw, mask = gkey
+        hw, group_mask = gkey
         shape = self._hw[hw][0]
+        mask = slot_bits(shape, group_mask)
         free_g = (mask & shape.gpu_all).bit_count()
         free_n = (mask & shape.pf_all).bit_count()
         exact = isinstance(status, Choice)
@@ -927,6 +1120,11 @@ class Cluster:
             return ((0, *cross_bound(spec)), (), (), ())
         if isinstance(status, Choice):
             key, frag, full = status.cross, status.frag, status.key
+        elif spec.shared:
+            # A share search is costlier than a whole-GPU one (its candidates vary with the
+            # share usage): a tight bound, so that few groups are searched (see .shares).
+            key, frag, full = share_bound(shape, group_mask, spec, policy=self.policy), _NO_FRAG, ()
+            exact = True  # the bound's fragmentation part is a valid (zero) bound too
         else:
             key, frag, full = cross_bound(spec), (), ()
         if self.policy == "binpack":
@@ -955,7 +1153,7 @@ class Cluster:
         shape = self._hw[gkey[0]][0]
         if shape.aligned <= 0:
             return
-        now = shape.aligned_free(gkey[1])
+        now = shape.aligned_free(slot_bits(shape, gkey[1]))
         left = self._aligned_now.get(now, 0) + delta
         if left:
             self._aligned_now[now] = left
@@ -1000,19 +1198,31 @@ class Cluster:
         shape, labels = self._hw[hw]
         if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
+        if spec.shared:
+            cached = self._sevals.get((spec.key, shape.id, mask))
+            if cached is not None:
+                return cached
+            return precheck_shared(shape, mask, spec)
+        mask = slot_bits(shape, mask)
         cached = self._evals.get((spec.key, shape.id, mask))
         if cached is not None:
             return cached
         return precheck(shape, mask, spec)
 
-    def _placement(self, node: _Node, res: Choice, *, candidates: int) -> Placement:
+    def _placement(self, node: _Node, res: Choice, spec: Spec, *, candidates: int) -> Placement:
         shape = node.shape
         topo = node.topology
         gpus: list[AssignedGpu] = []
+        mem = spec.memory_mib if spec.shared and spec.memory_mib else None
+        cores = spec.cores_percent if spec.shared and spec.cores_percent else None
         for s in res.gpus:
             g = device_at(topo, shape.paths[s], nic=False)
             assert isinstance(g, Gpu)
-            gpus.append(AssignedGpu(index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id))
+            gpus.append(
+                AssignedGpu(
+                    index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, memory_mib=mem, cores_percent=cores
+                )
+            )
         nics: list[AssignedNic] = []
         for s in res.nics:
             path = shape.paths[s]
@@ -1039,6 +1249,8 @@ class Cluster:
             candidates=candidates,
             met=res.met,
             quality=res.key + res.frag,
+            sharing=spec.dc.sharing if spec.shared else "",
+            memory_limit=spec.dc.memory_limit,
         )
 
     def _unschedulable(
@@ -1081,8 +1293,17 @@ def _slot_mask(slot_of: Mapping[str, int], devices: Iterable[str]) -> int:
     return m
 
 
+_NO_FRAG = (0, 0, 0, 0, 0)  # the least fragmentation: a lower bound of Choice.frag
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
+
+
+def _count(counts: dict[GroupKey, int], gkey: GroupKey, delta: int) -> None:
+    left = counts.get(gkey, 0) + delta
+    if left:
+        counts[gkey] = left
+    else:
+        del counts[gkey]
 
 
 def _port_down(topo: NodeTopology) -> tuple[str, ...]:

@@ -250,7 +250,7 @@ def place_job(
     rows, refused = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
     if job.nvlink_domain is not None:
         in_domain = [r for r in rows if r.domain is not None]
-        res = _search(cluster, job, in_domain, tiers, cap=cap, by_domain=True)
+        res = _search(cluster, job, spec, in_domain, tiers, cap=cap, by_domain=True)
         if isinstance(res, JobPlacement):
             return res
         if job.nvlink_domain == "required":
@@ -258,7 +258,7 @@ def place_job(
                 res.reason = f"{_what(job, spec)}: no node that can take a pod is in an NVLink domain"
                 return res
             return _explain(cluster, job, spec, res, refused)
-    res = _search(cluster, job, rows, tiers, cap=cap, by_domain=False)
+    res = _search(cluster, job, spec, rows, tiers, cap=cap, by_domain=False)
     return res if isinstance(res, JobPlacement) else _explain(cluster, job, spec, res, refused)
 
 
@@ -299,6 +299,7 @@ _Best = tuple[tuple[object, ...], tuple[str | None, str], list[tuple[_Row, int]]
 def _search(
     cluster: Cluster,
     job: JobRequest,
+    spec: Spec,
     rows: list[_Row],
     tiers: tuple[str, ...],
     *,
@@ -355,7 +356,9 @@ def _search(
             pods: list[Placement] = []
             for row, k in take:
                 for j in range(k):
-                    pods.append(cluster.placement_of(row.name, row.chain.choices[j], candidates=len(rows)))
+                    pods.append(
+                        cluster.placement_of(row.name, row.chain.choices[j], spec, candidates=len(rows))
+                    )
             return JobPlacement(
                 job_id=job.job_id,
                 pods=tuple(pods),

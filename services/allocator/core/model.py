@@ -175,6 +175,8 @@ class Shape:
     aligned: int  # GPUs that can have a NIC (PF) on their own PCIe switch: the shape's capability
     views: dict[str, ClassView] = field(default_factory=dict)
     _aligned_free: dict[int, int] = field(default_factory=dict)
+    # Share candidates by (group mask, class, share size): see .shares._candidates.
+    share_fits: dict[tuple[object, ...], tuple[int, int]] = field(default_factory=dict)
 
     def aligned_free(self, free: int) -> int:
         """GPU/NIC pairs that can still sit on a shared PCIe switch with ``free`` slots free:

@@ -100,7 +100,11 @@ class Preemption:
 
 def may_preempt(request: AllocationRequest, classes: Mapping[str, DeviceClass]) -> bool:
     """Whether ``request`` may evict allocations of lower priority (its own ``preemption``,
-    else its device class's). Raises InvalidRequest for an unknown class."""
+    else its device class's). A request for GPU *shares* never preempts: eviction frees whole
+    devices, and shares are placed among the shares left (docs/sharing.md). Raises
+    InvalidRequest for an unknown class."""
+    if request.shared:
+        return False
     if request.preemption is not None:
         return request.preemption == "lower-priority"
     dc = classes.get(request.device_class)
@@ -174,7 +178,7 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
         return None
     order, name, choice, eligible, chosen = best
     victims = _victims(cluster, name, [eligible[i] for i in chosen])
-    return Preemption(placement=cluster.placement_on(name, choice), victims=victims, order=order)
+    return Preemption(placement=cluster.placement_of(name, choice, spec), victims=victims, order=order)
 
 
 # Per cluster: (request key, view) -> that view's best set, or None (see plan).

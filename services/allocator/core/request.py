@@ -37,11 +37,19 @@ class Spec:
     device_class: str
     dc: DeviceClass
     selector: tuple[tuple[str, str], ...]
+    # A share of each GPU (see .shares): ``shared`` set, memory / compute 0 when not asked.
+    shared: bool = False
+    memory_mib: int = 0
+    cores_percent: int = 0
 
-    @property
-    def key(self) -> tuple[object, ...]:
-        """Everything node-independent the in-node search depends on."""
-        return (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
+    key: tuple[object, ...] = ()
+    """Everything node-independent the in-node search depends on (set on creation; the index
+    reads it for every group a signature meets, so it is computed once)."""
+
+    def __post_init__(self) -> None:
+        base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
+        key = (*base, "share", self.memory_mib, self.cores_percent) if self.shared else base
+        object.__setattr__(self, "key", key)
 
     @property
     def pairing(self) -> str:
@@ -77,6 +85,26 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
             f"request {req.request_id}: pairing per-gpu needs as many NICs as GPUs "
             f"(asked {req.gpus} GPUs, {req.rdma} NICs); use pairing shared"
         )
+    shared = req.gpu_memory_mib is not None or req.gpu_cores_percent is not None
+    if shared:
+        if dc.sharing == "none":
+            raise InvalidRequest(
+                f"request {req.request_id}: device class {req.device_class!r} does not allow GPU "
+                "shares (sharing: none); drop gpu_memory_mib / gpu_cores_percent to ask whole "
+                "GPUs, or use a class with sharing: hami or mps"
+            )
+        if req.gpus < 1:
+            raise InvalidRequest(
+                f"request {req.request_id}: gpu_memory_mib / gpu_cores_percent are per GPU; "
+                "ask at least one GPU (gpus: N means N shared GPUs)"
+            )
+        if (req.gpu_memory_mib is not None and req.gpu_memory_mib < 1) or (
+            req.gpu_cores_percent is not None and not 1 <= req.gpu_cores_percent <= 100
+        ):
+            raise InvalidRequest(
+                f"request {req.request_id}: gpu_memory_mib must be at least 1 and "
+                "gpu_cores_percent between 1 and 100"
+            )
     return Spec(
         gpus=req.gpus,
         rdma=req.rdma,
@@ -86,6 +114,9 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
         device_class=req.device_class,
         dc=dc,
         selector=tuple(sorted(req.node_selector.items())),
+        shared=shared,
+        memory_mib=req.gpu_memory_mib or 0,
+        cores_percent=req.gpu_cores_percent or 0,
     )
 
 

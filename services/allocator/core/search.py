@@ -100,6 +100,9 @@ def cross_bound(spec: Spec) -> tuple[int, ...]:
     both = spec.gpus > 0 and spec.rdma > 0
     c = -spec.gpus if both else 0
     d = -spec.rdma if both and not spec.per_gpu else 0
+    if spec.shared:
+        # A share request's cross key has the GPUs-opened term before the waste (see .shares).
+        return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, -spec.gpus, 0)
     return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, 0)
 
 

@@ -30,11 +30,14 @@ from schemas.topology import NodeTopology
 from services.nodeagent.backends.base import Applier
 from services.nodeagent.deviceplugin.logic import (
     GPU_RESOURCE,
+    GPU_SHARE_RESOURCE,
     RDMA_RESOURCE,
     AllocateError,
     allocate,
+    match_share,
     plugin_devices,
     preferred,
+    preferred_shares,
     rdma_cdi_spec,
 )
 from services.nodeagent.deviceplugin.v1beta1 import api_pb2 as pb
@@ -58,6 +61,8 @@ class PluginState:
         self.topology: NodeTopology | None = None
         self.health: dict[str, DeviceHealth] = {}
         self.pending: dict[str, Assignment] = {}
+        # Share assignments an Allocate has answered for (see logic.match_share).
+        self.share_taken: set[str] = set()
         self.version = 0
         self.changed = asyncio.Condition()
 
@@ -77,6 +82,7 @@ class PluginState:
 
     def forget(self, request_id: str) -> None:
         self.pending.pop(request_id, None)
+        self.share_taken.discard(request_id)
 
 
 class _Servicer(pb_grpc.DevicePluginServicer):
@@ -101,20 +107,32 @@ class _Servicer(pb_grpc.DevicePluginServicer):
     ) -> pb.PreferredAllocationResponse:
         out = pb.PreferredAllocationResponse()
         for creq in request.container_requests:
-            ids = preferred(
-                self.plugin.state.pending.values(),
-                self.plugin.resource,
-                available=list(creq.available_deviceIDs),
-                must_include=list(creq.must_include_deviceIDs),
-                size=creq.allocation_size,
-            )
+            if self.plugin.resource == GPU_SHARE_RESOURCE:
+                ids = preferred_shares(
+                    self.plugin.state.pending.values(),
+                    available=list(creq.available_deviceIDs),
+                    must_include=list(creq.must_include_deviceIDs),
+                    size=creq.allocation_size,
+                )
+            else:
+                ids = preferred(
+                    self.plugin.state.pending.values(),
+                    self.plugin.resource,
+                    available=list(creq.available_deviceIDs),
+                    must_include=list(creq.must_include_deviceIDs),
+                    size=creq.allocation_size,
+                )
             out.container_responses.append(pb.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return out
 
     async def Allocate(self, request: pb.AllocateRequest, context: Any) -> pb.AllocateResponse:
         out = pb.AllocateResponse()
         known = {d.id for d in self.plugin.devices()}
+        state = self.plugin.state
         for creq in request.container_requests:
+            share = None
+            if self.plugin.resource == GPU_SHARE_RESOURCE:
+                share = match_share(state.pending.values(), list(creq.devices_ids), taken=state.share_taken)
             try:
                 ans = await asyncio.to_thread(
                     allocate,
@@ -123,10 +141,13 @@ class _Servicer(pb_grpc.DevicePluginServicer):
                     known=known,
                     uverbs=self.plugin.uverbs,
                     cdi=self.plugin.cdi,
+                    share=share,
                 )
             except AllocateError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 raise  # abort raises; this line only satisfies the type checker
+            if share is not None:
+                state.share_taken.add(share.request_id)
             out.container_responses.append(
                 pb.ContainerAllocateResponse(
                     envs=ans.envs,
@@ -165,8 +186,10 @@ class ResourcePlugin:
         uverbs: Callable[[str], list[str]] = lambda name: [],
         cdi: bool = True,
         poll_interval: float = 1.0,
+        replicas: int = 0,
     ) -> None:
         self.resource = resource
+        self.replicas = replicas
         self.state = state
         self.plugin_dir = Path(plugin_dir)
         self.endpoint = endpoint or f"tandem-{resource.rsplit('/', 1)[-1]}.sock"
@@ -190,7 +213,7 @@ class ResourcePlugin:
     def devices(self) -> list[Any]:
         if self.state.topology is None:
             return []
-        return plugin_devices(self.state.topology, self.state.health, self.resource)
+        return plugin_devices(self.state.topology, self.state.health, self.resource, replicas=self.replicas)
 
     def device_list(self) -> pb.ListAndWatchResponse:
         return pb.ListAndWatchResponse(
@@ -264,7 +287,9 @@ class ResourcePlugin:
 
 class DevicePlugins:
     """Both Tandem resources, sharing one :class:`PluginState`; optionally writes the CDI spec
-    for the RDMA devices (``<cdi_dir>/tandem-rdma.json``) whenever the inventory changes."""
+    for the RDMA devices (``<cdi_dir>/tandem-rdma.json``) whenever the inventory changes.
+    ``share_replicas`` > 0 adds the GPU share resource with that many replicas per GPU (at
+    least the largest ``max_shares_per_gpu`` of the sharing device classes)."""
 
     def __init__(
         self,
@@ -273,6 +298,7 @@ class DevicePlugins:
         uverbs: Callable[[str], list[str]] = lambda name: [],
         cdi_dir: str | Path | None = None,
         poll_interval: float = 1.0,
+        share_replicas: int = 0,
     ) -> None:
         self.state = PluginState()
         self.uverbs = uverbs
@@ -281,6 +307,17 @@ class DevicePlugins:
             ResourcePlugin(r, self.state, plugin_dir=plugin_dir, uverbs=uverbs, poll_interval=poll_interval)
             for r in (GPU_RESOURCE, RDMA_RESOURCE)
         ]
+        if share_replicas > 0:
+            self.plugins.append(
+                ResourcePlugin(
+                    GPU_SHARE_RESOURCE,
+                    self.state,
+                    plugin_dir=plugin_dir,
+                    uverbs=uverbs,
+                    poll_interval=poll_interval,
+                    replicas=share_replicas,
+                )
+            )
         self._tasks = Supervisor("deviceplugins")
 
     async def update(

@@ -1,0 +1,283 @@
+"""Fractional GPUs: shares of a GPU's memory and compute, kept in the node's group key.
+
+A request with ``gpu_memory_mib`` and/or ``gpu_cores_percent`` (a :class:`.request.Spec`
+with ``shared`` set) asks a *share* of each of its ``gpus`` GPUs. A GPU is then in one of
+three states: whole-free, held whole, or shared (one or more shares on it). The rules:
+
+* a GPU with any share is never given whole: it is not in the node's free mask, exactly
+  like a held GPU, so whole-GPU requests (and their cached searches) never see it;
+* a GPU held whole is never shared: it has no share record, so it is never a share
+  candidate; a share goes on a whole-free GPU (which opens it) or on a shared GPU with
+  enough memory, compute and share count left;
+* NICs stay exclusive: a shared GPU's pod gets its own aligned NIC or VF, paired and scoped
+  by the same exact in-node search as whole GPUs (:func:`.search.evaluate`), run on the
+  *candidate* mask (whole-free GPUs that are large enough, plus the shared GPUs the share
+  fits on, plus the free NICs).
+
+Why in the group key. The cluster index groups nodes by ``(hardware, free mask)`` and caches
+one search per (request key, shape, mask) (see :mod:`.cluster`). The share state of a node is
+packed into the same integer *above* the slot bits: GPU slot ``s`` owns the
+:data:`FIELD`-bit field at ``n_slots + s * FIELD`` holding its used memory (MiB), used
+compute (percent) and share count; a GPU without shares has a zero field, so a node without
+shares has exactly the mask it had before shares existed. Two nodes with the same shape,
+free devices and share usage are then one group, the change log, the signature heaps and the
+lazy evaluation work unchanged, and a share decision costs what a whole-GPU decision costs:
+O(changes since the signature's last decision), not O(nodes). Whole-GPU searches are cached
+on the slot bits only (:func:`slot_bits`), so share usage does not split their cache.
+
+Node and GPU order. Alignment comes first, as for whole GPUs. Then ``binpack`` fills a
+shared GPU before opening another, and ``spread`` opens a fresh GPU before stacking on a
+shared one: in a node, among placements of the same alignment quality, the one on shared
+(binpack) or fresh (spread) GPUs wins, and across nodes the number of GPUs the placement
+opens is a term of the cross-node key right after alignment (fewer first for binpack, more
+first for spread), ahead of the one-sided waste and the node policy's own order. For one
+GPU without NICs, binpack takes the fullest GPU the share fits on (best fit).
+
+Limits of the model: a share request's memory and compute are per GPU and the same on each of
+its GPUs; a request that leaves one out reserves none of it (and gets no limit for it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from .model import Shape
+from .request import Spec
+from .search import Choice, Refusal, evaluate, one_sided_waste, precheck
+
+__all__ = [
+    "FIELD",
+    "GpuUse",
+    "evaluate_shared",
+    "fit_mask",
+    "gpu_use",
+    "pack",
+    "precheck_shared",
+    "share_bound",
+    "slot_bits",
+]
+
+FIELD = 48  # bits per GPU: used memory MiB (32), used compute percent (8), share count (8)
+_COUNT_BITS = 8
+_CORE_BITS = 8
+_MEM_BITS = FIELD - _COUNT_BITS - _CORE_BITS
+_FIELD_MASK = (1 << FIELD) - 1
+_COUNT_MASK = (1 << _COUNT_BITS) - 1
+_CORE_MASK = (1 << _CORE_BITS) - 1
+_MEM_MAX = (1 << _MEM_BITS) - 1
+
+GpuUse = tuple[int, int, int]  # (used memory MiB, used compute percent, shares)
+
+
+def slot_bits(shape: Shape, mask: int) -> int:
+    """The free-slot part of a group mask (what whole-GPU searches depend on)."""
+    return mask & ((1 << shape.n_slots) - 1)
+
+
+def pack(shape: Shape, use: dict[int, GpuUse]) -> int:
+    """The share bits of a node: ``use`` maps GPU slot to its usage (zero usage: no field)."""
+    out = 0
+    base = shape.n_slots
+    for s, (mem, cores, count) in use.items():
+        if count <= 0:
+            continue
+        # Clamped: a corrupt record must not spill into the next GPU's field.
+        field = (
+            (min(mem, _MEM_MAX) << (_CORE_BITS + _COUNT_BITS))
+            | (min(cores, _CORE_MASK) << _COUNT_BITS)
+            | min(count, _COUNT_MASK)
+        )
+        out |= field << (base + s * FIELD)
+    return out
+
+
+def gpu_use(shape: Shape, mask: int) -> dict[int, GpuUse]:
+    """The shared GPUs of a group mask and their usage (the inverse of :func:`pack`)."""
+    return {s: (m, c, n) for s, m, c, n in _decoded(shape, mask >> shape.n_slots)}
+
+
+# Decoded share bits, by the bits alone (they do not depend on the shape): every signature
+# that meets a group decodes it, so the decode is cached (bounded like the search cache).
+_DECODED: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+_DECODED_MAX = 50_000
+
+
+def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int], ...]:
+    got = _DECODED.get(hi)
+    if got is None:
+        out = []
+        s = 0
+        bits = hi
+        while bits:
+            field = bits & _FIELD_MASK
+            if field:
+                out.append(
+                    (
+                        s,
+                        field >> (_CORE_BITS + _COUNT_BITS),
+                        (field >> _COUNT_BITS) & _CORE_MASK,
+                        field & _COUNT_MASK,
+                    )
+                )
+            bits >>= FIELD
+            s += 1
+        got = tuple(out)
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.clear()
+        _DECODED[hi] = got
+    return got
+
+
+def fit_mask(shape: Shape, mask: int, spec: Spec) -> int:
+    """GPU slots a share of ``spec`` may go on: shared GPUs with enough memory, compute and
+    share count left, and whole-free GPUs with at least the share's memory."""
+    out = 0
+    limit = spec.dc.max_shares_per_gpu
+    need_mem = spec.memory_mib
+    max_cores = 100 - spec.cores_percent
+    memory = shape.gpu_memory
+    for s, mem, cores, count in _decoded(shape, mask >> shape.n_slots):
+        if count < limit and memory[s] - mem >= need_mem and cores <= max_cores:
+            out |= 1 << s
+    free_gpus = mask & shape.gpu_all
+    if need_mem and free_gpus:
+        for s in range(shape.n_gpus):
+            if free_gpus >> s & 1 and memory[s] >= need_mem:
+                out |= 1 << s
+    else:
+        out |= free_gpus
+    return out
+
+
+_FITS_MAX = 65536  # cached candidate pairs per shape
+
+
+def _candidates(shape: Shape, mask: int, spec: Spec) -> tuple[int, int]:
+    """(candidate mask for the search, the shared GPUs among its GPUs), GPUs of the class.
+
+    Cached on the shape by (mask, class, size): every share signature that meets a group asks
+    it (the cheap check, then the heap key's bound), and signatures that differ only in GPU
+    or NIC count share it."""
+    cache = shape.share_fits
+    key = (mask, spec.device_class, spec.memory_mib, spec.cores_percent)
+    got = cache.get(key)
+    if got is None:
+        low = mask & ((1 << shape.n_slots) - 1)
+        fit = fit_mask(shape, mask, spec) & shape.view(spec.device_class, spec.dc).gpu_ok
+        got = ((low & ~shape.gpu_all) | fit, fit & ~low)
+        if len(cache) >= _FITS_MAX:
+            cache.clear()
+        cache[key] = got
+    return got
+
+
+def _what(spec: Spec) -> str:
+    parts = []
+    if spec.memory_mib:
+        parts.append(f"{spec.memory_mib} MiB")
+    if spec.cores_percent:
+        parts.append(f"{spec.cores_percent} % compute")
+    return " and ".join(parts)
+
+
+_REFUSALS: dict[tuple[int, int, int], Refusal] = {}
+
+
+def _share_refusal(spec: Spec, res: Refusal) -> Refusal:
+    if res.code != "gpus":
+        return res
+    key = (spec.gpus, spec.memory_mib, spec.cores_percent)
+    got = _REFUSALS.get(key)
+    if got is None:
+        if len(_REFUSALS) >= _DECODED_MAX:
+            _REFUSALS.clear()
+        got = _REFUSALS[key] = Refusal(
+            "gpus", f"fewer than {spec.gpus} GPUs with {_what(spec)} free for a share"
+        )
+    return got
+
+
+def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[int, ...]:
+    """A lower bound of a share search's ``Choice.cross`` on this node, from popcounts: the
+    pair fields as :func:`.search.cross_bound`, the fewest GPUs the share can open (binpack) or
+    the most it can (spread), and the one-sided waste exactly. Tight for GPU-only shares, so
+    the index searches few nodes per decision."""
+    g, r = spec.gpus, spec.rdma
+    lvl = int(spec.scope)
+    both = g > 0 and r > 0
+    c = -g if both else 0
+    d = -r if both and not spec.per_gpu else 0
+    cand, shared = _candidates(shape, mask, spec)
+    if policy == "binpack":
+        term = max(0, g - shared.bit_count())
+    else:
+        term = -min(g, (cand & shape.gpu_all & ~shared).bit_count())
+    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, one_sided_waste(shape, cand, g, r))
+
+
+def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
+    """The cheap check of a share request (popcounts on the candidate mask)."""
+    cand, _ = _candidates(shape, mask, spec)
+    if not spec.rdma and (cand & shape.gpu_all).bit_count() >= spec.gpus:
+        return None  # the candidates are GPUs of the class already; no NIC to check
+    res = precheck(shape, cand, spec)
+    return None if res is None else _share_refusal(spec, res)
+
+
+def evaluate_shared(
+    shape: Shape,
+    mask: int,
+    spec: Spec,
+    *,
+    policy: str,
+    cache: dict[tuple[object, ...], Choice | Refusal] | None = None,
+) -> Choice | Refusal:
+    """The best placement of a share request on a node whose group mask is ``mask``.
+
+    The exact search runs on every candidate GPU; then, when some other placement of the
+    same alignment quality would open fewer (binpack) or more (spread) fresh GPUs, the
+    search runs again on those GPUs only and its result is taken if its quality is equal.
+    ``Choice.cross`` gets the opened-GPU term before the one-sided waste (see the module
+    docstring). ``cache``: the exact searches by candidate mask, which many share usages and
+    every share size have in common (the search depends on the candidates, not the sizes)."""
+    base = spec.key[:6]
+
+    def search(free: int) -> Choice | Refusal:
+        if cache is None:
+            return evaluate(shape, free, spec)
+        key = (base, shape.id, free)
+        got = cache.get(key)
+        if got is None:
+            got = cache[key] = evaluate(shape, free, spec)
+        return got
+
+    cand, shared = _candidates(shape, mask, spec)
+    res = search(cand)
+    if isinstance(res, Refusal):
+        return _share_refusal(spec, res)
+    chosen = 0
+    for s in res.gpus:
+        chosen |= 1 << s
+    fresh_gpus = cand & shape.gpu_all & ~shared
+    alt_gpus: int | None = None
+    if policy == "binpack" and shared and chosen & ~shared:
+        alt_gpus = shared
+        if spec.gpus == 1 and spec.rdma == 0:
+            # Best fit: the fullest GPU the share fits on (most memory, then compute, used).
+            use = gpu_use(shape, mask)
+            alt_gpus = 1 << max(
+                (s for s in range(shape.n_gpus) if shared >> s & 1),
+                key=lambda s: (use[s][0], use[s][1], use[s][2], -s),
+            )
+    elif policy != "binpack" and fresh_gpus and chosen & shared:
+        alt_gpus = fresh_gpus
+    if alt_gpus is not None:
+        alt = search((cand & ~shape.gpu_all) | alt_gpus)
+        if isinstance(alt, Choice) and alt.key == res.key:
+            res = alt
+            chosen = 0
+            for s in res.gpus:
+                chosen |= 1 << s
+    opened = (chosen & ~shared).bit_count()
+    term = opened if policy == "binpack" else -opened
+    return replace(res, cross=(*res.cross[:-1], term, res.cross[-1]))
