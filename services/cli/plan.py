@@ -195,9 +195,15 @@ def run_plan(
                     out.write(enc.encode(vline).decode() + "\n")
                 result = plan.placement
             if isinstance(result, Placement):
-                cluster.hold(result.node, rid, result.devices(), priority=req.priority, preemptible=True)
+                cluster.hold(
+                    result.node,
+                    rid,
+                    result.devices(),
+                    priority=req.priority,
+                    preemptible=True,
+                    shares=result.shares(),
+                )
                 preempted.pop(rid, None)
-                cluster.hold(result.node, rid, result.devices(), shares=result.shares())
             busy += time.perf_counter() - t0
             decisions += 1
             if isinstance(result, Placement):
