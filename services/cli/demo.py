@@ -11,6 +11,8 @@ simulated node of a mixed fleet), then plays what a cluster would see:
 4. an urgent job of higher priority that may preempt needs that board: the allocator plans the
    eviction of the job on it (``tandem.alloc.preempt``), the demo evicts it as the pod bridge
    would (its release, verified cleanup, freed), and the urgent job gets the board;
+5. two inference pods of a class that allows sharing take 20 GiB and 50 % of one GPU each;
+6. a training job of two pods is placed whole (both pods or neither) by a two-phase commit;
 
 and prints who got which GPUs and NICs with the alignment of each GPU/NIC pair, the latency
 from request to assignment (p50/p99, measured by the client on the wall clock), and the trace
@@ -30,7 +32,16 @@ from typing import Any
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from schemas import codec, subjects
-from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
+from schemas.config import DeviceClass, default_device_classes
+from schemas.messages import (
+    AllocationFailed,
+    AllocationRequest,
+    Assignment,
+    Freed,
+    JobRequest,
+    PodRef,
+    PreemptionPlan,
+)
 from services.cli.ops import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
 from services.cli.table import render_table
 from services.client import TandemClient
@@ -48,6 +59,7 @@ from services.runtime.tracing import (
 
 _tracer = tracer("tandem.demo")
 HOSTNAME = "kubernetes.io/hostname"
+SHARED_CLASS = "inference-shared"
 
 # (pod name, gpus, rdma, scope, policy): what a mixed training/inference cluster asks for.
 WORKLOAD: list[tuple[str, int, int, str | None, str | None]] = [
@@ -143,6 +155,8 @@ async def run_demo(args: argparse.Namespace) -> int:
             log_level="warning",
             heartbeat_interval=0.5,
             node_lost_after=3.0,
+            # A class whose GPUs may be shared (step 5), beside the default one.
+            device_classes={**default_device_classes(), SHARED_CLASS: DeviceClass(sharing="hami")},
         )
         setup_logging(level=settings.log_level, json=True)
         setup_tracing("tandem-demo", otlp_endpoint=settings.otlp_endpoint, exporter=spans)
@@ -231,6 +245,8 @@ async def _script(demo: Demo, t_start: float) -> int:
     print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
 
     await _preemption(demo, placed, outcome)
+    await _shared_gpu(demo)
+    await _whole_job(demo)
 
     _print_section("Alignment achieved (GPU/NIC pairs by scope)")
     hist = Counter(p.scope for a in demo.all_assignments() for p in a.pairs)
@@ -304,6 +320,56 @@ async def _preemption(demo: Demo, placed: dict[str, Assignment], board: Assignme
     placed[moved.request_id] = moved
     print("urgent-train takes the board once its devices are clean:")
     print(render_table(assignment_rows([moved]), ASSIGNMENT_HEADERS))
+
+
+async def _shared_gpu(demo: Demo) -> None:
+    """Step 5: two inference pods each take a share of one GPU (memory and compute limits)."""
+    _print_section("5. two inference pods share one GPU (20 GiB and 50 % of its compute each)")
+    shares = []
+    for name in ("chat-a", "chat-b"):
+        req = AllocationRequest(
+            **{
+                **_as_dict(_request(name, 1, 0, None, None)),
+                "device_class": SHARED_CLASS,
+                "gpu_memory_mib": 20480,
+                "gpu_cores_percent": 50,
+            }
+        )
+        outcome = await demo.place(req)
+        if not isinstance(outcome, Assignment):
+            raise DemoFailure(f"{name} (a GPU share) not placed: {outcome.reason}")
+        shares.append(outcome)
+    where = {(a.node, a.gpus[0].uuid) for a in shares}
+    if len(where) != 1:
+        raise DemoFailure(f"binpack put the two shares on different GPUs: {sorted(where)}")
+    for a in shares:
+        g = a.gpus[0]
+        print(
+            f"{a.pod.name}: {a.node} gpu{g.index} — {g.memory_mib} MiB, {g.cores_percent} % (HAMi-core limits)"
+        )
+
+
+async def _whole_job(demo: Demo) -> None:
+    """Step 6: a job of two pods, placed whole or not at all, committed across nodes."""
+    _print_section("6. a training job of 2 pods x (4 GPUs + 2 NICs): all pods or none")
+    job = JobRequest(
+        job_id="demo-allreduce",
+        pods=2,
+        gpus=4,
+        rdma=2,
+        namespace="training",
+        members=[
+            PodRef(namespace="training", name=f"allreduce-{i}", uid=f"demo-allreduce-{i}") for i in range(2)
+        ],
+    )
+    await demo.client.bus.publish(subjects.ALLOC_JOB, job, msg_id=subjects.msg_id("job", job.job_id))
+    pods = []
+    for i in range(job.pods):
+        outcome = await demo.client.wait_for(job.pod_id(i), (Assignment,), timeout=15.0)
+        assert isinstance(outcome, Assignment)
+        pods.append(outcome)
+    print(render_table(assignment_rows(pods), ASSIGNMENT_HEADERS))
+    print("both pods were reserved, then committed by one write of the job's record (docs/architecture.md)")
 
 
 async def _until(predicate: Callable[[], bool], *, what: str, timeout: float = 10.0) -> None:
