@@ -344,9 +344,8 @@ async def _shared_gpu(demo: Demo) -> None:
         raise DemoFailure(f"binpack put the two shares on different GPUs: {sorted(where)}")
     for a in shares:
         g = a.gpus[0]
-        print(
-            f"{a.pod.name}: {a.node} gpu{g.index} — {g.memory_mib} MiB, {g.cores_percent} % (HAMi-core limits)"
-        )
+        limits = f"{g.memory_mib} MiB, {g.cores_percent} % (HAMi-core limits)"
+        print(f"{a.pod.name}: {a.node} gpu{g.index} — {limits}")
 
 
 async def _whole_job(demo: Demo) -> None:
