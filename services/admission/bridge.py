@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
@@ -60,6 +60,7 @@ from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound,
 from services.admission.kube import KubeApi
 from services.admission.nodelabels import NodeLabelMirror
 from services.runtime.bus import Bus, Delivery, Retry
+from services.runtime.kvwatch import read_bucket
 from services.runtime.logging import get_logger
 from services.runtime.tasks import Supervisor
 from services.runtime.tracing import context_from_traceparent, tracer
@@ -217,44 +218,10 @@ class Bridge:
     # -- resync ----------------------------------------------------------------------------
 
     async def request_records(self) -> dict[str, RequestRecord]:
-        kv = await self.bus.kv(subjects.KV_REQUESTS)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return {}
-        out: dict[str, RequestRecord] = {}
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                continue
-            if entry.value is None:
-                continue
-            try:
-                out[key] = codec.REQUEST_RECORD.decode(entry.value)
-            except codec.DecodeErrors as exc:
-                log.warning("bad_request_record", key=key, error=str(exc))
-        return out
+        return await read_bucket(await self.bus.kv(subjects.KV_REQUESTS), codec.REQUEST_RECORD)
 
     async def job_records(self) -> dict[str, JobRecord]:
-        kv = await self.bus.kv(subjects.KV_JOBS)
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return {}
-        out: dict[str, JobRecord] = {}
-        for key in keys:
-            try:
-                entry = await kv.get(key)
-            except KeyNotFoundError:
-                continue
-            if entry.value is None:
-                continue
-            try:
-                out[key] = codec.JOB_RECORD.decode(entry.value)
-            except codec.DecodeErrors as exc:
-                log.warning("bad_job_record", key=key, error=str(exc))
-        return out
+        return await read_bucket(await self.bus.kv(subjects.KV_JOBS), codec.JOB_RECORD)
 
     async def resync_jobs(self, pods: list[dict[str, Any]], records: dict[str, JobRecord]) -> None:
         """Pods of jobs that went away while the bridge was down: a placed job's missing pod

@@ -170,17 +170,29 @@ class KubeClient:
         items: list[Obj] = doc.get("items") or []
         return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
-    async def watch_pods(
+    def watch_pods(
         self, *, label_selector: str, resource_version: str, timeout_s: int
     ) -> AsyncIterator[tuple[str, Obj]]:
+        return self._watch(
+            self.core.list_pod_for_all_namespaces,
+            resource_version=resource_version,
+            timeout_s=timeout_s,
+            label_selector=label_selector,
+        )
+
+    async def _watch(
+        self, list_call: Any, *args: Any, resource_version: str, timeout_s: int, **kwargs: Any
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        """``(type, object)`` events of a list call's watch after ``resource_version``, until
+        the server ends it (bookmarks skipped)."""
         # return_type "object" keeps events as dicts (no model round trip).
         watch = Watch(return_type="object")
-        kwargs: dict[str, Any] = {"label_selector": label_selector, "timeout_seconds": timeout_s}
+        kwargs["timeout_seconds"] = timeout_s
         if resource_version:
             kwargs["resource_version"] = resource_version
         try:
             async with watch:
-                async for event in watch.stream(self.core.list_pod_for_all_namespaces, **kwargs):
+                async for event in watch.stream(list_call, *args, **kwargs):
                     if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
                         continue
                     obj = event.get("raw_object")
@@ -198,21 +210,8 @@ class KubeClient:
         items: list[Obj] = doc.get("items") or []
         return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
-    async def watch_nodes(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
-        watch = Watch(return_type="object")
-        kwargs: dict[str, Any] = {"timeout_seconds": timeout_s}
-        if resource_version:
-            kwargs["resource_version"] = resource_version
-        try:
-            async with watch:
-                async for event in watch.stream(self.core.list_node, **kwargs):
-                    if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
-                        continue
-                    obj = event.get("raw_object")
-                    if isinstance(obj, dict):
-                        yield str(event["type"]), obj
-        except ApiException as exc:
-            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+    def watch_nodes(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
+        return self._watch(self.core.list_node, resource_version=resource_version, timeout_s=timeout_s)
 
     async def patch_pod(self, namespace: str, name: str, patch: Obj) -> Obj:
         return await self._json(
@@ -249,27 +248,15 @@ class KubeClient:
         items: list[Obj] = doc.get("items") or []
         return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
 
-    async def watch_claims(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
-        watch = Watch(return_type="object")
-        kwargs: dict[str, Any] = {"timeout_seconds": timeout_s}
-        if resource_version:
-            kwargs["resource_version"] = resource_version
-        try:
-            async with watch:
-                async for event in watch.stream(
-                    self.custom.list_cluster_custom_object,
-                    names.CLAIM_GROUP,
-                    names.CLAIM_VERSION,
-                    names.CLAIM_PLURAL,
-                    **kwargs,
-                ):
-                    if not isinstance(event, dict) or event.get("type") == "BOOKMARK":
-                        continue
-                    obj = event.get("raw_object")
-                    if isinstance(obj, dict):
-                        yield str(event["type"]), obj
-        except ApiException as exc:
-            raise _error(exc.status or 0, exc.reason or "", exc.body) from None
+    def watch_claims(self, *, resource_version: str, timeout_s: int) -> AsyncIterator[tuple[str, Obj]]:
+        return self._watch(
+            self.custom.list_cluster_custom_object,
+            names.CLAIM_GROUP,
+            names.CLAIM_VERSION,
+            names.CLAIM_PLURAL,
+            resource_version=resource_version,
+            timeout_s=timeout_s,
+        )
 
     async def patch_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
         return await self._json(

@@ -19,13 +19,14 @@ import contextlib
 from collections.abc import Iterable
 from typing import Any
 
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import NodeLabels
 from services.admission.errors import KubeError
 from services.admission.kube import KubeApi
 from services.runtime.bus import Bus
+from services.runtime.kvwatch import read_bucket
 from services.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -68,19 +69,8 @@ class NodeLabelMirror:
                     await asyncio.wait_for(stop.wait(), self.relist_backoff)
 
     async def _load(self) -> None:
-        kv = await self.bus.kv(subjects.KV_NODE_LABELS)
-        self.written = {}
-        try:
-            keys = await kv.keys()
-        except NoKeysError:
-            return
-        for key in keys:
-            with contextlib.suppress(KeyNotFoundError):
-                entry = await kv.get(key)
-                if entry.value:
-                    with contextlib.suppress(*codec.DecodeErrors):
-                        record = codec.NODE_LABELS.decode(entry.value)
-                        self.written[record.node] = dict(record.labels)
+        records = await read_bucket(await self.bus.kv(subjects.KV_NODE_LABELS), codec.NODE_LABELS)
+        self.written = {r.node: dict(r.labels) for r in records.values()}
 
     async def sync(self, nodes: list[dict[str, Any]]) -> None:
         """Make the bucket match a full list of Nodes."""

@@ -4,6 +4,8 @@ Services keep their read models (the allocator's cluster view, the inventory's n
 current this way instead of polling. The initial state is delivered first; ``ready`` is set
 once it has been, so a service can wait for a complete view before deciding anything.
 
+:func:`read_bucket` reads every record once (a resync that needs no watch).
+
 :func:`watch_raw` hands over the value's bytes, for a reader that decodes only what it has not
 seen (:meth:`~services.runtime.records.RecordStore.observe`); :func:`watch_bucket` decodes
 each value first. Values that fail to decode are logged and skipped (the writer is the bug,
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
+from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
 from schemas import codec
@@ -64,3 +67,25 @@ async def watch_bucket(
         on_change(key, value, revision)
 
     await watch_raw(kv, decoded, ready=ready)
+
+
+async def read_bucket(kv: KeyValue, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
+    """Every record of the bucket now, decoded (a key deleted meanwhile or a value that does
+    not decode is skipped, the latter logged)."""
+    try:
+        keys = await kv.keys()
+    except NoKeysError:  # nats-py's answer for an empty bucket
+        return {}
+    out: dict[str, T] = {}
+    for key in keys:
+        try:
+            entry = await kv.get(key)
+        except KeyNotFoundError:
+            continue
+        if entry.value is None:
+            continue
+        try:
+            out[key] = decoder.decode(entry.value)
+        except codec.DecodeErrors as exc:
+            log.warning("bad_record", bucket=kv._name, key=key, error=str(exc))
+    return out
