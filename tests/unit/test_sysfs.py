@@ -151,17 +151,24 @@ async def test_port_poll_reports_down_and_back(tmp_path: Path) -> None:
     state = tree.root / "class/infiniband/mlx5_3/ports/1/state"
     seen: list[HealthChange] = []
 
+    def set_state(text: str) -> None:
+        # The kernel's sysfs file changes at once; write_text truncates first, and a poll
+        # that lands between truncate and write (seen on a loaded machine) would read "".
+        tmp = state.with_name("state.tmp")
+        tmp.write_text(text)
+        tmp.replace(state)
+
     async def collect() -> None:
         async for change in backend.health_changes():
             seen.append(change)
             if len(seen) == 1:
-                state.write_text("4: ACTIVE\n")
+                set_state("4: ACTIVE\n")
             if len(seen) == 2:
                 await backend.close()
 
     task = asyncio.create_task(collect())
     await asyncio.sleep(0.05)
-    state.write_text("1: DOWN\n")
+    set_state("1: DOWN\n")
     await asyncio.wait_for(task, 5)
     assert seen == [HealthChange("mlx5_3", False, "port down"), HealthChange("mlx5_3", True, "port active")]
 
