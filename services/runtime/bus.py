@@ -41,6 +41,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import (
+    APIError,
     BucketNotFoundError,
     NoStreamResponseError,
     NotFoundError,
@@ -70,6 +71,11 @@ KV_BUCKETS = (
     subjects.KV_CLAIMS,
 )
 DUPLICATE_WINDOW_S = 120.0
+# JetStream's "no suitable peers for placement" (a replicated stream while a peer is down):
+# provisioning waits for the peer, PLACEMENT_WAITS x PLACEMENT_WAIT_S at most.
+NO_PLACEMENT = 10005
+PLACEMENT_WAITS = 30
+PLACEMENT_WAIT_S = 0.5
 # One publish attempt: a stream acks in milliseconds, so a request that sat this long went to a
 # server that died (or to a stream without a leader) and is retried rather than waited on.
 PUBLISH_ATTEMPT_TIMEOUT_S = 2.0
@@ -314,8 +320,13 @@ async def provision(js: JetStreamContext, *, replicas: int = 1, attempts: int = 
     """Create or update every stream and KV bucket; safe to run from every service at start.
 
     Every step is idempotent, so a JetStream API call that times out (a loaded server can take
-    longer than the client's 5 s to create a file-backed stream) is simply tried again."""
-    for attempt in range(1, attempts + 1):
+    longer than the client's 5 s to create a file-backed stream) is simply tried again. So is a
+    replicated stream or bucket that cannot be placed yet because a peer of the cluster is not
+    up (err_code 10005: a cluster still forming, or a server restarting), for a while longer:
+    it places once the peer is back."""
+    placement_waits = 0
+    attempt = 1
+    while True:
         try:
             await _provision_once(js, replicas=replicas)
             return
@@ -323,6 +334,13 @@ async def provision(js: JetStreamContext, *, replicas: int = 1, attempts: int = 
             if attempt == attempts:
                 raise
             log.warning("provision_retry", attempt=attempt)
+            attempt += 1
+        except APIError as exc:
+            if exc.err_code != NO_PLACEMENT or placement_waits >= PLACEMENT_WAITS:
+                raise
+            placement_waits += 1
+            log.warning("provision_waits_for_peers", error=exc.description, wait=placement_waits)
+            await asyncio.sleep(PLACEMENT_WAIT_S)
 
 
 async def _provision_once(js: JetStreamContext, *, replicas: int) -> None:
