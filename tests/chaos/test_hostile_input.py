@@ -114,8 +114,11 @@ def request(*, gpus: int = 1, node: str | None = None, **kw: object) -> Allocati
 
 
 async def place(stack: Stack, req: AllocationRequest) -> Assignment:
+    """Submit and wait for the assignment. A request may go pending first and be placed by a
+    retry: with LOST_AFTER this short, a loaded machine can delay a heartbeat enough for the
+    inventory to call a node lost for a moment, and the system serving means placing it then."""
     await stack.client.submit(req)
-    assigned = await stack.client.wait_for(req.request_id)
+    assigned = await stack.client.wait_for(req.request_id, (Assignment,), timeout=30)
     assert isinstance(assigned, Assignment), assigned
     return assigned
 
