@@ -10,6 +10,9 @@ parts, one module each:
   arrive meanwhile folded into the next one (group commit);
 * :mod:`.requestbook` keeps the request records: claims, pending reasons, outcomes;
 * :mod:`.replicas` says which replicas are alive and which nodes this one decides on first;
+* :mod:`.jobs` (with :mod:`.jobcommits`) places whole jobs: the two-phase commit across nodes;
+* :mod:`.preemption` records preemption plans and keeps the preemptor's devices reserved;
+* :mod:`.wire` builds the wire assignment of a placement;
 * this module is the placement loop: requests, releases and node reports come from durable
   pull consumers that hand over up to ``concurrency`` messages at once.
 
