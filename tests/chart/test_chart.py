@@ -25,6 +25,7 @@ from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
+import msgspec
 import pytest
 import yaml
 from cryptography import x509
@@ -454,6 +455,16 @@ def test_rendered_config_loads_into_settings(tmp_path: Path) -> None:
         "H100"
     ]
     assert (s.backend, s.topology_file) == ("simulated", "dgx-h100")
+
+
+def test_gpu_share_replicas_reach_the_node_agents_config(tmp_path: Path) -> None:
+    """Off by default (no share resource); a value turns the device plugin's share resource on,
+    and the host agent's own config check accepts what the chart writes."""
+    from services.nodeagent.host_agent import HostAgentConfig
+
+    assert settings_from(render(), tmp_path).host_agent == {}
+    s = settings_from(render({"nodeagent": {"gpuShareReplicas": 4}}), tmp_path)
+    assert msgspec.convert(s.host_agent, HostAgentConfig).gpu_share_replicas == 4
 
 
 def test_external_nats_credentials_are_per_component_and_mounted_where_settings_point() -> None:
