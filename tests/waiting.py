@@ -2,12 +2,15 @@
 
 ``wait_until`` polls ``predicate`` (a plain function, or one returning an awaitable, for
 conditions read over NATS) until it is true, and fails the test naming ``what`` when the
-deadline passes. A fixed sleep either wastes time or, on a loaded machine, is too short."""
+deadline passes. A fixed sleep either wastes time or, on a loaded machine, is too short.
+:func:`wait_until_sync` is the same for code that runs outside an event loop (fixtures that
+start processes)."""
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -36,3 +39,21 @@ async def wait_until(
         await asyncio.wait_for(loop(), timeout)
     except TimeoutError:
         pytest.fail(f"timed out after {timeout}s waiting for {what}")
+
+
+def wait_until_sync(
+    predicate: Callable[[], object],
+    *,
+    timeout: float = 10.0,
+    what: str = "condition",
+    poll: float = 0.1,
+    details: Callable[[], object] | None = None,
+) -> None:
+    """:func:`wait_until` without an event loop; ``details`` adds to the failure message
+    (e.g. the logs of the processes waited for)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() >= deadline:
+            extra = f": {details()}" if details is not None else ""
+            pytest.fail(f"timed out after {timeout}s waiting for {what}{extra}")
+        time.sleep(poll)

@@ -126,39 +126,24 @@ class Bridge:
         sup.spawn("claims", lambda: self.claims.watch(stop, records=self.request_records))
         sup.spawn("claim-expiry", lambda: self.claims.expire(stop))
         sup.spawn("pods", lambda: self.watch_pods(stop))
-        sup.spawn(
-            "assigned",
-            lambda: self.bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable=subjects.CONSUMER_BRIDGE,
-                filter_subject=subjects.ALLOC_ASSIGNED_ALL,
-                decoder=codec.ALLOC_EVENT,
-                handler=self.on_outcome,
-                stop=stop,
-            ),
-        )
-        sup.spawn(
-            "failed",
-            lambda: self.bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable=subjects.CONSUMER_BRIDGE_FAILED,
-                filter_subject=subjects.ALLOC_FAILED,
-                decoder=codec.ALLOC_EVENT,
-                handler=self.on_outcome,
-                stop=stop,
-            ),
-        )
-        sup.spawn(
-            "preempt",
-            lambda: self.bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable=subjects.CONSUMER_BRIDGE_PREEMPT,
-                filter_subject=subjects.ALLOC_PREEMPT,
-                decoder=codec.ALLOC_EVENT,
-                handler=self.on_preemption,
-                stop=stop,
-            ),
-        )
+        # Outcomes of the allocator, one durable consumer each.
+        consumers = [
+            ("assigned", subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL, self.on_outcome),
+            ("failed", subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED, self.on_outcome),
+            ("preempt", subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT, self.on_preemption),
+        ]
+        for task, durable, subject, handler in consumers:
+            sup.spawn(
+                task,
+                lambda d=durable, f=subject, h=handler: self.bus.consume(  # type: ignore[misc]
+                    stream=subjects.ALLOC_STREAM,
+                    durable=d,
+                    filter_subject=f,
+                    decoder=codec.ALLOC_EVENT,
+                    handler=h,
+                    stop=stop,
+                ),
+            )
         sup.spawn("events", lambda: self.flush_events(stop))
         if self.mirror_node_labels:
             mirror = NodeLabelMirror(kube=self.kube, bus=self.bus, watch_timeout=self.watch_timeout)

@@ -259,22 +259,17 @@ class KubeClient:
         )
 
     async def patch_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
-        return await self._json(
-            self.custom.patch_namespaced_custom_object_status(
-                names.CLAIM_GROUP,
-                names.CLAIM_VERSION,
-                namespace,
-                names.CLAIM_PLURAL,
-                name,
-                patch,
-                _content_type=MERGE_PATCH,
-                _preload_content=False,
-            )
+        return await self._patch_claim(
+            self.custom.patch_namespaced_custom_object_status, namespace, name, patch
         )
 
     async def patch_claim(self, namespace: str, name: str, patch: Obj) -> Obj:
+        return await self._patch_claim(self.custom.patch_namespaced_custom_object, namespace, name, patch)
+
+    async def _patch_claim(self, call: Any, namespace: str, name: str, patch: Obj) -> Obj:
+        """A merge patch of one DeviceClaim (``call``: the object's or its status's)."""
         return await self._json(
-            self.custom.patch_namespaced_custom_object(
+            call(
                 names.CLAIM_GROUP,
                 names.CLAIM_VERSION,
                 namespace,

@@ -22,7 +22,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, w
 from tests.conftest import make_settings
 from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack
-from tests.waiting import wait_until
+from tests.waiting import wait_until, wait_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -145,13 +144,13 @@ def cluster(rendered: Rendered) -> Iterator[list[tuple[int, int]]]:
                     stdout=log,
                 )
             )
-        deadline = time.monotonic() + 30
-        for _, _, monitor in ports:
-            while not healthy(monitor):
-                assert time.monotonic() < deadline, [
-                    (root / f"{name}-{i}/log").read_text() for i in range(SERVERS)
-                ]
-                time.sleep(0.2)
+        wait_until_sync(
+            lambda: all(healthy(monitor) for _, _, monitor in ports),
+            timeout=30,
+            what="every server healthy",
+            poll=0.2,
+            details=lambda: [(root / f"{name}-{i}/log").read_text() for i in range(SERVERS)],
+        )
         yield [(c, m) for c, _, m in ports]
     finally:
         for p in procs:

@@ -8,12 +8,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from typing import Any
 
 import pytest
 
 from services.runtime.embedded import EmbeddedNats
+from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -92,10 +92,12 @@ def _free_port() -> int:
 
 def _wait_answering(proc: subprocess.Popen[Any], host: str, port: int, *, timeout: float = 20) -> None:
     """Until the service's ops port answers (it serves while the service connects)."""
-    deadline = time.monotonic() + timeout
-    while not _answers(host, port):
-        assert proc.poll() is None and time.monotonic() < deadline, "ops port never answered"
-        time.sleep(0.1)
+
+    def answering() -> bool:
+        assert proc.poll() is None, "the service exited before its ops port answered"
+        return _answers(host, port)
+
+    wait_until_sync(answering, timeout=timeout, what="the ops port to answer")
 
 
 def _answers(host: str, port: int) -> bool:

@@ -132,6 +132,12 @@ def review(
     }
 
 
+async def _silent_watch() -> Any:
+    """A watch on which nothing happens until it is cancelled (the stream never ends by itself)."""
+    await asyncio.Event().wait()
+    yield  # pragma: no cover
+
+
 class FakeKube:
     """In-memory stand-in for :class:`services.admission.kube.KubeApi` (the project's wrapper).
 
@@ -199,24 +205,21 @@ class FakeKube:
         pods = [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "pod"]
         return [p for p in pods if p["metadata"].get("labels", {}).get(key) == value], str(self.version)
 
-    async def watch_pods(self, *, label_selector: str, resource_version: str, timeout_s: int) -> Any:
-        await asyncio.sleep(3600)
-        yield  # pragma: no cover
+    def watch_pods(self, *, label_selector: str, resource_version: str, timeout_s: int) -> Any:
+        return _silent_watch()
 
     async def list_nodes(self) -> tuple[list[dict[str, Any]], str]:
         return [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "node"], str(self.version)
 
-    async def watch_nodes(self, *, resource_version: str, timeout_s: int) -> Any:
-        await asyncio.sleep(3600)
-        yield  # pragma: no cover
+    def watch_nodes(self, *, resource_version: str, timeout_s: int) -> Any:
+        return _silent_watch()
 
     async def list_claims(self) -> tuple[list[dict[str, Any]], str]:
         claims = [copy.deepcopy(o) for (k, _, _), o in self.objects.items() if k == "deviceclaim"]
         return claims, str(self.version)
 
-    async def watch_claims(self, *, resource_version: str, timeout_s: int) -> Any:
-        await asyncio.sleep(3600)
-        yield  # pragma: no cover
+    def watch_claims(self, *, resource_version: str, timeout_s: int) -> Any:
+        return _silent_watch()
 
     async def patch_claim_status(self, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
         return self._patch("deviceclaim", namespace, name, patch)
