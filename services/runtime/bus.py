@@ -30,7 +30,6 @@ import json
 import re
 import ssl
 import urllib.parse
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +55,7 @@ from schemas.messages import DeadLetter
 from services.runtime.logging import get_logger
 from services.runtime.metrics import RECONNECTS
 from services.runtime.natsauth import credentials, server_list, tls_context
+from services.runtime.puback import AckInbox, MsgIds
 from services.runtime.settings import Settings
 from services.runtime.tracing import extract, inject
 
@@ -424,6 +424,10 @@ class Bus:
     def __init__(self, nc: NATS, *, service: str, settings: Settings) -> None:
         self.nc = nc
         self.js = nc.jetstream()
+        # JetStream publishes and their acknowledgements, without nats-py's per-request
+        # machinery (services/runtime/puback.py), and cheap unique message ids.
+        self._acks = AckInbox(nc)
+        self.msg_ids = MsgIds()
         self.service = service
         self.settings = settings
         self._kv: dict[str, KeyValue] = {}
@@ -487,14 +491,14 @@ class Bus:
 
     async def _js_publish(self, subject: str, data: bytes, headers: dict[str, str]) -> api.PubAck:
         # Retries must be deduplicable: a timed-out attempt may have been stored.
-        headers.setdefault("Nats-Msg-Id", f"retry-{uuid.uuid4().hex}")
+        headers.setdefault("Nats-Msg-Id", self.msg_ids.new("retry-"))
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.publish_retry_for
         delay = 0.1
         attempt = 1
         while True:
             try:
-                return await self.js.publish(
+                return await self._acks.publish(
                     subject, data, headers=headers, timeout=PUBLISH_ATTEMPT_TIMEOUT_S
                 )
             except TRANSIENT_PUBLISH_ERRORS as exc:

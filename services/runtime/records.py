@@ -34,7 +34,6 @@ window instead of failing its compare-and-set.
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -302,7 +301,7 @@ class RecordStore(Generic[T]):
         headers = {
             api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(expected),
             # A retried write that landed is answered from the duplicate window.
-            "Nats-Msg-Id": f"{self.bucket}:{key}:{expected}:{uuid.uuid4().hex[:12]}",
+            "Nats-Msg-Id": self.bus.msg_ids.new(f"{self.bucket}:{key}:{expected}:"),
         }
         ttl = self.ttl(value) if self.ttl is not None else None
         if ttl is not None:

@@ -312,8 +312,8 @@ async def test_commit_whose_reply_was_lost_is_finished_not_redone(
     """The allocation record write lands but its reply never comes (the server died after
     storing it): the redelivered request is neither placed again nor left "deciding"."""
     stack, client = small_stack
-    js = stack.allocators[0].bus.js
-    real_publish = js.publish
+    acks = stack.allocators[0].bus._acks  # where the bus's JetStream publishes are answered
+    real_publish = acks.publish
     lost: list[int] = []
 
     async def losing_reply(subject: str, *args: object, **kwargs: object) -> object:
@@ -323,7 +323,7 @@ async def test_commit_whose_reply_was_lost_is_finished_not_redone(
             raise nats.errors.TimeoutError
         return ack
 
-    monkeypatch.setattr(js, "publish", losing_reply)
+    monkeypatch.setattr(acks, "publish", losing_reply)
     req = request(100)
     await client.submit(req)
     placed = await client.wait_for(req.request_id, (Assignment,), timeout=15)

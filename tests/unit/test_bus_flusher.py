@@ -1,5 +1,6 @@
-"""The coalescing flusher overrides a private method of nats-py's client: these checks fail
-when an upgrade of nats-py moves what it relies on, instead of the client silently breaking."""
+"""The coalescing flusher overrides a private method of nats-py's client and the ack inbox reads
+two private attributes: these checks fail when an upgrade of nats-py moves what they rely on,
+instead of the client silently breaking."""
 
 from __future__ import annotations
 
@@ -33,3 +34,11 @@ def test_the_override_is_the_library_loop_plus_one_yield() -> None:
         assert line in library and line in ours
     # ... and the only behaviour the override adds is the yield before writing.
     assert "await asyncio.sleep(0)" in ours and "await asyncio.sleep(0)" not in library
+
+
+def test_the_attributes_the_ack_inbox_uses_still_exist() -> None:
+    # services/runtime/puback.py: its reply subjects live under the client's inbox prefix
+    # (the user's own, where permissions name one) and a NUID names its subscription.
+    client = Client()
+    assert isinstance(client._inbox_prefix, bytearray)
+    assert isinstance(client._nuid.next(), bytearray)

@@ -1,0 +1,140 @@
+"""JetStream publishes acknowledged through one inbox: the hot path of every write.
+
+A JetStream publish is a NATS publish with a reply subject; the stream answers on it with a
+``PubAck`` (``{"stream":..,"seq":..}``, or ``{"error":{..}}``). nats-py's
+``JetStreamContext.publish`` goes through its generic request machinery for each one: a NUID
+plus ``secrets.token_hex`` for the reply token, a future wrapped in ``asyncio.wait_for``
+(a task and a timeout per publish), ``json.loads`` and a dataclass for the answer. Measured
+with ``py-spy`` on the allocator under ``tandem loadtest`` (docs/benchmarks.md), that
+machinery was about a tenth of the allocator's CPU — each placed and freed request makes seven
+such publishes (claim, commit, assignment, releasing, freed, drop, Freed).
+
+:class:`AckInbox` does the same protocol with less per message: one wildcard subscription
+under the connection's inbox prefix (the user's own prefix when permissions name one, see
+``schemas.permissions``), a counter for the reply token, one timer handle per publish instead
+of ``wait_for``, and msgspec for the answer. It raises what nats-py's publish raises — so
+:meth:`services.runtime.bus.Bus.publish`'s retries and the compare-and-set error codes work
+unchanged: ``NoStreamResponseError`` when no stream listens (status 503),
+``nats.errors.TimeoutError`` when no answer came in time, and the ``APIError`` subclass of
+the stream's error (``err_code`` 10071 for a wrong last sequence). After a reconnect nats-py
+subscribes the inbox again; a reply lost in between times out and is retried, deduplicated by
+its ``Nats-Msg-Id``.
+
+:class:`MsgIds` makes those ids: a random prefix per process and a counter, unique across
+processes and restarts like a UUID, at the cost of an integer increment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import uuid
+from typing import Any
+
+import msgspec
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError
+
+NO_RESPONDERS_STATUS = "503"
+
+
+class _Reply(msgspec.Struct):
+    """A stream's answer to a publish (the fields nats-py's ``PubAck`` keeps)."""
+
+    stream: str = ""
+    seq: int = 0
+    domain: str | None = None
+    duplicate: bool | None = None
+    error: dict[str, Any] | None = None
+
+
+_REPLY = msgspec.json.Decoder(_Reply)
+
+
+class MsgIds:
+    """Unique ``Nats-Msg-Id`` values: ``<prefix><random per process>-<counter>``."""
+
+    def __init__(self) -> None:
+        self._base = uuid.uuid4().hex[:16]
+        self._next = itertools.count()
+
+    def new(self, prefix: str = "") -> str:
+        return f"{prefix}{self._base}-{next(self._next)}"
+
+
+class AckInbox:
+    """Publish to JetStream and wait for the stream's acknowledgement (see the module)."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self._prefix: str | None = None
+        self._starting: asyncio.Future[str] | None = None
+        self._waiting: dict[str, asyncio.Future[api.PubAck]] = {}
+        self._tokens = itertools.count()
+
+    async def _start(self) -> str:
+        if self._prefix is not None:
+            return self._prefix
+        if self._starting is None:
+            self._starting = asyncio.get_running_loop().create_future()
+            try:
+                prefix = f"{self.nc._inbox_prefix.decode()}.{self.nc._nuid.next().decode()}."
+                await self.nc.subscribe(prefix + "*", cb=self._on_reply)
+            except BaseException as exc:
+                self._starting.set_exception(exc)
+                self._starting.exception()  # retrieved: other waiters re-raise it
+                self._starting = None
+                raise
+            self._prefix = prefix
+            self._starting.set_result(prefix)
+            return prefix
+        return await asyncio.shield(self._starting)
+
+    async def publish(
+        self, subject: str, payload: bytes, *, headers: dict[str, str], timeout: float
+    ) -> api.PubAck:
+        prefix = await self._start()
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[api.PubAck] = loop.create_future()
+        self._waiting[token] = future
+        timer = loop.call_later(timeout, _expire, future)
+        try:
+            await self.nc.publish(subject, payload, reply=prefix + token, headers=headers)
+            return await future
+        finally:
+            timer.cancel()
+            del self._waiting[token]
+
+    async def _on_reply(self, msg: Msg) -> None:
+        assert self._prefix is not None
+        future = self._waiting.get(msg.subject[len(self._prefix) :])
+        if future is None or future.done():
+            return  # answered after its timeout
+        if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
+            future.set_exception(NoStreamResponseError())
+            return
+        try:
+            reply = _REPLY.decode(msg.data)
+        except msgspec.DecodeError as exc:
+            future.set_exception(APIError(description=f"undecodable publish acknowledgement: {exc}"))
+            return
+        if reply.error is not None:
+            try:
+                APIError.from_error(reply.error)  # raises the error's own subclass
+            except APIError as err:
+                future.set_exception(err)
+            except Exception as exc:  # an error object without the expected fields
+                future.set_exception(APIError(description=f"publish failed: {reply.error!r} ({exc!r})"))
+            return
+        future.set_result(
+            api.PubAck(stream=reply.stream, seq=reply.seq, domain=reply.domain, duplicate=reply.duplicate)
+        )
+
+
+def _expire(future: asyncio.Future[api.PubAck]) -> None:
+    if not future.done():
+        future.set_exception(nats.errors.TimeoutError())

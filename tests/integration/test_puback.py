@@ -1,0 +1,71 @@
+"""``AckInbox`` against a real nats-server: the answers and errors of nats-py's JetStream
+publish, which ``Bus.publish``'s retries and ``RecordStore``'s compare-and-set rely on."""
+
+from __future__ import annotations
+
+import nats.errors
+import pytest
+from nats.aio.msg import Msg
+from nats.js import api
+from nats.js.errors import APIError, NoStreamResponseError
+
+from schemas import subjects
+from services.runtime.puback import AckInbox, MsgIds
+from tests.conftest import BusFactory
+
+pytestmark = pytest.mark.integration
+
+STREAM = "PUBACK_TEST"
+
+
+async def test_acks_duplicates_and_compare_and_set_errors_match_jetstream(bus_factory: BusFactory) -> None:
+    bus = await bus_factory()
+    await bus.js.add_stream(name=STREAM, subjects=["puback.test.>"])
+    inbox = AckInbox(bus.nc)
+
+    first = await inbox.publish("puback.test.a", b"1", headers={"Nats-Msg-Id": "m1"}, timeout=2)
+    assert isinstance(first, api.PubAck) and first.stream == STREAM and first.seq == 1
+    assert not first.duplicate
+    again = await inbox.publish("puback.test.a", b"1", headers={"Nats-Msg-Id": "m1"}, timeout=2)
+    assert again.seq == 1 and again.duplicate  # answered from the duplicate window
+
+    expected = {api.Header.EXPECTED_LAST_SUBJECT_SEQUENCE: "1"}
+    second = await inbox.publish("puback.test.a", b"2", headers=expected, timeout=2)
+    assert second.seq == 2
+    with pytest.raises(APIError) as wrong:
+        await inbox.publish("puback.test.a", b"3", headers=expected, timeout=2)
+    assert wrong.value.err_code == 10071  # wrong last sequence: what RecordStore retries on
+    info = await bus.js.stream_info(STREAM)
+    assert info.state.messages == 2
+
+
+async def test_no_stream_and_no_answer_raise_what_bus_publish_retries(bus_factory: BusFactory) -> None:
+    bus = await bus_factory()
+    inbox = AckInbox(bus.nc)
+    with pytest.raises(NoStreamResponseError):
+        await inbox.publish("puback.nobody.listens", b"x", headers={}, timeout=2)
+
+    heard: list[Msg] = []
+
+    async def silent(msg: Msg) -> None:  # a subscriber that never answers
+        heard.append(msg)
+
+    await bus.nc.subscribe("puback.silent", cb=silent)
+    with pytest.raises(nats.errors.TimeoutError):
+        await inbox.publish("puback.silent", b"x", headers={}, timeout=0.2)
+    assert len(heard) == 1 and heard[0].reply  # it was published, with a reply subject
+    assert not inbox._waiting  # nothing left behind by the answers or the timeout
+
+
+async def test_bus_publish_goes_through_the_inbox_and_is_deduplicated(bus_factory: BusFactory) -> None:
+    bus = await bus_factory()
+    ack = await bus.publish_raw(subjects.ALLOC_FAILED, b"\x80", headers={"Nats-Msg-Id": "dup-1"})
+    again = await bus.publish_raw(subjects.ALLOC_FAILED, b"\x80", headers={"Nats-Msg-Id": "dup-1"})
+    assert again.seq == ack.seq and again.duplicate
+
+
+def test_msg_ids_are_unique_within_and_across_processes() -> None:
+    a, b = MsgIds(), MsgIds()
+    ids = {a.new("x:") for _ in range(1000)} | {b.new("x:") for _ in range(1000)}
+    assert len(ids) == 2000
+    assert all(i.startswith("x:") for i in ids)
