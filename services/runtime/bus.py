@@ -7,11 +7,11 @@ durable pull consumer: each message is decoded with the stream's union decoder; 
 failure is published to ``tandem.dlq.<service>`` with the error and the original bytes and
 then acked (never retried, never fatal), and so is one whose size, kind or node does not fit
 the subject it arrived on (:mod:`schemas.routing`) or whose handler raises :class:`Refuse`;
-a handler that returns normally is acked with
-``ack_sync`` (the effect is committed first, DESIGN.md "ack only after the effect"); a handler
-that raises is nak'ed with a growing delay and redelivered, and parked on the dead-letter
-subject after ``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an
-expected wait, e.g. a pod sandbox not created yet) is redelivered without limit.
+a handler that returns normally is acked with a confirmed ack (the server answers it; the
+effect is committed first, DESIGN.md "ack only after the effect"); a handler that raises is
+nak'ed with a growing delay and redelivered, and parked on the dead-letter subject after
+``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an expected wait,
+e.g. a pod sandbox not created yet) is redelivered without limit.
 
 Fail-over: when the server leading a replicated stream dies, the stream has no leader for a
 few seconds (4-7 s measured here) and a JetStream publish fails with "no responders" or times
@@ -641,7 +641,7 @@ class Bus:
         delay = 0.1
         while True:
             try:
-                await msg.ack_sync(timeout=PUBLISH_ATTEMPT_TIMEOUT_S)
+                await self._acks.ack(msg, timeout=PUBLISH_ATTEMPT_TIMEOUT_S)
                 return
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 if _cancelling():

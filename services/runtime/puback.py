@@ -7,12 +7,14 @@ plus ``secrets.token_hex`` for the reply token, a future wrapped in ``asyncio.wa
 (a task and a timeout per publish), ``json.loads`` and a dataclass for the answer. Measured
 with ``py-spy`` on the allocator under ``tandem loadtest`` (docs/benchmarks.md), that
 machinery was about a tenth of the allocator's CPU — each placed and freed request makes seven
-such publishes (claim, commit, assignment, releasing, freed, drop, Freed).
+such publishes (claim, commit, assignment, releasing, freed, drop, Freed) and three confirmed
+acks (``Msg.ack_sync``: the same request path) of the messages it consumed.
 
 :class:`AckInbox` does the same protocol with less per message: one wildcard subscription
 under the connection's inbox prefix (the user's own prefix when permissions name one, see
 ``schemas.permissions``), a counter for the reply token, one timer handle per publish instead
-of ``wait_for``, and msgspec for the answer. It raises what nats-py's publish raises — so
+of ``wait_for``, and msgspec for the answer; :meth:`AckInbox.ack` sends the confirmed ack
+the same way. It raises what nats-py's publish raises — so
 :meth:`services.runtime.bus.Bus.publish`'s retries and the compare-and-set error codes work
 unchanged: ``NoStreamResponseError`` when no stream listens (status 503),
 ``nats.errors.TimeoutError`` when no answer came in time, and the ``APIError`` subclass of
@@ -66,13 +68,14 @@ class MsgIds:
 
 
 class AckInbox:
-    """Publish to JetStream and wait for the stream's acknowledgement (see the module)."""
+    """Requests answered on one inbox: JetStream publishes and their acknowledgements,
+    confirmed acks of consumed messages (see the module)."""
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self._prefix: str | None = None
         self._starting: asyncio.Future[str] | None = None
-        self._waiting: dict[str, asyncio.Future[api.PubAck]] = {}
+        self._waiting: dict[str, asyncio.Future[Msg]] = {}
         self._tokens = itertools.count()
 
     async def _start(self) -> str:
@@ -93,48 +96,66 @@ class AckInbox:
             return prefix
         return await asyncio.shield(self._starting)
 
-    async def publish(
-        self, subject: str, payload: bytes, *, headers: dict[str, str], timeout: float
-    ) -> api.PubAck:
+    async def request(
+        self, subject: str, payload: bytes = b"", *, headers: dict[str, str] | None = None, timeout: float
+    ) -> Msg:
+        """A core request answered on the inbox: the reply message, ``NoRespondersError``
+        when nobody listens, ``nats.errors.TimeoutError`` when no answer came in time."""
         prefix = await self._start()
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[api.PubAck] = loop.create_future()
+        future: asyncio.Future[Msg] = loop.create_future()
         self._waiting[token] = future
         timer = loop.call_later(timeout, _expire, future)
         try:
             await self.nc.publish(subject, payload, reply=prefix + token, headers=headers)
-            return await future
+            reply = await future
         finally:
             timer.cancel()
             del self._waiting[token]
+        if reply.headers and reply.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
+            raise nats.errors.NoRespondersError
+        return reply
+
+    async def publish(
+        self, subject: str, payload: bytes, *, headers: dict[str, str], timeout: float
+    ) -> api.PubAck:
+        """A JetStream publish: the stream's ``PubAck``, or the errors nats-py raises."""
+        try:
+            reply = await self.request(subject, payload, headers=headers, timeout=timeout)
+        except nats.errors.NoRespondersError:
+            raise NoStreamResponseError from None
+        return _pub_ack(reply.data)
+
+    async def ack(self, msg: Msg, *, timeout: float) -> None:
+        """A confirmed ack of a consumed JetStream message (what ``Msg.ack_sync`` sends: an
+        empty body to its reply subject, answered by the consumer's leader)."""
+        if not msg.reply:
+            raise nats.errors.NotJSMessageError
+        await self.request(msg.reply, b"", timeout=timeout)
 
     async def _on_reply(self, msg: Msg) -> None:
         assert self._prefix is not None
         future = self._waiting.get(msg.subject[len(self._prefix) :])
-        if future is None or future.done():
-            return  # answered after its timeout
-        if msg.headers and msg.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
-            future.set_exception(NoStreamResponseError())
-            return
+        if future is not None and not future.done():  # else: answered after its timeout
+            future.set_result(msg)
+
+
+def _pub_ack(data: bytes) -> api.PubAck:
+    try:
+        reply = _REPLY.decode(data)
+    except msgspec.DecodeError as exc:
+        raise APIError(description=f"undecodable publish acknowledgement: {exc}") from None
+    if reply.error is not None:
         try:
-            reply = _REPLY.decode(msg.data)
-        except msgspec.DecodeError as exc:
-            future.set_exception(APIError(description=f"undecodable publish acknowledgement: {exc}"))
-            return
-        if reply.error is not None:
-            try:
-                APIError.from_error(reply.error)  # raises the error's own subclass
-            except APIError as err:
-                future.set_exception(err)
-            except Exception as exc:  # an error object without the expected fields
-                future.set_exception(APIError(description=f"publish failed: {reply.error!r} ({exc!r})"))
-            return
-        future.set_result(
-            api.PubAck(stream=reply.stream, seq=reply.seq, domain=reply.domain, duplicate=reply.duplicate)
-        )
+            APIError.from_error(reply.error)  # raises the error's own subclass
+        except APIError:
+            raise
+        except Exception as exc:  # an error object without the expected fields
+            raise APIError(description=f"publish failed: {reply.error!r} ({exc!r})") from None
+    return api.PubAck(stream=reply.stream, seq=reply.seq, domain=reply.domain, duplicate=reply.duplicate)
 
 
-def _expire(future: asyncio.Future[api.PubAck]) -> None:
+def _expire(future: asyncio.Future[Msg]) -> None:
     if not future.done():
         future.set_exception(nats.errors.TimeoutError())

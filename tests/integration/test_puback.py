@@ -3,13 +3,16 @@ publish, which ``Bus.publish``'s retries and ``RecordStore``'s compare-and-set r
 
 from __future__ import annotations
 
+import contextlib
+
 import nats.errors
 import pytest
 from nats.aio.msg import Msg
 from nats.js import api
-from nats.js.errors import APIError, NoStreamResponseError
+from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from schemas import subjects
+from services.runtime.bus import Bus
 from services.runtime.puback import AckInbox, MsgIds
 from tests.conftest import BusFactory
 
@@ -18,9 +21,16 @@ pytestmark = pytest.mark.integration
 STREAM = "PUBACK_TEST"
 
 
+async def fresh_stream(bus: Bus, name: str, subject: str) -> None:
+    """Not a Tandem stream, so ``clean_jetstream`` leaves it: start each test from nothing."""
+    with contextlib.suppress(NotFoundError):
+        await bus.js.delete_stream(name)
+    await bus.js.add_stream(name=name, subjects=[subject])
+
+
 async def test_acks_duplicates_and_compare_and_set_errors_match_jetstream(bus_factory: BusFactory) -> None:
     bus = await bus_factory()
-    await bus.js.add_stream(name=STREAM, subjects=["puback.test.>"])
+    await fresh_stream(bus, STREAM, "puback.test.>")
     inbox = AckInbox(bus.nc)
 
     first = await inbox.publish("puback.test.a", b"1", headers={"Nats-Msg-Id": "m1"}, timeout=2)
@@ -69,3 +79,16 @@ def test_msg_ids_are_unique_within_and_across_processes() -> None:
     ids = {a.new("x:") for _ in range(1000)} | {b.new("x:") for _ in range(1000)}
     assert len(ids) == 2000
     assert all(i.startswith("x:") for i in ids)
+
+
+async def test_a_confirmed_ack_removes_the_message_from_the_consumer(bus_factory: BusFactory) -> None:
+    bus = await bus_factory()
+    await fresh_stream(bus, STREAM + "_Q", "puback.queue")
+    sent = await bus.js.publish("puback.queue", b"work")
+    sub = await bus.js.pull_subscribe("puback.queue", durable="puback-worker", stream=STREAM + "_Q")
+    [msg] = await sub.fetch(1, timeout=2)
+    before = await bus.js.consumer_info(STREAM + "_Q", "puback-worker")
+    assert before.num_ack_pending == 1
+    await AckInbox(bus.nc).ack(msg, timeout=2)  # returns once the server has taken the ack
+    after = await bus.js.consumer_info(STREAM + "_Q", "puback-worker")
+    assert after.num_ack_pending == 0 and after.ack_floor.stream_seq == sent.seq
