@@ -323,7 +323,7 @@ class LoadDriver:
             rid
             for rid, r in self.reqs.items()
             if now - (r.released if r.released is not None else r.submitted) > MISSED_AFTER_S
-            and ((r.first is None) or (r.released is not None and r.freed is None and not r.cancelled))
+            and ((r.first is None) or (r.released is not None and r.freed is None and not r.rejected))
         ]
         if not stale:
             return 0
@@ -450,9 +450,12 @@ class LoadDriver:
         return len(chosen)
 
     def settled(self) -> bool:
-        """Every request has an answer and every release its ``Freed``."""
+        """Every request has an answer and every release its ``Freed`` — a cancel's too: the
+        allocator answers one with ``Freed`` at once when nothing was placed, or places and
+        then frees the request when its decision was already in flight, and a run that stops
+        before that ``Freed`` would report devices still held as lost."""
         return self.outstanding == 0 and all(
-            r.freed is not None for r in self.reqs.values() if r.released is not None and not r.cancelled
+            r.freed is not None for r in self.reqs.values() if r.released is not None and not r.rejected
         )
 
     async def drain(self, *, timeout: float, alive: Callable[[], None] | None = None) -> bool:

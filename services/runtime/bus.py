@@ -864,10 +864,19 @@ class _Puller:
         self.consumer_gone = False
         self._sub: Any = None
         self._inbox = ""
+        self._arrived: asyncio.Queue[Msg] = asyncio.Queue()
 
     async def open(self) -> None:
         self._inbox = self.bus.nc.new_inbox()
-        self._sub = await self.bus.nc.subscribe(self._inbox)
+        arrived = self._arrived
+
+        async def queue(msg: Msg) -> None:
+            arrived.put_nowait(msg)
+
+        # A callback into a queue of our own rather than ``Subscription.next_msg``, which
+        # makes a uuid4, a task and a wait_for for every message: a message already here is
+        # taken without waiting (under load, almost all of them).
+        self._sub = await self.bus.nc.subscribe(self._inbox, cb=queue)
         self.bus._subs.append(self._sub)
 
     async def close(self) -> None:
@@ -889,13 +898,18 @@ class _Puller:
         self.consumer_gone = False
         if self.outstanding <= self.batch // 2:
             await self._pull()
+        if self.bus.nc.is_closed:
+            raise nats.errors.ConnectionClosedError
         try:
-            msg: Msg = await self._sub.next_msg(timeout=PULL_HEARTBEAT_S * 2 + 1)
-        except nats.errors.TimeoutError:
-            if _cancelling():
-                raise asyncio.CancelledError from None
-            self.outstanding = 0  # no heartbeat: the pull request is gone
-            return None
+            msg = self._arrived.get_nowait()
+        except asyncio.QueueEmpty:
+            try:
+                msg = await asyncio.wait_for(self._arrived.get(), PULL_HEARTBEAT_S * 2 + 1)
+            except TimeoutError:
+                if _cancelling():
+                    raise asyncio.CancelledError from None
+                self.outstanding = 0  # no heartbeat: the pull request is gone
+                return None
         headers = msg.headers or {}
         status = headers.get(api.Header.STATUS) if not msg.data else None
         if status is None:
