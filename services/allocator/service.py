@@ -94,13 +94,16 @@ _tracer = tracer("tandem.allocator", service="allocator")
 CommitHook = Callable[[AllocationRequest, Placement], Awaitable[None]]
 MAX_COMMIT_ATTEMPTS = 8
 # Messages handled at once per consumer: decisions stay serial (they never await), the
-# commits, claims and publishes of that many requests are in flight together.
-REQUEST_CONCURRENCY = 256
-# Releases and cleanup reports: a freed request waits on three writes in a row (its record,
-# the node's record, Freed), so with fewer in flight than requests the free path fell behind
-# the request path under load (tandem loadtest at 5,000 nodes: cleanup reports piled up,
-# freed devices came back seconds late and arrivals were refused meanwhile).
-EVENT_CONCURRENCY = 256
+# commits, claims and publishes of that many requests are in flight together. Each request
+# waits on a few round trips in a row, so what is in flight, not the CPU, bounded the
+# allocator under load: at 256, tandem loadtest at 5,000 nodes left it idle a quarter of the
+# time (docs/benchmarks.md, "Running system").
+REQUEST_CONCURRENCY = 512
+# Releases and cleanup reports, as wide as requests: a freed request waits on three writes in
+# a row (its record, the node's record, Freed), and with fewer in flight than requests the
+# free path fell behind under load (cleanup reports piled up, freed devices came back seconds
+# late and arrivals were refused meanwhile).
+EVENT_CONCURRENCY = REQUEST_CONCURRENCY
 # Capacity events within this long are answered by one pass over the pending requests.
 RETRY_COALESCE_S = 0.1
 
