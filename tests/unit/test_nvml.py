@@ -351,7 +351,8 @@ async def test_mig_discovery_mixed_profiles_mode_off_and_not_supported() -> None
     facts = await backend.gpus()
     g0, g1, g2, g3 = (f.gpu for f in facts)
     assert g0.mig_mode is True
-    got = [(m.profile, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.memory_mib) for m in g0.mig_instances]
+    insts = g0.mig_instances
+    got = [(m.profile, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.memory_mib) for m in insts]
     assert got == [
         ("3g.40gb", "MIG-aaaa-0001", 2, 0, 40192),
         ("2g.20gb", "MIG-aaaa-0002", 3, 0, 19968),
