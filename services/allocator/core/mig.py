@@ -430,8 +430,7 @@ def _repick(
         for i in pool:
             per_gpu.setdefault(vcands[i].gpu_slot, []).append(i)
         if binpack:
-            gpus = sorted(per_gpu, key=lambda g: (-used_count.get(g, 0), len(per_gpu[g]), g))
-            picked = [i for g in gpus for i in per_gpu[g]][: len(chosen)]
+            picked = _fill(per_gpu, used_count, len(chosen))
         else:
             gpus = sorted(per_gpu, key=lambda g: (used_count.get(g, 0), -len(per_gpu[g]), g))
             picked = []
@@ -448,6 +447,23 @@ def _repick(
         (vcands[remap[gs]].gpu.index, real.slot_of[vshape.slot_id[ns]], sc) for gs, ns, sc in vchoice.pairs
     )
     return picks, tuple(pairs)
+
+
+def _fill(per_gpu: dict[int, list[int]], used_count: Mapping[int, int], need: int) -> list[int]:
+    """Binpack within one location: GPUs with instances in use first, the fullest first; then
+    fresh GPUs: the one that can take all that is left with the fewest spare (best fit), else
+    the one with the most (so the request opens as few GPUs as it can)."""
+    out: list[int] = []
+    for g in sorted((g for g in per_gpu if used_count.get(g, 0)), key=lambda g: (-used_count[g], g)):
+        out.extend(per_gpu[g][: need - len(out)])
+    fresh = sorted(g for g in per_gpu if not used_count.get(g, 0))
+    while len(out) < need and fresh:
+        want = need - len(out)
+        fits = [g for g in fresh if len(per_gpu[g]) >= want]
+        g = min(fits, key=lambda g: len(per_gpu[g])) if fits else max(fresh, key=lambda g: len(per_gpu[g]))
+        out.extend(per_gpu[g][:want])
+        fresh.remove(g)
+    return out
 
 
 def _group(
