@@ -93,6 +93,11 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
             f"(asked {req.gpus} GPUs, {req.rdma} NICs); use pairing shared"
         )
     shared = req.gpu_memory_mib is not None or req.gpu_cores_percent is not None
+    if shared and req.mig_profile is not None:
+        raise InvalidRequest(
+            f"request {req.request_id}: mig_profile cannot be combined with gpu_memory_mib / "
+            "gpu_cores_percent (a MIG instance is not shared); ask one or the other"
+        )
     if shared:
         if dc.sharing == "none":
             raise InvalidRequest(
@@ -113,11 +118,6 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
                 "gpu_cores_percent between 1 and 100"
             )
     if req.mig_profile is not None:
-        if shared:
-            raise InvalidRequest(
-                f"request {req.request_id}: mig_profile cannot be combined with gpu_memory_mib / "
-                "gpu_cores_percent (a MIG instance is not shared); ask one or the other"
-            )
         if req.gpus < 1:
             raise InvalidRequest(
                 f"request {req.request_id}: mig_profile {req.mig_profile!r} needs gpus >= 1 "
