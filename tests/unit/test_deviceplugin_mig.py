@@ -56,7 +56,9 @@ async def mig_node(tmp_path: Path) -> AsyncIterator[tuple[NodeTopology, SysfsBac
     await host.close()
 
 
-def decide(topo: NodeTopology, rid: str, *, gpus: int, rdma: int, profile: str, cluster: Cluster) -> Placement:
+def decide(
+    topo: NodeTopology, rid: str, *, gpus: int, rdma: int, profile: str, cluster: Cluster
+) -> Placement:
     req = AllocationRequest(
         request_id=rid, pod=PodRef("ml", rid, rid), gpus=gpus, rdma=rdma, mig_profile=profile
     )
@@ -138,7 +140,9 @@ async def test_allocate_hands_mig_instances_to_the_container(
             # An id that is no MIG instance of this node is refused.
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await dev.Allocate(
-                    pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=["MIG-nope"])])
+                    pb.AllocateRequest(
+                        container_requests=[pb.ContainerAllocateRequest(devices_ids=["MIG-nope"])]
+                    )
                 )
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             # A cordoned GPU makes its instances Unhealthy for kubelet.

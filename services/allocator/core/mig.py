@@ -57,6 +57,7 @@ _MIG_ID = re.compile(r"^gpu[0-9]+-mig[0-9]+-[0-9]+$")
 _VSHAPE_BASE = 1 << 40  # virtual shape ids: far from the cluster's own shape ids
 _VSHAPE_MAX = 4096  # compiled virtual shapes kept before the cache is cleared
 _EVAL_MAX = 50_000
+_LAYOUTS_PER_NODE = 16  # candidate layouts kept per node (one per profile x class, mostly)
 
 
 def is_mig_device(device: str) -> bool:
@@ -123,6 +124,9 @@ class _MigNode:
     free: frozenset[str] = frozenset()
     used_gpus: frozenset[int] = frozenset()  # GPU slots with an instance held
     free_by_profile: dict[str, int] = field(default_factory=dict)
+    # Candidate set (device ids) -> (virtual shape, instance per virtual GPU slot): the layout
+    # is rebuilt only when the node's free instances change.
+    layouts: dict[tuple[str, ...], tuple[Shape, list[_Inst]]] = field(default_factory=dict)
 
 
 class MigIndex:
@@ -134,6 +138,7 @@ class MigIndex:
         self._by_profile: dict[str, dict[str, None]] = {}
         self._vshapes: dict[tuple[object, ...], Shape] = {}
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
+        self._vshape_seq = 0
 
     # -- state ------------------------------------------------------------------------------
 
@@ -321,16 +326,13 @@ class MigIndex:
         """Run the exact search on the node's virtual topology with ``cands`` as its GPUs:
         the choice (slots of the virtual shape), the instance of each virtual GPU slot, and
         the virtual shape."""
-        vtopo, order = _virtual(node.topology, cands)
-        sig = shape_signature(vtopo)
-        vshape = self._vshapes.get(sig)
-        if vshape is None:
-            if len(self._vshapes) >= _VSHAPE_MAX:
-                self._vshapes.clear()
-                self._evals.clear()
-            vshape = self._vshapes[sig] = compile_shape(
-                vtopo, shape_id=_VSHAPE_BASE + len(self._vshapes), signature=sig
-            )
+        lkey = tuple(i.device for i in cands)
+        layout = node.layouts.get(lkey)
+        if layout is None:
+            layout = node.layouts[lkey] = self._layout(node, cands)
+            if len(node.layouts) > _LAYOUTS_PER_NODE:
+                del node.layouts[next(iter(node.layouts))]
+        vshape, insts = layout
         # Free mask of the virtual shape: every virtual GPU, and the NICs free on the node.
         free = vshape.gpu_all
         real = node.shape
@@ -345,9 +347,27 @@ class MigIndex:
             res = self._evals[key] = evaluate(vshape, free, spec)
         if isinstance(res, Refusal):
             return res
+        return _Virtual(res, insts, vshape)
+
+    def _layout(self, node: _MigNode, cands: list[_Inst]) -> tuple[Shape, list[_Inst]]:
+        """The virtual shape of ``cands`` on ``node`` (compiled once per signature: nodes with
+        the same hardware and free-instance layout share it) and each virtual GPU slot's
+        instance."""
+        vtopo, order = _virtual(node.topology, cands)
+        sig = shape_signature(vtopo)
+        vshape = self._vshapes.get(sig)
+        if vshape is None:
+            if len(self._vshapes) >= _VSHAPE_MAX:
+                # Cached searches name the shapes by id; ids are never reused (_vshape_seq).
+                self._vshapes.clear()
+                self._evals.clear()
+            self._vshape_seq += 1
+            vshape = self._vshapes[sig] = compile_shape(
+                vtopo, shape_id=_VSHAPE_BASE + self._vshape_seq, signature=sig
+            )
         # Virtual GPU slot -> instance: slots follow tree order, as _virtual laid them out.
         by_index = {v.index: inst for v, inst in order}
-        return _Virtual(res, [by_index[vshape.gpu_index[s]] for s in range(vshape.n_gpus)], vshape)
+        return vshape, [by_index[vshape.gpu_index[s]] for s in range(vshape.n_gpus)]
 
 
 def _of(spec: Spec) -> str:

@@ -117,12 +117,11 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
                 f"request {req.request_id}: gpu_memory_mib must be at least 1 and "
                 "gpu_cores_percent between 1 and 100"
             )
-    if req.mig_profile is not None:
-        if req.gpus < 1:
-            raise InvalidRequest(
-                f"request {req.request_id}: mig_profile {req.mig_profile!r} needs gpus >= 1 "
-                "(gpus: N means N MIG instances of the profile)"
-            )
+    if req.mig_profile is not None and req.gpus < 1:
+        raise InvalidRequest(
+            f"request {req.request_id}: mig_profile {req.mig_profile!r} needs gpus >= 1 "
+            "(gpus: N means N MIG instances of the profile)"
+        )
     return Spec(
         gpus=req.gpus,
         rdma=req.rdma,
