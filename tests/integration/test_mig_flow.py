@@ -86,3 +86,34 @@ async def test_mig_instances_assigned_held_and_freed(stack: tuple[LocalStack, Ta
         lambda: set(mine[:2]) <= set(model.mig_instances("mig-0").get("1g.10gb", [])),
         what="the instances free again",
     )
+
+
+async def test_mig_cleanup_checks_the_gpu_once_its_last_instance_leaves(
+    stack: tuple[LocalStack, TandemClient],
+) -> None:
+    """Instances of one GPU in use by two pods: the first to leave cannot require the GPU to be
+    empty (the other's processes run there), so it is freed; the last is checked like a whole
+    GPU: a process left behind keeps it held, unverified, until the process is gone."""
+    s, client = stack
+    one = request("one", 1, mig_profile="1g.10gb")
+    two = request("two", 1, mig_profile="1g.10gb")
+    got = []
+    for r in (one, two):
+        await client.submit(r)
+        a = await client.wait_for(r.request_id)
+        assert isinstance(a, Assignment) and a.gpus[0].mig is not None
+        got.append(a)
+    # Best fit, then binpack: both on GPU 1 (two 1g.10gb instances; GPUs 0 and 2 have seven).
+    assert [a.gpus[0].index for a in got] == [1, 1]
+    gpu = 1
+    agent = s.agents["mig-0"]
+    s.backends["mig-0"].processes[gpu] = [4242]  # the second pod's server, still running
+
+    await client.release(one.request_id)
+    assert isinstance(await client.wait_for(one.request_id, kinds=(Freed,)), Freed)
+
+    await client.release(two.request_id)  # the last instance: now the process is left behind
+    await wait_until(lambda: two.request_id in agent.unverified, what="cleanup reported unverified")
+    assert two.request_id in (await client.allocations(["mig-0"]))[0].allocations
+    s.backends["mig-0"].processes[gpu] = []
+    assert isinstance(await client.wait_for(two.request_id, kinds=(Freed,), timeout=10), Freed)
