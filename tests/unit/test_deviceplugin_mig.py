@@ -162,3 +162,23 @@ def _cordoned():  # type: ignore[no-untyped-def]
     from schemas.messages import DeviceHealth
 
     return DeviceHealth(cordoned=True)
+
+
+async def test_metrics_count_a_mig_gpu_allocated_while_an_instance_is_held(
+    mig_node: tuple[NodeTopology, SysfsBackend],
+) -> None:
+    from schemas.messages import AllocRecord, NodeAllocations, NodeRecord
+    from services.allocator.metrics import node_device_states
+
+    topo, _ = mig_node
+    cluster = Cluster()
+    cluster.set_node("hgx-1", topo)
+    p = decide(topo, "pod-a", gpus=1, rdma=0, profile="3g.40gb", cluster=cluster)
+    a = build_assignment(
+        AllocationRequest(request_id="pod-a", pod=PodRef("ml", "pod-a", "pod-a"), gpus=1), p, instance="t"
+    )
+    record = NodeRecord(node="hgx-1", topology=topo)
+    allocs = NodeAllocations(node="hgx-1", allocations={"pod-a": AllocRecord(assignment=a)})
+    counts = node_device_states(record, allocs)
+    assert (counts["gpu", "allocated"], counts["gpu", "free"]) == (1, 7)
+    assert node_device_states(record, None)["gpu", "free"] == 8
