@@ -189,9 +189,13 @@ def _fleet(seed: int, n: int, policy: str) -> tuple[Cluster, dict[str, NodeTopol
     rng = random.Random(seed)
     cluster = Cluster(policy=policy, device_classes=MIG_CLASSES, pinned_max=rng.choice((0, 32)))
     topos: dict[str, NodeTopology] = {}
+    shared_layout = rng.getrandbits(32)
     for i in range(n):
         name = f"n{i}"
-        topo = mig_topology(rng, name)
+        # Half the nodes share one layout (hardware and instances; their UUIDs differ by node),
+        # so that the index's groups of alike nodes are exercised too.
+        layout = shared_layout if rng.random() < 0.5 else rng.getrandbits(32)
+        topo = mig_topology(random.Random(layout), name)
         cluster.set_node(name, topo, labels={"pool": rng.choice("ab"), HOSTNAME: name})
         topos[name] = topo
     return cluster, topos

@@ -112,6 +112,12 @@ class _Inst:
     ci: int
 
 
+# A MIG group: (layout id, free instances, free NIC slots, GPU slots with an instance held).
+GroupKey = tuple[int, frozenset[str], int, frozenset[int]]
+# A group's cached result: a refusal, or (order without the node, the choice on its first node).
+_Result = Refusal | tuple[tuple[int, ...], "MigChoice"]
+
+
 @dataclass(slots=True)
 class _MigNode:
     name: str
@@ -124,6 +130,9 @@ class _MigNode:
     free: frozenset[str] = frozenset()
     used_gpus: frozenset[int] = frozenset()  # GPU slots with an instance held
     free_by_profile: dict[str, int] = field(default_factory=dict)
+    layout: int = 0  # nodes with equal layout ids have the same shape and MIG instances
+    gkey: GroupKey | None = None  # its group (see MigIndex): layout and free state
+    by_device: dict[str, _Inst] = field(default_factory=dict)
     # Candidate set (device ids) -> (virtual shape, instance per virtual GPU slot): the layout
     # is rebuilt only when the node's free instances change.
     layouts: dict[tuple[str, ...], tuple[Shape, list[_Inst]]] = field(default_factory=dict)
@@ -135,7 +144,12 @@ class MigIndex:
     def __init__(self) -> None:
         self._nodes: dict[str, _MigNode] = {}
         self._seq = 0
-        self._by_profile: dict[str, dict[str, None]] = {}
+        # Nodes in the same layout and free state decide alike: one search per group and
+        # request; per profile, the groups with a free instance of it.
+        self._groups: dict[GroupKey, dict[str, None]] = {}
+        self._by_profile: dict[str, dict[GroupKey, None]] = {}
+        self._layouts: dict[tuple[object, ...], int] = {}
+        self._results: dict[tuple[object, ...], _Result] = {}
         self._vshapes: dict[tuple[object, ...], Shape] = {}
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
         self._vshape_seq = 0
@@ -167,7 +181,10 @@ class MigIndex:
         else:
             seq = old.seq
             self._index(old, -1)
-        self._nodes[name] = _MigNode(name, seq, topology, shape, dict(labels), instances)
+        node = self._nodes[name] = _MigNode(name, seq, topology, shape, dict(labels), instances)
+        lkey = (shape.id, tuple((i.device, i.gpu_slot, i.profile) for i in instances))
+        node.layout = self._layouts.setdefault(lkey, len(self._layouts))
+        node.by_device = {i.device: i for i in instances}
         return block
 
     def remove(self, name: str) -> None:
@@ -199,22 +216,34 @@ class MigIndex:
         self._index(node, 1)
 
     def _index(self, node: _MigNode, delta: int) -> None:
+        """Take the node out of its group (-1) or put it in the group of its state (+1)."""
         if delta < 0:
-            for profile in node.free_by_profile:
-                members = self._by_profile.get(profile)
-                if members is not None:
-                    members.pop(node.name, None)
-                    if not members:
+            gkey = node.gkey
+            if gkey is None:
+                return
+            node.gkey = None
+            members = self._groups[gkey]
+            del members[node.name]
+            if not members:
+                del self._groups[gkey]
+                for profile in node.free_by_profile:
+                    groups = self._by_profile[profile]
+                    del groups[gkey]
+                    if not groups:
                         del self._by_profile[profile]
-            node.free_by_profile = {}
             return
         counts: dict[str, int] = {}
         for inst in node.instances:
             if inst.device in node.free:
                 counts[inst.profile] = counts.get(inst.profile, 0) + 1
         node.free_by_profile = counts
-        for profile in counts:
-            self._by_profile.setdefault(profile, {})[node.name] = None
+        gkey = node.gkey = (node.layout, node.free, node.nic_free, node.used_gpus)
+        group = self._groups.get(gkey)
+        if group is None:
+            group = self._groups[gkey] = {}
+            for profile in counts:
+                self._by_profile.setdefault(profile, {})[gkey] = None
+        group[node.name] = None
 
     # -- queries ----------------------------------------------------------------------------
 
@@ -233,27 +262,78 @@ class MigIndex:
         """The best node for a MIG request: ``(choice, candidate nodes)``, or the refusals
         ``{text: (code, nodes)}`` of the nodes that have a free instance of the profile."""
         refused: dict[str, tuple[str, int]] = {}
-        best: tuple[tuple[int, ...], MigChoice] | None = None
+        best: tuple[int, ...] | None = None
+        # (choice, nodes) of the groups whose order equals the best: the node registered
+        # first wins, with its group's choice (groups of equal order may differ in layout).
+        tied: list[tuple[MigChoice, Collection[str]]] = []
         feasible = 0
-        for name in self._by_profile.get(spec.mig_profile, {}):
-            node = self._nodes[name]
-            if spec.selector and not all(node.labels.get(k) == v for k, v in spec.selector):
-                text = "labels do not match the node selector"
-                code, n = refused.get(text, ("selector", 0))
-                refused[text] = (code, n + 1)
-                continue
-            res = self.evaluate(node, spec, policy=policy)
+        for gkey in self._by_profile.get(spec.mig_profile, {}):
+            members = self._groups[gkey]
+            names: Collection[str] = members
+            if spec.selector:
+                names = [
+                    n for n in members if all(self._nodes[n].labels.get(k) == v for k, v in spec.selector)
+                ]
+                off = len(members) - len(names)
+                if off:
+                    text = "labels do not match the node selector"
+                    code, n = refused.get(text, ("selector", 0))
+                    refused[text] = (code, n + off)
+                if not names:
+                    continue
+            count = len(names)
+            res = self._group_result(gkey, spec, policy=policy)
             if isinstance(res, Refusal):
                 code, n = refused.get(res.text, (res.code, 0))
-                refused[res.text] = (code, n + 1)
+                refused[res.text] = (code, n + count)
                 continue
-            feasible += 1
-            choice, order = res
-            if best is None or order < best[0]:
-                best = (order, choice)
+            feasible += count
+            order, choice = res
+            if best is None or order < best:
+                best = order
+                tied = [(choice, names)]
+            elif order == best:
+                tied.append((choice, names))
         if best is None:
             return refused
-        return best[1], feasible
+        _seq, choice, first = min(
+            ((self._nodes[n].seq, c, n) for c, names in tied for n in names), key=lambda t: t[0]
+        )
+        return self._on(choice, self._nodes[first]), feasible
+
+    def _group_result(self, gkey: GroupKey, spec: Spec, *, policy: str) -> _Result:
+        """The cached search of a group (on any one of its nodes: they decide alike)."""
+        key = (gkey, spec.key, policy)
+        got = self._results.get(key)
+        if got is None:
+            node = self._nodes[next(iter(self._groups[gkey]))]
+            res = self.evaluate(node, spec, policy=policy)
+            got = res if isinstance(res, Refusal) else (res[1][:-1], res[0])
+            if len(self._results) >= _EVAL_MAX:
+                self._results.clear()
+            self._results[key] = got
+        return got
+
+    @staticmethod
+    def _on(choice: MigChoice, node: _MigNode) -> MigChoice:
+        """A group's choice (made on one of its nodes) for ``node`` of the same group: the same
+        instance and NIC ids, with this node's name, GPU UUIDs and instance UUIDs."""
+        picks = []
+        for p in choice.picks:
+            i = node.by_device[p.device]
+            picks.append(
+                MigPick(
+                    device=i.device,
+                    gpu_index=i.gpu.index,
+                    gpu_uuid=i.gpu.uuid,
+                    gpu_bus_id=i.gpu.pci_bus_id,
+                    profile=i.profile,
+                    uuid=i.uuid,
+                    gpu_instance_id=i.gi,
+                    compute_instance_id=i.ci,
+                )
+            )
+        return replace(choice, node=node.name, picks=tuple(picks))
 
     def evaluate(
         self, node: _MigNode, spec: Spec, *, policy: str
