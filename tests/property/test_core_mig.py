@@ -19,6 +19,7 @@ changes. Checked against a ledger kept by the test and an exhaustive reference:
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -337,3 +338,27 @@ def test_mig_request_errors_name_the_field() -> None:
         assert "mig_profile '1g.10gb' needs gpus >= 1" in str(exc)
     else:
         raise AssertionError("a MIG request without GPUs was accepted")
+
+
+def test_fit_count_and_preemption_for_mig_requests() -> None:
+    from services.allocator.core import preempt
+    from services.topology import load_topology
+
+    topo = load_topology(str(Path(__file__).resolve().parents[2] / "docs/examples/mig/dgx-h100-mig.yaml"))
+    cluster = Cluster()
+    for i in range(3):
+        cluster.set_node(f"m{i}", topo, labels={HOSTNAME: f"m{i}"})
+    three = AllocationRequest(request_id="r", pod=PodRef("ns", "p"), gpus=2, mig_profile="3g.40gb")
+    assert cluster.fit_count(three) == 3
+    pinned = AllocationRequest(
+        request_id="r", pod=PodRef("ns", "p"), gpus=2, mig_profile="3g.40gb", node_selector={HOSTNAME: "m1"}
+    )
+    assert cluster.fit_count(pinned) == 1
+    cluster.hold("m0", "x", ["gpu3-mig1-0"])  # m0 keeps GPU 1's 3g.40gb and GPU 3's other one
+    cluster.hold("m2", "y", ["gpu3-mig1-0", "gpu3-mig2-0"])  # m2 keeps only GPU 1's
+    assert cluster.fit_count(three) == 2
+    # A MIG request never preempts: no preemptible hold holds an instance.
+    urgent = AllocationRequest(
+        request_id="u", pod=PodRef("ns", "u"), gpus=1, mig_profile="1g.10gb", preemption="lower-priority"
+    )
+    assert not preempt.may_preempt(urgent, cluster.device_classes)

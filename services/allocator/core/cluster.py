@@ -484,6 +484,8 @@ class Cluster:
         For reports and benchmarks (for example "nodes that can still take an 8-GPU + 8-NIC
         switch-aligned job"), not for the decision path."""
         spec = normalise(request, self.device_classes)
+        if spec.mig_profile:
+            return self._mig.fit_count(spec, policy=self.policy)
         if spec.selector:
             return sum(
                 isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)

@@ -301,6 +301,16 @@ class MigIndex:
         )
         return self._on(choice, self._nodes[first]), feasible
 
+    def fit_count(self, spec: Spec, *, policy: str) -> int:
+        """How many nodes could take the MIG request now (reports; walks the profile's groups)."""
+        n = 0
+        for gkey in self._by_profile.get(spec.mig_profile, {}):
+            members = self._groups[gkey]
+            if isinstance(self._group_result(gkey, spec, policy=policy), Refusal):
+                continue
+            n += sum(1 for m in members if all(self._nodes[m].labels.get(k) == v for k, v in spec.selector))
+        return n
+
     def _group_result(self, gkey: GroupKey, spec: Spec, *, policy: str) -> _Result:
         """The cached search of a group (on any one of its nodes: they decide alike)."""
         key = (gkey, spec.key, policy)
