@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -51,6 +51,9 @@ bench-preempt: $(STAMP)
 # The core with fractional GPUs: 10,000 nodes, 30 % share requests (docs/benchmarks.md, "Shares").
 bench-shares: $(STAMP)
 	$(BIN)/python -m bench.shares
+# MIG decisions in the core by fleet size, 10 to 10,000 MIG nodes (docs/sharing.md, "MIG").
+bench-mig: $(STAMP)
+	$(BIN)/python -m bench.mig
 
 # The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
 # nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.

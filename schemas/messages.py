@@ -24,7 +24,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from schemas import limits
-from schemas.topology import BusId, DeviceName, NodeTopology, ScopeName
+from schemas.topology import BusId, DeviceName, MigProfile, NodeTopology, ScopeName
 
 __all__ = [
     "AllocRecord",
@@ -33,6 +33,7 @@ __all__ = [
     "AllocatorHeartbeat",
     "Applied",
     "AssignedGpu",
+    "AssignedMig",
     "AssignedNic",
     "Assignment",
     "ClaimMarker",
@@ -193,6 +194,9 @@ class AllocationRequest(_Msg, tag="alloc.request"):
     # May this request evict allocations of lower priority when it cannot be placed
     # (docs/sharing.md, "Preemption")? None: the device class says (default "never").
     preemption: PreemptionMode | None = None
+    # MIG (docs/sharing.md, "MIG"): ``gpus`` existing MIG instances of this profile
+    # ("1g.10gb") instead of whole GPUs; not together with shares.
+    mig_profile: MigProfile | None = None
 
     @property
     def shared(self) -> bool:
@@ -281,10 +285,28 @@ class AssignedGpu(msgspec.Struct, gc=False, omit_defaults=True):
     pci_bus_id: BusId | None = None
     memory_mib: int | None = None
     cores_percent: int | None = None
+    # Set when the pod gets a MIG instance of this GPU (a MIG request), not the GPU itself.
+    mig: AssignedMig | None = None
 
     @property
     def shared(self) -> bool:
         return self.memory_mib is not None or self.cores_percent is not None
+
+    @property
+    def device_id(self) -> str:
+        """The held device: ``gpu<index>``, or the MIG instance's id (``gpu<index>-mig<gi>-<ci>``)."""
+        return self.mig.device if self.mig is not None else f"gpu{self.index}"
+
+
+class AssignedMig(msgspec.Struct, gc=False, omit_defaults=True, frozen=True):
+    """The MIG instance of an :class:`AssignedGpu`: profile, ``MIG-`` UUID (what
+    ``NVIDIA_VISIBLE_DEVICES`` names), device id, and NVML's GPU / compute instance ids."""
+
+    profile: MigProfile
+    uuid: Annotated[str, msgspec.Meta(min_length=5, max_length=96, pattern=r"^MIG-[A-Za-z0-9/-]+$")]
+    device: DeviceName
+    gpu_instance_id: int = 0
+    compute_instance_id: int = 0
 
 
 class AssignedNic(msgspec.Struct, gc=False, omit_defaults=True):
@@ -325,7 +347,7 @@ class Assignment(_Msg, tag="alloc.assigned"):
     memory_limit: Literal["hard", "soft"] = "hard"
 
     def device_ids(self) -> list[str]:
-        return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+        return [g.device_id for g in self.gpus] + [n.name for n in self.nics]
 
     def shares(self) -> dict[str, tuple[int, int]]:
         """Shared GPUs by device id: (memory MiB, compute percent), 0 for what was not asked."""

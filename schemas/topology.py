@@ -23,10 +23,13 @@ from typing import Annotated, Literal
 import msgspec
 
 __all__ = [
+    "MIG_PROFILE_PATTERN",
     "SCOPES",
     "DeviceLocation",
     "Gpu",
     "LinkType",
+    "MigInstance",
+    "MigProfile",
     "Nic",
     "NodeTopology",
     "NumaNode",
@@ -38,6 +41,7 @@ __all__ = [
     "TopologyError",
     "VirtualFunction",
     "locate",
+    "mig_device_id",
     "scope_between",
 ]
 
@@ -85,6 +89,33 @@ class TopologyError(ValueError):
     """A topology tree that parses but is inconsistent (duplicate ids, bad NVLink peers)."""
 
 
+# A MIG profile as NVIDIA names it: "<compute slices>g.<memory>gb", optionally with a media
+# or extended-memory suffix ("1g.10gb", "3g.40gb", "1g.12gb+me", "1g.20gb", "7g.80gb").
+MIG_PROFILE_PATTERN = r"^[1-8]g\.[0-9]{1,4}gb(\+[a-z]{1,8})?$"
+MigProfile = Annotated[str, msgspec.Meta(pattern=MIG_PROFILE_PATTERN)]
+MigUuid = Annotated[str, msgspec.Meta(min_length=5, max_length=96, pattern=r"^MIG-[A-Za-z0-9/-]+$")]
+
+
+class MigInstance(msgspec.Struct, gc=False, frozen=True, omit_defaults=True, forbid_unknown_fields=True):
+    """One MIG device of a GPU in MIG mode: a (GPU instance, compute instance) pair that
+    CUDA sees as a device named by ``uuid`` (``MIG-...``). It sits where its GPU sits (same
+    PCIe switch, root, NUMA node), so a NIC aligned with the GPU is aligned with it.
+
+    ``id`` (``gpu<parent>-mig<gi>-<ci>``) is its device id in holds and allocation records,
+    like ``gpu<index>`` for a whole GPU; Tandem never creates or destroys instances."""
+
+    profile: MigProfile
+    uuid: MigUuid
+    gpu_instance_id: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    compute_instance_id: Annotated[int, msgspec.Meta(ge=0, le=255)] = 0
+    memory_mib: Annotated[int, msgspec.Meta(ge=0)] = 0
+
+
+def mig_device_id(gpu_index: int, gpu_instance_id: int, compute_instance_id: int) -> str:
+    """The device id of a MIG instance: ``gpu<parent index>-mig<gi>-<ci>``."""
+    return f"gpu{gpu_index}-mig{gpu_instance_id}-{compute_instance_id}"
+
+
 class Gpu(msgspec.Struct, gc=False, forbid_unknown_fields=False, omit_defaults=True):
     index: Annotated[int, msgspec.Meta(ge=0)]
     uuid: str
@@ -93,10 +124,19 @@ class Gpu(msgspec.Struct, gc=False, forbid_unknown_fields=False, omit_defaults=T
     minor: int | None = None
     pci_bus_id: BusId | None = None
     nvlink_peers: list[int] = []
+    # MIG (docs/sharing.md, "MIG"): a GPU in MIG mode is never handed out whole (nor shared);
+    # its existing instances are, one request each.
+    mig_mode: bool = False
+    mig_instances: list[MigInstance] = []
 
     @property
     def id(self) -> str:
         return f"gpu{self.index}"
+
+    def mig_ids(self) -> list[tuple[str, MigInstance]]:
+        """(device id, instance) of each MIG instance, in listed order."""
+        i = self.index
+        return [(mig_device_id(i, m.gpu_instance_id, m.compute_instance_id), m) for m in self.mig_instances]
 
 
 class VirtualFunction(msgspec.Struct, gc=False, omit_defaults=True):
@@ -200,6 +240,7 @@ class NodeTopology(msgspec.Struct, gc=False, omit_defaults=True):
                 seen.add(n)
             if isinstance(dev, Gpu):
                 indices.add(dev.index)
+                self._validate_mig(dev, seen)
         for gpu in self.gpus():
             bad = [p for p in gpu.nvlink_peers if p not in indices or p == gpu.index]
             if bad:
@@ -209,6 +250,17 @@ class NodeTopology(msgspec.Struct, gc=False, omit_defaults=True):
             if bad:
                 raise TopologyError(f"{self.name}: nvlink_partitions[{i}] names unknown GPUs {bad}")
         return self
+
+    def _validate_mig(self, gpu: Gpu, seen: set[str]) -> None:
+        """MIG instances only on a GPU in MIG mode; unique device ids and UUIDs node-wide."""
+        if gpu.mig_instances and not gpu.mig_mode:
+            raise TopologyError(f"{self.name}: gpu{gpu.index} lists MIG instances but mig_mode is false")
+        for dev_id, inst in gpu.mig_ids():
+            for key in (dev_id, inst.uuid):
+                if key in seen:
+                    what = "MIG instance" if key == dev_id else "MIG UUID"
+                    raise TopologyError(f"{self.name}: {what} {key!r} appears twice")
+                seen.add(key)
 
 
 class DeviceLocation(msgspec.Struct, gc=False, frozen=True):

@@ -7,6 +7,14 @@ opaque objects; ``nvmlDeviceGetPciInfo_v3`` returns a struct whose ``busId`` is 
 them); ``nvmlEventSetWait_v2`` returns a struct with ``device``, ``eventType``, ``eventData``
 and raises ``NVMLError_Timeout`` when nothing happened; errors are ``NVMLError`` subclasses
 carrying ``value`` (the NVML return code).
+
+MIG: ``nvmlDeviceGetMigMode`` returns ``[current, pending]`` (``NVML_DEVICE_MIG_ENABLE`` = 1)
+or raises ``NVMLError_NotSupported`` on a GPU without MIG; ``nvmlDeviceGetMaxMigDeviceCount``
+is the number of MIG device slots, and ``nvmlDeviceGetMigDeviceHandleByIndex`` raises
+``NVMLError_NotFound`` for a slot with no instance (as the driver does). A MIG device handle
+answers ``nvmlDeviceGetUUID`` (``MIG-...``), ``nvmlDeviceGetName`` (``"<GPU name> MIG
+1g.10gb"``), ``nvmlDeviceGetMemoryInfo`` and ``nvmlDeviceGetGpuInstanceId`` /
+``nvmlDeviceGetComputeInstanceId``.
 """
 
 from __future__ import annotations
@@ -21,6 +29,7 @@ from typing import Any
 NVML_SUCCESS = 0
 NVML_ERROR_INVALID_ARGUMENT = 2
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_LIBRARY_NOT_FOUND = 12
 NVML_ERROR_FUNCTION_NOT_FOUND = 13
@@ -37,6 +46,8 @@ NVML_GPU_FABRIC_STATE_NOT_SUPPORTED = 0
 NVML_GPU_FABRIC_STATE_NOT_STARTED = 1
 NVML_GPU_FABRIC_STATE_IN_PROGRESS = 2
 NVML_GPU_FABRIC_STATE_COMPLETED = 3
+NVML_DEVICE_MIG_DISABLE = 0
+NVML_DEVICE_MIG_ENABLE = 1
 
 
 class c_nvmlGpuFabricInfoV_t(ctypes.Structure):
@@ -71,6 +82,12 @@ class NVMLError_NotSupported(NVMLError):
     value = NVML_ERROR_NOT_SUPPORTED
 
 
+class NVMLError_NotFound(NVMLError):
+    """Not Found"""
+
+    value = NVML_ERROR_NOT_FOUND
+
+
 class NVMLError_Timeout(NVMLError):
     """Timeout"""
 
@@ -96,6 +113,19 @@ class NVMLError_GpuIsLost(NVMLError):
 
 
 @dataclass
+class FakeMig:
+    """One MIG device of a FakeGpu. ``broken``: every query on its handle fails (a driver
+    error on one instance)."""
+
+    uuid: str
+    profile: str = "1g.10gb"
+    gpu_instance_id: int = 0
+    compute_instance_id: int = 0
+    memory_total: int = 9856 * 1024 * 1024
+    broken: bool = False
+
+
+@dataclass
 class FakeGpu:
     uuid: str
     bus_id: str  # NVML form, 8-digit domain: "00000000:18:00.0"
@@ -110,11 +140,17 @@ class FakeGpu:
     events_supported: int = nvmlEventTypeXidCriticalError | nvmlEventTypeDoubleBitEccError | 0x1
     # Multi-node NVLink fabric: (cluster UUID, clique id, state, status); None = not supported.
     fabric: tuple[str, int, int, int] | None = None
+    # MIG: (current, pending) mode, None = the GPU does not support MIG; the device slots
+    # (None = empty slot), at most ``mig_slots`` of them.
+    mig_mode: tuple[int, int] | None = None
+    mig_devices: list[FakeMig | None] = field(default_factory=list)
+    mig_slots: int = 7
 
 
 @dataclass
 class _Handle:
     gpu: FakeGpu
+    mig: FakeMig | None = None
 
 
 class _Struct(types.SimpleNamespace):
@@ -150,6 +186,8 @@ def build(gpus: list[FakeGpu] | None, *, library_present: bool = True) -> types.
     def handle_ok(h: _Handle) -> FakeGpu:
         if h.gpu.lost:
             raise NVMLError_GpuIsLost()
+        if h.mig is not None and h.mig.broken:
+            raise NVMLError("Unknown Error")
         return h.gpu
 
     @api
@@ -174,11 +212,13 @@ def build(gpus: list[FakeGpu] | None, *, library_present: bool = True) -> types.
 
     @api
     def nvmlDeviceGetUUID(h: _Handle) -> str:
-        return handle_ok(h).uuid
+        g = handle_ok(h)
+        return h.mig.uuid if h.mig is not None else g.uuid
 
     @api
     def nvmlDeviceGetName(h: _Handle) -> str:
-        return handle_ok(h).name
+        g = handle_ok(h)
+        return f"{g.name} MIG {h.mig.profile}" if h.mig is not None else g.name
 
     @api
     def nvmlDeviceGetMinorNumber(h: _Handle) -> int:
@@ -187,7 +227,48 @@ def build(gpus: list[FakeGpu] | None, *, library_present: bool = True) -> types.
     @api
     def nvmlDeviceGetMemoryInfo(h: _Handle) -> _Struct:
         g = handle_ok(h)
-        return _Struct(total=g.memory_total, free=g.memory_total, used=0)
+        total = h.mig.memory_total if h.mig is not None else g.memory_total
+        return _Struct(total=total, free=total, used=0)
+
+    @api
+    def nvmlDeviceGetMigMode(h: _Handle) -> list[int]:
+        g = handle_ok(h)
+        if g.mig_mode is None or h.mig is not None:
+            raise NVMLError_NotSupported()
+        return list(g.mig_mode)
+
+    @api
+    def nvmlDeviceGetMaxMigDeviceCount(h: _Handle) -> int:
+        g = handle_ok(h)
+        if g.mig_mode is None:
+            raise NVMLError_NotSupported()
+        return g.mig_slots
+
+    @api
+    def nvmlDeviceGetMigDeviceHandleByIndex(h: _Handle, index: int) -> _Handle:
+        g = handle_ok(h)
+        if g.mig_mode is None:
+            raise NVMLError_NotSupported()
+        if not 0 <= index < g.mig_slots:
+            raise NVMLError_InvalidArgument()
+        mig = g.mig_devices[index] if index < len(g.mig_devices) else None
+        if mig is None:
+            raise NVMLError_NotFound()
+        return _Handle(g, mig)
+
+    @api
+    def nvmlDeviceGetGpuInstanceId(h: _Handle) -> int:
+        handle_ok(h)
+        if h.mig is None:
+            raise NVMLError_InvalidArgument()
+        return h.mig.gpu_instance_id
+
+    @api
+    def nvmlDeviceGetComputeInstanceId(h: _Handle) -> int:
+        handle_ok(h)
+        if h.mig is None:
+            raise NVMLError_InvalidArgument()
+        return h.mig.compute_instance_id
 
     def pci(bus_id: str) -> _Struct:
         dom, bus, devfn = bus_id.split(":")

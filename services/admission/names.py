@@ -14,7 +14,9 @@ RESOURCE_GPU = f"{PREFIX}gpu"
 RESOURCE_RDMA = f"{PREFIX}rdma"
 # Shares of GPUs (docs/sharing.md): N shared GPUs, sized by the two annotations below.
 RESOURCE_GPU_SHARE = f"{PREFIX}gpu-share"
-RESOURCES = (RESOURCE_GPU, RESOURCE_RDMA, RESOURCE_GPU_SHARE)
+# MIG instances (docs/sharing.md, "MIG"): N existing instances of the profile annotated below.
+RESOURCE_MIG = f"{PREFIX}mig"
+RESOURCES = (RESOURCE_GPU, RESOURCE_RDMA, RESOURCE_GPU_SHARE, RESOURCE_MIG)
 
 # Annotations a pod author may set; the webhook fills in the device class's defaults.
 DEVICE_CLASS = f"{PREFIX}device-class"
@@ -33,6 +35,8 @@ GPU_MEMORY_MIB = f"{PREFIX}gpu-memory-mib"
 GPU_CORES_PERCENT = f"{PREFIX}gpu-cores-percent"
 """Compute of each shared GPU (``tandem.io/gpu-share``), percent."""
 SHARE_KEYS = (GPU_MEMORY_MIB, GPU_CORES_PERCENT)
+MIG_PROFILE = f"{PREFIX}mig-profile"
+"""The MIG profile (``1g.10gb``) of the instances a pod asks with ``tandem.io/mig``."""
 
 # A pod that uses a DeviceClaim (same namespace) names it here; it gets exactly the claim's
 # devices and makes no allocation request of its own (docs/sharing.md "Claims").

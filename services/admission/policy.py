@@ -20,6 +20,9 @@ What counts as a Tandem request (documented for pod authors in ``docs/kubernetes
 * Shares of GPUs (docs/sharing.md): ``tandem.io/gpu-share: N`` instead of ``tandem.io/gpu``
   asks N shared GPUs, each sized by the annotations ``tandem.io/gpu-memory-mib`` and/or
   ``tandem.io/gpu-cores-percent``; the device class must allow sharing.
+* MIG instances (docs/sharing.md, "MIG"): ``tandem.io/mig: N`` instead of ``tandem.io/gpu``
+  asks N existing MIG instances of the profile in the annotation ``tandem.io/mig-profile``
+  (``1g.10gb``); not together with whole GPUs or shares.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from schemas.messages import (
     Pair,
     PodRef,
 )
-from schemas.topology import SCOPES, ScopeName
+from schemas.topology import MIG_PROFILE_PATTERN, SCOPES, ScopeName
 from services.admission import names
 from services.admission.errors import InvalidPod, PolicyError
 
@@ -159,6 +162,7 @@ class TandemRequest:
     preemption: PreemptionMode = "never"
     gpu_memory_mib: int | None = None
     gpu_cores_percent: int | None = None
+    mig_profile: str | None = None
 
     def annotations(self) -> dict[str, str]:
         """The normalised annotations the webhook writes (defaults made explicit; preemption
@@ -176,6 +180,8 @@ class TandemRequest:
             out[names.GPU_MEMORY_MIB] = str(self.gpu_memory_mib)
         if self.gpu_cores_percent is not None:
             out[names.GPU_CORES_PERCENT] = str(self.gpu_cores_percent)
+        if self.mig_profile is not None:
+            out[names.MIG_PROFILE] = self.mig_profile
         return out
 
 
@@ -327,7 +333,14 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
             f"the pod asks for both {names.RESOURCE_GPU} ({gpus}) and {names.RESOURCE_GPU_SHARE} "
             f"({shares}); a pod gets either whole GPUs or shares of GPUs, so ask one of them"
         )
-    gpus = gpus or shares
+    mig = total[names.RESOURCE_MIG]
+    if mig and (gpus or shares):
+        other = names.RESOURCE_GPU if gpus else names.RESOURCE_GPU_SHARE
+        raise PolicyError(
+            f"the pod asks for both {names.RESOURCE_MIG} ({mig}) and {other} ({gpus or shares}); a pod "
+            "gets either MIG instances, whole GPUs or shares of GPUs, so ask one of them"
+        )
+    gpus = gpus or shares or mig
     if gpus == 0 and rdma == 0:
         return None
     if pod.spec.nodeName:
@@ -359,6 +372,7 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
             f"{names.PAIRING}: shared"
         )
     memory, cores = _share_sizes(ann, shares=shares, cls=cls, class_name=class_name)
+    mig_profile = _mig_profile(ann, mig=mig)
     prio_text = ann.get(names.PRIORITY, str(names.DEFAULT_PRIORITY)).strip()
     lo, hi = names.PRIORITY_RANGE
     if not _INT.match(prio_text) or not lo <= int(prio_text) <= hi:
@@ -379,7 +393,35 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
         preemption=preemption,
         gpu_memory_mib=memory,
         gpu_cores_percent=cores,
+        mig_profile=mig_profile,
     )
+
+
+_MIG_PROFILE = re.compile(MIG_PROFILE_PATTERN)
+
+
+def _mig_profile(ann: dict[str, str], *, mig: int) -> str | None:
+    """The MIG profile of a pod asking ``tandem.io/mig`` (None otherwise)."""
+    text = ann.get(names.MIG_PROFILE)
+    if not mig:
+        if text is not None:
+            raise PolicyError(
+                f"annotation {names.MIG_PROFILE} chooses MIG instances, but the pod asks no "
+                f"{names.RESOURCE_MIG}; ask {names.RESOURCE_MIG} instead of {names.RESOURCE_GPU}, "
+                "or remove the annotation"
+            )
+        return None
+    if text is None:
+        raise PolicyError(
+            f"{names.RESOURCE_MIG} needs the instances' profile: set annotation {names.MIG_PROFILE} "
+            '(e.g. "1g.10gb")'
+        )
+    profile = text.strip()
+    if not _MIG_PROFILE.match(profile):
+        raise PolicyError(
+            f'annotation {names.MIG_PROFILE}: {text!r} is not a MIG profile like "1g.10gb" or "3g.40gb"'
+        )
+    return profile
 
 
 def _share_sizes(
@@ -533,6 +575,7 @@ def allocation_request(pod: PodView, *, device_classes: dict[str, DeviceClass]) 
         preemption=req.preemption,
         gpu_memory_mib=req.gpu_memory_mib,
         gpu_cores_percent=req.gpu_cores_percent,
+        mig_profile=req.mig_profile,
     )
 
 

@@ -58,11 +58,14 @@ NODE_STATUSES = ("ready", "lost")
 
 def node_device_states(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
     """``(kind, state) → count`` of one node's GPUs and NICs (physical functions; a NIC whose
-    function or any of its VFs is held counts as allocated)."""
+    function or any of its VFs is held counts as allocated, and so does a GPU in MIG mode any
+    of whose instances is held)."""
     used = allocs.used() if allocs is not None else set()
     counts = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES}
     topo: NodeTopology = record.topology
-    devices: list[tuple[str, str, set[str]]] = [("gpu", g.id, {g.id}) for g in topo.gpus()]
+    devices: list[tuple[str, str, set[str]]] = [
+        ("gpu", g.id, {g.id, *(d for d, _ in g.mig_ids())}) for g in topo.gpus()
+    ]
     devices += [("nic", n.id, {n.id, *(vf.name for vf in n.vfs)}) for n in topo.nics()]
     for kind, device, names in devices:
         health = record.health.get(device)

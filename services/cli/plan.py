@@ -60,6 +60,7 @@ _ALLOC_KEYS = {
     "preemption",
     "gpu_memory_mib",
     "gpu_cores_percent",
+    "mig_profile",
 }
 _FREE_KEYS = {"kind", "id"}
 
@@ -283,11 +284,14 @@ def _line(
 
 
 def _gpu(g: AssignedGpu) -> dict[str, Any]:
-    """A GPU of an assigned line; a share also carries its ``memory_mib`` / ``cores_percent``."""
+    """A GPU of an assigned line; a share also carries its ``memory_mib`` / ``cores_percent``,
+    a MIG instance ``mig``: its profile, ``MIG-`` UUID and device id."""
     out: dict[str, Any] = {"index": g.index, "uuid": g.uuid}
     if g.shared:
         out["memory_mib"] = g.memory_mib or 0
         out["cores_percent"] = g.cores_percent or 0
+    if g.mig is not None:
+        out["mig"] = {"profile": g.mig.profile, "uuid": g.mig.uuid, "device": g.mig.device}
     return out
 
 
@@ -338,6 +342,7 @@ def _request(obj: dict[str, Any], where: str) -> AllocationRequest:
         "node_selector",
         "gpu_memory_mib",
         "gpu_cores_percent",
+        "mig_profile",
     ):
         if key in obj:
             data[key] = obj[key]

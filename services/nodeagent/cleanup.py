@@ -12,6 +12,12 @@ processes, which NVML cannot tell from the leaving share's: for it the check is 
 answers, not that it is empty (``busy``). The last share to leave a GPU is checked like a
 whole GPU.
 
+A *MIG instance* (docs/sharing.md, "MIG") is checked the same way on its parent GPU: while
+other instances of the GPU are in use on the node, their processes are theirs, so the GPU must
+only answer; the last instance to leave is checked like a whole GPU. Its problems are named
+by the instance's device id (:func:`mig_problems`), not the GPU's, so only that instance is
+marked unhealthy.
+
 Every problem names its device first (``"gpu1: ..."``, ``"mlx5_3: ..."``);
 :func:`problems_by_device` turns a cleanup's problems into one reason per device, so each
 device is marked unhealthy with its own problem. An unverified cleanup is tried again (the node
@@ -23,7 +29,7 @@ from __future__ import annotations
 
 from services.nodeagent.backends.base import BackendError, DiscoveryBackend
 
-__all__ = ["gpu_problems", "problems_by_device", "process_problems", "retry_delay"]
+__all__ = ["gpu_problems", "mig_problems", "problems_by_device", "process_problems", "retry_delay"]
 
 RETRY_FIRST_S = 1.0
 RETRY_MAX_S = 300.0
@@ -53,6 +59,22 @@ async def gpu_problems(
         if index not in busy:
             problems += process_problems(procs)
     return problems
+
+
+def mig_problems(problems: list[str], instances: dict[int, list[str]]) -> list[str]:
+    """Problems of parent GPUs (``"gpu<i>: ..."``) named by the MIG instances of the
+    assignment on them instead (``instances``: GPU index -> instance device ids), one per
+    instance; other problems unchanged."""
+    out: list[str] = []
+    for problem in problems:
+        head, sep, rest = problem.partition(": ")
+        index = head.removeprefix("gpu")
+        devs = instances.get(int(index)) if sep and index.isdigit() and index != head else None
+        if devs:
+            out.extend(f"{dev}: {rest}" for dev in devs)
+        else:
+            out.append(problem)
+    return out
 
 
 def problems_by_device(problems: list[str], devices: list[str]) -> dict[str, str]:

@@ -59,6 +59,8 @@ class HostAgentConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     netlink: bool = True  # RTNL link events for the NICs' netdevs (the agent runs with hostNetwork)
     # Share replicas per GPU of the tandem.io/gpu-share resource (docs/sharing.md); 0: none.
     gpu_share_replicas: int = 0
+    # Serve the tandem.io/mig resource (MIG instances of GPUs in MIG mode; docs/sharing.md).
+    mig_resource: bool = False
 
 
 async def allocated_requests(bus: Bus, node: str) -> set[str] | None:
@@ -132,6 +134,7 @@ async def build_host_agent(
         uverbs=sysfs.reader.uverbs_of,
         cdi_dir=cfg.cdi_dir,
         share_replicas=cfg.gpu_share_replicas,
+        mig=cfg.mig_resource,
     )
     agent = NodeAgent(
         bus,

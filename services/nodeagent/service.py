@@ -56,6 +56,7 @@ from services.nodeagent.cleanup import (
     RETRY_FIRST_S,
     RETRY_MAX_S,
     gpu_problems,
+    mig_problems,
     problems_by_device,
     retry_delay,
 )
@@ -346,15 +347,21 @@ class NodeAgent(Service):
                 problems = await self.applier.cleanup(assignment)
             except BackendError as exc:  # not verified either: retried like any other problem
                 problems = [f"cleanup raised: {exc}"]
-            # Shared GPUs with other shares still applied here run those shares' processes.
+            # Shared GPUs with other shares still applied here run those shares' processes;
+            # so do MIG-mode GPUs with other instances in use (see services.nodeagent.cleanup).
             busy = frozenset(
                 g.index
                 for other in self.assignments.values()
                 if other.request_id != request_id
                 for g in other.gpus
-                if g.shared
-            ) & frozenset(g.index for g in assignment.gpus if g.shared)
-            problems += await gpu_problems(self.backend, [g.index for g in assignment.gpus], busy=busy)
+                if g.shared or g.mig is not None
+            ) & frozenset(g.index for g in assignment.gpus if g.shared or g.mig is not None)
+            instances: dict[int, list[str]] = {}
+            for g in assignment.gpus:
+                if g.mig is not None:
+                    instances.setdefault(g.index, []).append(g.mig.device)
+            indices = list(dict.fromkeys(g.index for g in assignment.gpus))
+            problems += mig_problems(await gpu_problems(self.backend, indices, busy=busy), instances)
             reasons = problems_by_device(problems, devices)
             if problems:
                 span.set_status(trace.StatusCode.ERROR, "; ".join(problems))

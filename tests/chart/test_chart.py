@@ -467,6 +467,19 @@ def test_gpu_share_replicas_reach_the_node_agents_config(tmp_path: Path) -> None
     assert msgspec.convert(s.host_agent, HostAgentConfig).gpu_share_replicas == 4
 
 
+def test_mig_resource_reaches_the_node_agents_config(tmp_path: Path) -> None:
+    """Off by default; on, the device plugin serves tandem.io/mig, alone or with shares."""
+    from services.nodeagent.host_agent import HostAgentConfig
+
+    assert settings_from(render(), tmp_path).host_agent == {}
+    s = settings_from(render({"nodeagent": {"migResource": True}}), tmp_path)
+    cfg = msgspec.convert(s.host_agent, HostAgentConfig)
+    assert (cfg.mig_resource, cfg.gpu_share_replicas) == (True, 0)
+    s = settings_from(render({"nodeagent": {"migResource": True, "gpuShareReplicas": 2}}), tmp_path)
+    cfg = msgspec.convert(s.host_agent, HostAgentConfig)
+    assert (cfg.mig_resource, cfg.gpu_share_replicas) == (True, 2)
+
+
 def test_external_nats_credentials_are_per_component_and_mounted_where_settings_point() -> None:
     docs = render(VARIANTS["external-nats"])
     assert find(docs, "StatefulSet") == [] and find(docs, "Job") == []

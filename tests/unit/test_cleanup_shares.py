@@ -1,4 +1,4 @@
-"""Cleanup verification of shared GPUs, with the fake ``pynvml`` (tests/fake_pynvml.py).
+"""Cleanup verification of shared GPUs (and MIG instances), with the fake ``pynvml``.
 
 A share leaving a GPU whose other shares are still in use cannot require the GPU to be empty
 (their processes run there); it must still answer. The last share is checked like a whole GPU.
@@ -6,7 +6,7 @@ A share leaving a GPU whose other shares are still in use cannot require the GPU
 
 from __future__ import annotations
 
-from services.nodeagent.cleanup import gpu_problems
+from services.nodeagent.cleanup import gpu_problems, mig_problems
 from tests.fake_pynvml import hgx_gpus
 from tests.unit.test_nvml import open_backend
 
@@ -27,3 +27,19 @@ async def test_a_busy_shared_gpu_must_answer_not_be_empty() -> None:
         assert await gpu_problems(backend, [1]) == ["gpu1: compute processes [4242] still running"]
     finally:
         await backend.close()
+
+
+def test_parent_gpu_problems_are_named_by_the_mig_instances() -> None:
+    problems = [
+        "gpu1: compute processes [4242] still running",
+        "gpu3: cannot list compute processes: GPU is lost",
+        "mlx5_0: netdev not back",
+    ]
+    # GPU 1 holds two instances of the assignment; GPU 3 is a whole GPU of it.
+    assert mig_problems(problems, {1: ["gpu1-mig9-0", "gpu1-mig10-0"]}) == [
+        "gpu1-mig9-0: compute processes [4242] still running",
+        "gpu1-mig10-0: compute processes [4242] still running",
+        "gpu3: cannot list compute processes: GPU is lost",
+        "mlx5_0: netdev not back",
+    ]
+    assert mig_problems(problems, {}) == problems

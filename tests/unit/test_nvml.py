@@ -16,11 +16,12 @@ from services.nodeagent.backends.nvml import (
     NvmlBackend,
     classify_event,
     gpu_index,
+    mig_profile_of,
     nvlink_peers,
 )
 from services.nodeagent.health import HealthTracker, recover_due
 from tests import fake_pynvml
-from tests.fake_pynvml import FakeGpu, hgx_gpus
+from tests.fake_pynvml import FakeGpu, FakeMig, hgx_gpus
 
 TEST_HELPERS = {"fire", "fail_wait", "calls", "state", "gpus"}
 
@@ -314,3 +315,94 @@ async def test_cleanup_verification_per_gpu() -> None:
     ]
     assert await gpu_problems(backend, [0, 3]) == []
     await backend.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# MIG discovery
+
+
+def _mig(uuid: str, profile: str, gi: int, ci: int = 0, mib: int = 9856, *, broken: bool = False) -> FakeMig:
+    return FakeMig(
+        uuid=uuid,
+        profile=profile,
+        gpu_instance_id=gi,
+        compute_instance_id=ci,
+        memory_total=mib * 1024 * 1024,
+        broken=broken,
+    )
+
+
+async def test_mig_discovery_mixed_profiles_mode_off_and_not_supported() -> None:
+    gpus = hgx_gpus()[:4]
+    # GPU 0: MIG on, mixed profiles, with empty slots between them (NOT_FOUND, skipped).
+    gpus[0].mig_mode = (1, 1)
+    gpus[0].mig_devices = [
+        _mig("MIG-aaaa-0001", "3g.40gb", 2, 0, 40192),
+        None,
+        _mig("MIG-aaaa-0002", "2g.20gb", 3, 0, 19968),
+        None,
+        _mig("MIG-aaaa-0003", "1g.10gb", 9),
+        _mig("MIG-aaaa-0004", "1g.10gb", 10),
+    ]
+    gpus[1].mig_mode = (0, 0)  # MIG-capable, mode off: a whole GPU
+    gpus[2].mig_mode = None  # NOT_SUPPORTED: no MIG at all
+    gpus[3].mig_mode = (1, 1)  # MIG on, no instance created yet: never whole, nothing to hand out
+    backend, mod = await open_backend(gpus)
+    facts = await backend.gpus()
+    g0, g1, g2, g3 = (f.gpu for f in facts)
+    assert g0.mig_mode is True
+    insts = g0.mig_instances
+    got = [(m.profile, m.uuid, m.gpu_instance_id, m.compute_instance_id, m.memory_mib) for m in insts]
+    assert got == [
+        ("3g.40gb", "MIG-aaaa-0001", 2, 0, 40192),
+        ("2g.20gb", "MIG-aaaa-0002", 3, 0, 19968),
+        ("1g.10gb", "MIG-aaaa-0003", 9, 0, 9856),
+        ("1g.10gb", "MIG-aaaa-0004", 10, 0, 9856),
+    ]
+    assert [d for d, _ in g0.mig_ids()] == ["gpu0-mig2-0", "gpu0-mig3-0", "gpu0-mig9-0", "gpu0-mig10-0"]
+    assert (g1.mig_mode, g1.mig_instances) == (False, [])
+    assert (g2.mig_mode, g2.mig_instances) == (False, [])
+    assert (g3.mig_mode, g3.mig_instances) == (True, [])
+    # The parent GPU keeps its own UUID, memory and PCIe place; the topology validates.
+    assert g0.uuid == "GPU-00000000-1111-2222-3333-444455556666" and g0.memory_mib == 81559
+    topo = await backend.discover()
+    assert topo.validate() is topo
+    for fn in ("nvmlDeviceGetMigMode", "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetGpuInstanceId"):
+        assert fn in mod.calls  # type: ignore[attr-defined]
+    await backend.close()
+
+
+async def test_mig_one_unreadable_instance_is_skipped_not_the_gpu() -> None:
+    gpus = hgx_gpus()[:2]
+    gpus[0].mig_mode = (1, 1)
+    gpus[0].mig_devices = [
+        _mig("MIG-bbbb-0001", "1g.10gb", 7),
+        _mig("MIG-bbbb-0002", "1g.10gb", 8, broken=True),
+        _mig("MIG-bbbb-0003", "1g.10gb", 9),
+    ]
+    backend, _ = await open_backend(gpus)
+    facts = await backend.gpus()
+    g0 = facts[0].gpu
+    assert g0.mig_mode is True  # still MIG: never handed out whole
+    assert [m.uuid for m in g0.mig_instances] == ["MIG-bbbb-0001", "MIG-bbbb-0003"]
+    assert [f.gpu.index for f in facts] == [0, 1]
+    await backend.close()
+
+
+async def test_mig_pending_mode_counts_the_current_one() -> None:
+    gpus = hgx_gpus()[:2]
+    gpus[0].mig_mode = (0, 1)  # enabled after the next GPU reset: whole until then
+    gpus[1].mig_mode = (1, 0)  # still MIG until the reset
+    gpus[1].mig_devices = [_mig("MIG-cccc-0001", "7g.80gb", 0, 0, 80000)]
+    backend, _ = await open_backend(gpus)
+    facts = await backend.gpus()
+    assert [f.gpu.mig_mode for f in facts] == [False, True]
+    assert [m.profile for m in facts[1].gpu.mig_instances] == ["7g.80gb"]
+    await backend.close()
+
+
+def test_mig_profile_from_the_nvml_name() -> None:
+    assert mig_profile_of("NVIDIA A100-SXM4-40GB MIG 1g.5gb") == "1g.5gb"
+    assert mig_profile_of("NVIDIA H100 80GB HBM3 MIG 1g.10gb+me") == "1g.10gb+me"
+    assert mig_profile_of("NVIDIA H100 80GB HBM3") is None
+    assert mig_profile_of("NVIDIA H100 MIG weird") is None

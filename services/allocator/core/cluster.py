@@ -101,10 +101,11 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas.config import DeviceClass, default_device_classes
-from schemas.messages import AllocationRequest, AssignedGpu, AssignedNic, Pair
+from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, AssignedNic, Pair
 from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
 
 from .errors import InvalidRequest
+from .mig import MigChoice, MigIndex, is_mig_device
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
@@ -155,7 +156,7 @@ class Placement:
     memory_limit: str = "hard"
 
     def devices(self) -> list[str]:
-        return [f"gpu{g.index}" for g in self.gpus] + [n.name for n in self.nics]
+        return [g.device_id for g in self.gpus] + [n.name for n in self.nics]
 
     def shares(self) -> dict[str, tuple[int, int]]:
         """Shared GPUs by device id: (memory MiB, compute percent); empty for whole GPUs."""
@@ -195,6 +196,7 @@ class _Node:
     unavailable: tuple[str, ...]
     port_down: tuple[str, ...]
     mask: int = 0
+    mig_block: int = 0  # slots of GPUs in MIG mode: never free as whole GPUs (see .mig)
 
     @property
     def impaired(self) -> bool:
@@ -270,6 +272,7 @@ class Cluster:
         self._pv_dirty: set[str] = set()
         # node -> request -> its shared GPUs as (device id, memory MiB, compute percent)
         self._shares: dict[str, dict[str, tuple[tuple[str, int, int], ...]]] = {}
+        self._mig = MigIndex()  # MIG instances of nodes with GPUs in MIG mode (see .mig)
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
@@ -324,6 +327,7 @@ class Cluster:
         merged = {**topology.labels, **(labels or {})}
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
+        node.mig_block = self._mig.set_node(name, topology, shape, merged)
         self._pv_forget(name)
         old = self._nodes.get(name)
         self.nodes_version += 1
@@ -353,6 +357,7 @@ class Cluster:
         node = self._nodes.pop(name, None)
         self._pv_forget(name)
         if node is not None:
+            self._mig.remove(name)
             self.nodes_version += 1
             self._index_labels(node, -1)
             self._count_capable(node.shape, -1)
@@ -370,19 +375,22 @@ class Cluster:
     ) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
 
+        ``devices`` may name MIG instances (``gpu0-mig1-0``, see :mod:`.mig`); a hold with one
+        is never a victim either.
+
         ``preemptible``: a request of higher ``priority`` that may preempt may have this hold
         evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim).
         ``shares``: the GPUs of ``devices`` held as shares, device id -> (memory MiB, compute
         percent), as :meth:`Placement.shares` gives them; the other devices are held whole. A
         hold with shares is never a victim: evicting one share frees no whole GPU, which is
         what the preemption search counts on."""
-        if preemptible and not shares:
+        devs = tuple(sorted(set(devices)))
+        if preemptible and not shares and not any(is_mig_device(d) for d in devs):
             self._victims.setdefault(name, {})[request_id] = priority
             self._pv_forget(name)
         else:
             self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
-        devs = tuple(sorted(set(devices)))
         shared = tuple(sorted((d, m, c) for d, (m, c) in shares.items())) if shares else ()
         node_shares = self._shares.get(name)
         old_shared = node_shares.get(request_id, ()) if node_shares else ()
@@ -476,6 +484,8 @@ class Cluster:
         For reports and benchmarks (for example "nodes that can still take an 8-GPU + 8-NIC
         switch-aligned job"), not for the decision path."""
         spec = normalise(request, self.device_classes)
+        if spec.mig_profile:
+            return self._mig.fit_count(spec, policy=self.policy)
         if spec.selector:
             return sum(
                 isinstance(self._eval(spec, node.shape, node.mask), Choice) for node in self._matching(spec)
@@ -568,7 +578,7 @@ class Cluster:
 
     def _preemption_view(self, node: _Node, victims: dict[str, int]) -> PreemptionView:
         slot_of = node.shape.slot_of
-        blocked = _slot_mask(slot_of, (*node.unavailable, *node.port_down))
+        blocked = _slot_mask(slot_of, (*node.unavailable, *node.port_down)) | node.mig_block
         holds: list[tuple[int, int]] = []
         for rid, devs in self._holds.get(node.name, {}).items():
             prio = victims.get(rid)
@@ -606,6 +616,8 @@ class Cluster:
     def decide(self, request: AllocationRequest) -> Placement | Unschedulable:
         """The best node and devices for ``request`` now; changes no hold."""
         spec = normalise(request, self.device_classes)
+        if spec.mig_profile:
+            return self._decide_mig(spec)
         if spec.selector:
             few = self._few_matching(spec)
             if few is not None:
@@ -736,6 +748,59 @@ class Cluster:
             return few
         return [n for n in self._nodes.values() if all(n.labels.get(k) == v for k, v in spec.selector)]
 
+    def _decide_mig(self, spec: Spec) -> Placement | Unschedulable:
+        """A MIG request: decided by :mod:`.mig` on the nodes with a free instance of the
+        profile (O(those nodes)); the other nodes are counted as having none."""
+        res = self._mig.decide(spec, policy=self.policy)
+        if isinstance(res, tuple):
+            choice, feasible = res
+            return self._mig_placement(choice, spec, candidates=feasible)
+        refused = {text: n for text, (_code, n) in res.items()}
+        codes = {text: code for text, (code, _n) in res.items()}
+        others = len(self._nodes) - sum(refused.values())
+        if others > 0:
+            text = f"no free MIG instance {spec.mig_profile}"
+            refused[text] = others
+            codes[text] = "gpus"
+        return self._unschedulable(spec, refused, codes, {})
+
+    def _mig_placement(self, choice: MigChoice, spec: Spec, *, candidates: int) -> Placement:
+        node = self._nodes[choice.node]
+        shape = node.shape
+        topo = node.topology
+        gpus = [
+            AssignedGpu(
+                index=p.gpu_index,
+                uuid=p.gpu_uuid,
+                pci_bus_id=p.gpu_bus_id,
+                mig=AssignedMig(
+                    profile=p.profile,
+                    uuid=p.uuid,
+                    device=p.device,
+                    gpu_instance_id=p.gpu_instance_id,
+                    compute_instance_id=p.compute_instance_id,
+                ),
+            )
+            for p in choice.picks
+        ]
+        nics = [self._assigned_nic(topo, shape, s) for s in choice.nics]
+        pairs = [Pair(gpu=g, nic=shape.slot_id[ns], scope=_SCOPE[sc]) for g, ns, sc in choice.pairs]
+        res = choice.choice
+        return Placement(
+            node=node.name,
+            gpus=gpus,
+            nics=nics,
+            pairs=pairs,
+            scope=_SCOPE[res.scope],
+            candidates=candidates,
+            met=res.met,
+            quality=res.key + res.frag,
+        )
+
+    def mig_instances(self, name: str) -> dict[str, list[str]]:
+        """Free MIG instances of ``name`` by profile (device ids); empty without MIG GPUs."""
+        return self._mig.free_instances(name)
+
     def _decide_among(self, spec: Spec, nodes: list[_Node]) -> Placement | Unschedulable:
         """Decide on a few nodes (a pinned request): the same cached in-node results and the
         same node order as the heap, without a signature state; O(len(nodes))."""
@@ -821,6 +886,7 @@ class Cluster:
             s = slot_of.get(dev)
             if s is not None:
                 blocked |= 1 << s
+        blocked |= node.mig_block
         node_shares = self._shares.get(node.name)
         if node_shares is None:
             for devs in self._holds.get(node.name, {}).values():
@@ -831,6 +897,13 @@ class Cluster:
             node.mask = shape.effective_free(blocked)
         else:
             node.mask = self._share_mask(node, blocked, node_shares)
+        if node.mig_block:
+            self._mig.refresh(
+                node.name,
+                held=self.used_devices(node.name),
+                unavailable={*node.unavailable, *node.port_down},
+                nic_free=slot_bits(shape, node.mask) & ~shape.gpu_all,
+            )
         self._move(
             node.name, old_key, (node.hw, node.mask), was_impaired=was_impaired, now_impaired=node.impaired
         )
@@ -1223,20 +1296,7 @@ class Cluster:
                     index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, memory_mib=mem, cores_percent=cores
                 )
             )
-        nics: list[AssignedNic] = []
-        for s in res.nics:
-            path = shape.paths[s]
-            pf = device_at(topo, path, nic=True)
-            assert isinstance(pf, Nic)
-            if path[5] < 0:
-                nics.append(AssignedNic(name=pf.name, pf=pf.name, pci_bus_id=pf.pci_bus_id, netdev=pf.netdev))
-            else:
-                vf = pf.vfs[path[5]]
-                nics.append(
-                    AssignedNic(
-                        name=vf.name, pf=pf.name, vf=vf.index, pci_bus_id=vf.pci_bus_id, netdev=vf.netdev
-                    )
-                )
+        nics = [self._assigned_nic(topo, shape, s) for s in res.nics]
         pairs = [
             Pair(gpu=shape.gpu_index[gs], nic=shape.slot_id[ns], scope=_SCOPE[sc]) for gs, ns, sc in res.pairs
         ]
@@ -1252,6 +1312,16 @@ class Cluster:
             sharing=spec.dc.sharing if spec.shared else "",
             memory_limit=spec.dc.memory_limit,
         )
+
+    @staticmethod
+    def _assigned_nic(topo: NodeTopology, shape: Shape, slot: int) -> AssignedNic:
+        path = shape.paths[slot]
+        pf = device_at(topo, path, nic=True)
+        assert isinstance(pf, Nic)
+        if path[5] < 0:
+            return AssignedNic(name=pf.name, pf=pf.name, pci_bus_id=pf.pci_bus_id, netdev=pf.netdev)
+        vf = pf.vfs[path[5]]
+        return AssignedNic(name=vf.name, pf=pf.name, vf=vf.index, pci_bus_id=vf.pci_bus_id, netdev=vf.netdev)
 
     def _unschedulable(
         self,
@@ -1277,6 +1347,8 @@ class Cluster:
             for t, n in items
         )
         what = f"{spec.gpus} GPUs + {spec.rdma} NICs"
+        if spec.mig_profile:
+            what = f"{spec.gpus} MIG instances {spec.mig_profile} + {spec.rdma} NICs"
         return Unschedulable(
             reason=f"no node can take {what}: {text}" if text else f"no node can take {what}",
             counts=dict(items),

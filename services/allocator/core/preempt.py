@@ -101,9 +101,10 @@ class Preemption:
 def may_preempt(request: AllocationRequest, classes: Mapping[str, DeviceClass]) -> bool:
     """Whether ``request`` may evict allocations of lower priority (its own ``preemption``,
     else its device class's). A request for GPU *shares* never preempts: eviction frees whole
-    devices, and shares are placed among the shares left (docs/sharing.md). Raises
-    InvalidRequest for an unknown class."""
-    if request.shared:
+    devices, and shares are placed among the shares left (docs/sharing.md). Nor does a request
+    for *MIG instances*: no preemptible hold holds an instance (a MIG hold is never a victim),
+    so evicting frees none. Raises InvalidRequest for an unknown class."""
+    if request.shared or request.mig_profile is not None:
         return False
     if request.preemption is not None:
         return request.preemption == "lower-priority"

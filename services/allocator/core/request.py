@@ -46,9 +46,16 @@ class Spec:
     """Everything node-independent the in-node search depends on (set on creation; the index
     reads it for every group a signature meets, so it is computed once)."""
 
+    # MIG (see .mig): ``gpus`` existing MIG instances of this profile; "" for GPUs.
+    mig_profile: str = ""
+
     def __post_init__(self) -> None:
         base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
-        key = (*base, "share", self.memory_mib, self.cores_percent) if self.shared else base
+        key: tuple[object, ...] = base
+        if self.shared:
+            key = (*base, "share", self.memory_mib, self.cores_percent)
+        if self.mig_profile:
+            key = (*base, "mig", self.mig_profile)
         object.__setattr__(self, "key", key)
 
     @property
@@ -86,6 +93,11 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
             f"(asked {req.gpus} GPUs, {req.rdma} NICs); use pairing shared"
         )
     shared = req.gpu_memory_mib is not None or req.gpu_cores_percent is not None
+    if shared and req.mig_profile is not None:
+        raise InvalidRequest(
+            f"request {req.request_id}: mig_profile cannot be combined with gpu_memory_mib / "
+            "gpu_cores_percent (a MIG instance is not shared); ask one or the other"
+        )
     if shared:
         if dc.sharing == "none":
             raise InvalidRequest(
@@ -105,6 +117,11 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
                 f"request {req.request_id}: gpu_memory_mib must be at least 1 and "
                 "gpu_cores_percent between 1 and 100"
             )
+    if req.mig_profile is not None and req.gpus < 1:
+        raise InvalidRequest(
+            f"request {req.request_id}: mig_profile {req.mig_profile!r} needs gpus >= 1 "
+            "(gpus: N means N MIG instances of the profile)"
+        )
     return Spec(
         gpus=req.gpus,
         rdma=req.rdma,
@@ -117,6 +134,7 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
         shared=shared,
         memory_mib=req.gpu_memory_mib or 0,
         cores_percent=req.gpu_cores_percent or 0,
+        mig_profile=req.mig_profile or "",
     )
 
 

@@ -6,6 +6,14 @@ the switch fabric, where every fabric GPU is a peer of every other), and the GPU
 NVLink fabric (``nvmlDeviceGetGpuFabricInfoV``: cluster UUID and clique id once the fabric
 manager has registered the GPU, state ``COMPLETED``): when every GPU of the node reports the
 same one, it is the node's ``nvlink_domain`` (:func:`node_domain`; a GB200 NVL72 rack is one).
+MIG: a GPU whose *current* MIG mode is enabled (``nvmlDeviceGetMigMode``; NOT_SUPPORTED means
+no MIG; any other error reading the mode reports the GPU in MIG mode without instances, so that
+it is not handed out whole) is reported with ``mig_mode`` and its existing MIG devices
+(``nvmlDeviceGetMaxMigDeviceCount`` slots, ``nvmlDeviceGetMigDeviceHandleByIndex``; an empty
+slot is NOT_FOUND): per instance its ``MIG-`` UUID, memory, GPU and compute instance ids and
+its profile, parsed from the MIG handle's name (``"NVIDIA H100 80GB HBM3 MIG 1g.10gb"``). An
+instance that cannot be read is left out with an error log naming the GPU and the slot; its GPU
+stays in MIG mode, so it is still never handed out whole (:func:`mig_profile_of`).
 Health comes from one NVML event set: XID critical errors (application XIDs — 13, 31, 43, 45,
 68, 109 by default — are ignored: they are the job's fault, not the GPU's), double-bit ECC
 errors, and a GPU that NVML reports lost (``NVML_ERROR_GPU_IS_LOST``, XID 79 "fallen off the
@@ -29,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import re
 import threading
 import uuid as uuidlib
 from collections.abc import AsyncIterator, Iterable
@@ -38,7 +47,7 @@ from typing import Any
 
 import msgspec
 
-from schemas.topology import Gpu, NodeTopology, NvlinkDomain
+from schemas.topology import MIG_PROFILE_PATTERN, Gpu, MigInstance, NodeTopology, NvlinkDomain
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id
 from services.runtime.logging import get_logger
@@ -51,6 +60,7 @@ __all__ = [
     "NvmlBackend",
     "classify_event",
     "fabric_domain",
+    "mig_profile_of",
     "node_domain",
     "nvlink_peers",
 ]
@@ -150,6 +160,19 @@ def node_domain(facts: Iterable[GpuFacts]) -> NvlinkDomain | None:
     return None
 
 
+_MIG_NAME = re.compile(r"\bMIG\s+(\S+)\s*$")
+_PROFILE = re.compile(MIG_PROFILE_PATTERN)
+
+
+def mig_profile_of(name: str) -> str | None:
+    """The profile in a MIG device's NVML name (``"NVIDIA A100-SXM4-40GB MIG 1g.5gb"`` →
+    ``1g.5gb``); None when the name carries no valid profile."""
+    m = _MIG_NAME.search(name)
+    if m is None or _PROFILE.match(m.group(1)) is None:
+        return None
+    return m.group(1)
+
+
 def gpu_index(device: str) -> int | None:
     """The index of a GPU device id (``gpu3`` → 3); None for any other device."""
     digits = device.removeprefix("gpu")
@@ -228,6 +251,7 @@ class NvmlBackend:
         rows: list[tuple[int, str, str, int | None, int, str, int | None]] = []
         links: dict[str, list[tuple[str, int]]] = {}
         fabric: dict[int, NvlinkDomain | None] = {}
+        mig: dict[int, tuple[bool, list[MigInstance]]] = {}
         for index in range(count):
             try:
                 h = self._call("nvmlDeviceGetHandleByIndex", index)
@@ -244,6 +268,7 @@ class NvmlBackend:
             rows.append((index, uuid, model, minor, memory, bus, numa))
             links[bus] = self._links(h)
             fabric[index] = self._fabric(h)
+            mig[index] = self._mig(h, index)
         peers = nvlink_peers(links)
         index_of = {bus: index for index, _, _, _, _, bus, _ in rows}
         return [
@@ -256,12 +281,86 @@ class NvmlBackend:
                     minor=minor,
                     pci_bus_id=bus,
                     nvlink_peers=sorted(index_of[p] for p in peers.get(bus, []) if p in index_of),
+                    mig_mode=mig[index][0],
+                    mig_instances=mig[index][1],
                 ),
                 numa if isinstance(numa, int) and numa >= 0 else None,
                 fabric.get(index),
             )
             for index, uuid, model, minor, memory, bus, numa in rows
         ]
+
+    def _mig(self, handle: Any, index: int) -> tuple[bool, list[MigInstance]]:
+        """(MIG mode on, its instances) of one GPU; (False, []) on GPUs without MIG."""
+        n = self.nvml
+        try:
+            mode = self._optional("nvmlDeviceGetMigMode", handle)
+        except n.NVMLError as exc:
+            # A GPU whose mode cannot be read may be in MIG mode, and a pod given it whole would
+            # fail: report it in MIG mode without instances (never handed out) and say why.
+            log.error("nvml_mig_mode_unreadable", index=index, error=str(exc))
+            return True, []
+        if mode is None:
+            return False, []
+        current, pending = int(mode[0]), int(mode[1])
+        enabled = int(getattr(n, "NVML_DEVICE_MIG_ENABLE", 1))
+        if current != pending:
+            log.warning("nvml_mig_mode_pending", index=index, current=current, pending=pending)
+        if current != enabled:
+            return False, []
+        try:
+            slots = int(self._call("nvmlDeviceGetMaxMigDeviceCount", handle))
+        except n.NVMLError as exc:
+            log.error("nvml_mig_unreadable", index=index, error=str(exc))
+            return True, []
+        out: list[MigInstance] = []
+        seen: set[tuple[int, int]] = set()
+        for slot in range(slots):
+            try:
+                mh = self._call("nvmlDeviceGetMigDeviceHandleByIndex", handle, slot)
+            except n.NVMLError_NotFound:
+                continue  # an empty slot: fewer instances than the GPU could hold
+            except n.NVMLError as exc:
+                log.error("nvml_mig_instance_unreadable", index=index, slot=slot, error=str(exc))
+                continue
+            try:
+                uuid = _text(self._call("nvmlDeviceGetUUID", mh))
+                name = _text(self._call("nvmlDeviceGetName", mh))
+                memory = self._call("nvmlDeviceGetMemoryInfo", mh).total // (1024 * 1024)
+                gi = int(self._call("nvmlDeviceGetGpuInstanceId", mh))
+                ci = int(self._call("nvmlDeviceGetComputeInstanceId", mh))
+            except n.NVMLError as exc:
+                # One bad instance must not hide the others (nor make the GPU whole): skip it.
+                log.error("nvml_mig_instance_unreadable", index=index, slot=slot, error=str(exc))
+                continue
+            profile = mig_profile_of(name)
+            if profile is None or not uuid.startswith("MIG-") or (gi, ci) in seen:
+                log.error(
+                    "nvml_mig_instance_unusable",
+                    index=index,
+                    slot=slot,
+                    name=name,
+                    uuid=uuid,
+                    why="no MIG profile in its name" if profile is None else "bad or repeated id",
+                )
+                continue
+            seen.add((gi, ci))
+            try:
+                out.append(
+                    msgspec.convert(
+                        {
+                            "profile": profile,
+                            "uuid": uuid,
+                            "gpu_instance_id": gi,
+                            "compute_instance_id": ci,
+                            "memory_mib": memory,
+                        },
+                        MigInstance,
+                    )
+                )
+            except msgspec.ValidationError as exc:
+                log.error("nvml_mig_instance_unusable", index=index, slot=slot, why=str(exc))
+        return True, out
 
     def _fabric(self, handle: Any) -> NvlinkDomain | None:
         """The GPU's multi-node NVLink fabric info (the versioned call, else the older one);

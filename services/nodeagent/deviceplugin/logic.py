@@ -31,6 +31,14 @@ client limits (``CUDA_MPS_PINNED_DEVICE_MEM_LIMIT=<i>=<MiB>M,...``,
 Allocate carries no pod identity either, so the assignment is the oldest pending share
 assignment on exactly these GPUs that no earlier Allocate took; a share Allocate that
 matches none is refused rather than run without limits.
+
+**MIG instances** (docs/sharing.md, "MIG") are a fourth resource, ``tandem.io/mig``: its
+device ids are the instances' ``MIG-`` UUIDs (what ``NVIDIA_VISIBLE_DEVICES`` and
+``nvidia-ctk``'s CDI names take), one per existing instance of a GPU in MIG mode; an
+instance is Unhealthy when its GPU or the instance itself is unhealthy or cordoned. A GPU in
+MIG mode is *not* listed under ``tandem.io/gpu``, so kubelet never hands it out whole. The
+preferred allocation is the pending assignment's instances (as for whole GPUs) and
+**Allocate** answers ``NVIDIA_VISIBLE_DEVICES=MIG-<uuid>,...``.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ from schemas.topology import Gpu, Nic, NodeTopology, locate
 __all__ = [
     "GPU_RESOURCE",
     "GPU_SHARE_RESOURCE",
+    "MIG_RESOURCE",
     "RDMA_CM",
     "RDMA_RESOURCE",
     "AllocateError",
@@ -64,6 +73,7 @@ GPU_RESOURCE = "tandem.io/gpu"
 GPU_SHARE_RESOURCE = "tandem.io/gpu-share"
 SHARE_SEP = "::"  # a share replica's id: <GPU uuid>::<k>
 RDMA_RESOURCE = "tandem.io/rdma"
+MIG_RESOURCE = "tandem.io/mig"
 RDMA_CM = "/dev/infiniband/rdma_cm"
 NVIDIA_CDI_KIND = "nvidia.com/gpu"
 RDMA_CDI_KIND = "tandem.io/rdma"
@@ -100,9 +110,12 @@ def plugin_devices(
     out: list[PluginDevice] = []
     for loc in locate(topology):
         dev = loc.device
-        if resource == GPU_RESOURCE and isinstance(dev, Gpu):
+        if resource == GPU_RESOURCE and isinstance(dev, Gpu) and not dev.mig_mode:
             out.append(PluginDevice(dev.uuid, ok(dev.id), loc.numa, dev.id))
-        elif resource == GPU_SHARE_RESOURCE and isinstance(dev, Gpu):
+        elif resource == MIG_RESOURCE and isinstance(dev, Gpu):
+            gpu_ok = ok(dev.id)
+            out.extend(PluginDevice(m.uuid, gpu_ok and ok(i), loc.numa, i) for i, m in dev.mig_ids())
+        elif resource == GPU_SHARE_RESOURCE and isinstance(dev, Gpu) and not dev.mig_mode:
             out.extend(
                 PluginDevice(f"{dev.uuid}{SHARE_SEP}{k}", ok(dev.id), loc.numa, dev.id)
                 for k in range(replicas)
@@ -117,7 +130,9 @@ def assignment_ids(assignment: Assignment, resource: str) -> list[str]:
     """The kubelet device ids an assignment holds for ``resource`` (for the share resource:
     the GPU UUIDs, which :func:`preferred_shares` maps to replicas)."""
     if resource == GPU_RESOURCE:
-        return [g.uuid for g in assignment.gpus if not g.shared]
+        return [g.uuid for g in assignment.gpus if not g.shared and g.mig is None]
+    if resource == MIG_RESOURCE:
+        return [g.mig.uuid for g in assignment.gpus if g.mig is not None]
     if resource == GPU_SHARE_RESOURCE:
         return [g.uuid for g in assignment.gpus if g.shared]
     return [n.name for n in assignment.nics]
@@ -244,7 +259,8 @@ def allocate(
         if cdi:
             ans.cdi = [f"{NVIDIA_CDI_KIND}={u}" for u in uuids]
         return ans
-    if resource == GPU_RESOURCE:
+    if resource in (GPU_RESOURCE, MIG_RESOURCE):
+        # A MIG instance's id is its MIG- UUID: the container runtime takes it as is.
         ans.envs["NVIDIA_VISIBLE_DEVICES"] = ",".join(ids)
         if cdi:
             ans.cdi = [f"{NVIDIA_CDI_KIND}={u}" for u in ids]

@@ -31,6 +31,7 @@ from services.nodeagent.backends.base import Applier
 from services.nodeagent.deviceplugin.logic import (
     GPU_RESOURCE,
     GPU_SHARE_RESOURCE,
+    MIG_RESOURCE,
     RDMA_RESOURCE,
     AllocateError,
     allocate,
@@ -289,7 +290,8 @@ class DevicePlugins:
     """Both Tandem resources, sharing one :class:`PluginState`; optionally writes the CDI spec
     for the RDMA devices (``<cdi_dir>/tandem-rdma.json``) whenever the inventory changes.
     ``share_replicas`` > 0 adds the GPU share resource with that many replicas per GPU (at
-    least the largest ``max_shares_per_gpu`` of the sharing device classes)."""
+    least the largest ``max_shares_per_gpu`` of the sharing device classes). ``mig`` adds the
+    MIG instance resource ``tandem.io/mig`` (for nodes with GPUs in MIG mode)."""
 
     def __init__(
         self,
@@ -299,6 +301,7 @@ class DevicePlugins:
         cdi_dir: str | Path | None = None,
         poll_interval: float = 1.0,
         share_replicas: int = 0,
+        mig: bool = False,
     ) -> None:
         self.state = PluginState()
         self.uverbs = uverbs
@@ -316,6 +319,16 @@ class DevicePlugins:
                     uverbs=uverbs,
                     poll_interval=poll_interval,
                     replicas=share_replicas,
+                )
+            )
+        if mig:
+            self.plugins.append(
+                ResourcePlugin(
+                    MIG_RESOURCE,
+                    self.state,
+                    plugin_dir=plugin_dir,
+                    uverbs=uverbs,
+                    poll_interval=poll_interval,
                 )
             )
         self._tasks = Supervisor("deviceplugins")
