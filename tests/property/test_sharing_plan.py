@@ -1,15 +1,19 @@
 """One property over everything issue 12 adds, replayed together by ``tandem plan``.
 
-The other property tests check one mechanism each (shares in ``test_core_shares``, the
-preemption search against an exhaustive one in ``test_core_preemption``, claims in
-``test_claims_plan``). Here random traces mix them on a small fleet — whole-GPU pods of
-several priorities (some allowed to preempt), pods asking a *share* of each GPU, claims
-(some shareable, some reservations that expire), pods on claims, frees and clock ticks — and
+The other property tests check one mechanism each (shares in ``test_core_shares``, MIG in
+``test_core_mig``, the preemption search against an exhaustive one in
+``test_core_preemption``, claims in ``test_claims_plan``). Here random traces mix them on a
+small fleet whose last GPU on each node is in MIG mode — whole-GPU pods of several priorities
+(some allowed to preempt), pods asking a *share* of each GPU, pods asking MIG instances of a
+profile, claims (some shareable, some reservations that expire), pods on claims, frees and
+clock ticks — and
 the real core decides every line through the planner (``services/cli/plan.py``), as the
 allocator would. Read back from the output alone, what must hold after every line:
 
 * a GPU is never both held whole and shared, and its shares never add up to more than its
   memory, 100 % of its compute, or the class's ``max_shares_per_gpu``;
+* a GPU in MIG mode is never given whole or shared, only its instances, each to one holder
+  at a time, of the profile asked;
 * no NIC is held twice; a claim's devices go to no one but the pods that use the claim;
 * a ``preempted`` victim was allocated, is not a claim (claims are never preemption victims),
   has a priority strictly below its preemptor's, and the preemptor was allowed to preempt;
@@ -22,11 +26,12 @@ import io
 import json
 from typing import Any
 
+import msgspec
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from schemas.config import DeviceClass
-from schemas.topology import locate
+from schemas.topology import MigInstance, NodeTopology, locate
 from services.allocator.core import Cluster
 from services.cli.plan import run_plan
 from services.topology import load_topology
@@ -41,6 +46,30 @@ CLASSES = {
 }
 
 
+MIG_GPU = 3  # in MIG mode on every node: 2 x 1g.10gb and 1 x 2g.20gb
+MIG_INSTANCES = [
+    MigInstance(profile="1g.10gb", uuid="MIG-aaaa0001", gpu_instance_id=1, memory_mib=9856),
+    MigInstance(profile="1g.10gb", uuid="MIG-aaaa0002", gpu_instance_id=2, memory_mib=9856),
+    MigInstance(profile="2g.20gb", uuid="MIG-aaaa0003", gpu_instance_id=3, memory_mib=19968),
+]
+
+
+def topology() -> NodeTopology:
+    """The built-in 4-GPU PCIe server with its last GPU partitioned into MIG instances."""
+    topo = load_topology(TOPOLOGY)
+    for sock in topo.sockets:
+        for numa in sock.numa_nodes:
+            for root in numa.roots:
+                for holder in [root, *root.switches]:
+                    holder.gpus = [
+                        msgspec.structs.replace(g, mig_mode=True, mig_instances=list(MIG_INSTANCES))
+                        if g.index == MIG_GPU
+                        else g
+                        for g in holder.gpus
+                    ]
+    return topo
+
+
 @st.composite
 def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
     lines: list[dict[str, Any]] = []
@@ -48,7 +77,9 @@ def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
     ids: list[str] = []
     for n in range(draw(st.integers(1, 40))):
         op = draw(
-            st.sampled_from(["whole", "whole", "share", "share", "claim", "use", "free", "free", "tick"])
+            st.sampled_from(
+                ["whole", "whole", "share", "share", "mig", "claim", "use", "free", "free", "tick"]
+            )
         )
         line: dict[str, Any]
         if op == "whole":
@@ -75,6 +106,16 @@ def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
                 line["gpu_memory_mib"] = memory
             if cores is not None:
                 line["gpu_cores_percent"] = cores
+        elif op == "mig":
+            line = {
+                "kind": "alloc",
+                "id": f"m{n}",
+                "gpus": draw(st.integers(1, 2)),
+                "rdma": draw(st.integers(0, 1)),
+                "pairing": "shared",
+                "mig_profile": draw(st.sampled_from(["1g.10gb", "2g.20gb"])),
+                "priority": draw(st.integers(0, 3)),
+            }
         elif op == "claim":
             gpus = draw(st.integers(1, 2))
             line = {"kind": "claim", "id": f"c{n}", "gpus": gpus, "rdma": draw(st.integers(0, 1))}
@@ -100,18 +141,22 @@ class Holding:
 
     def __init__(self, line: dict[str, Any]) -> None:
         node = line["node"]
-        self.whole = {
-            (node, g["index"]) for g in line["gpus"] if "memory_mib" not in g and "cores_percent" not in g
-        }
+        gpus = [g for g in line["gpus"] if "mig" not in g]
+        self.whole = {(node, g["index"]) for g in gpus if "memory_mib" not in g and "cores_percent" not in g}
         self.shares = {
             (node, g["index"]): (g.get("memory_mib", 0), g.get("cores_percent", 0))
-            for g in line["gpus"]
+            for g in gpus
             if "memory_mib" in g or "cores_percent" in g
         }
-        self.nics = {(node, n["name"]) for n in line["nics"]}
-        self.devices = {(node, "gpu", g["index"]) for g in line["gpus"]} | {
-            (node, "nic", n["name"]) for n in line["nics"]
+        self.mig = {
+            (node, g["mig"]["uuid"]): (g["index"], g["mig"]["profile"]) for g in line["gpus"] if "mig" in g
         }
+        self.nics = {(node, n["name"]) for n in line["nics"]}
+        self.devices = (
+            {(node, "gpu", g["index"]) for g in gpus}
+            | {(node, "mig", uuid) for (_, uuid) in self.mig}
+            | {(node, "nic", n["name"]) for n in line["nics"]}
+        )
 
 
 def _gpu_memory() -> dict[int, int]:
@@ -122,12 +167,17 @@ def _gpu_memory() -> dict[int, int]:
 def _check_fits(held: dict[str, Holding], memory: dict[int, int]) -> None:
     whole: set[tuple[str, int]] = set()
     nics: set[tuple[str, str]] = set()
+    instances: set[tuple[str, str]] = set()
     used: dict[tuple[str, int], list[tuple[int, int]]] = {}
     for rid, h in held.items():
         assert not h.whole & whole, f"{rid}: GPU {h.whole & whole} held whole twice"
         assert not h.nics & nics, f"{rid}: NIC {h.nics & nics} held twice"
+        assert not set(h.mig) & instances, f"{rid}: MIG instance {set(h.mig) & instances} held twice"
+        assert all(gpu != MIG_GPU for _, gpu in h.whole), f"{rid}: a MIG-mode GPU given whole"
+        assert all(gpu != MIG_GPU for _, gpu in h.shares), f"{rid}: a MIG-mode GPU shared"
         whole |= h.whole
         nics |= h.nics
+        instances |= set(h.mig)
         for gpu, share in h.shares.items():
             used.setdefault(gpu, []).append(share)
     for gpu, shares in used.items():
@@ -141,7 +191,7 @@ def _check_fits(held: dict[str, Holding], memory: dict[int, int]) -> None:
 @given(trace=traces())
 def test_shares_claims_and_preemption_together_keep_every_invariant(trace: list[dict[str, Any]]) -> None:
     cluster = Cluster(policy="binpack", device_classes=dict(CLASSES))
-    topo = load_topology(TOPOLOGY)
+    topo = topology()
     for i in range(NODES):
         cluster.set_node(f"n{i}", topo)
     out = io.StringIO()
@@ -177,6 +227,12 @@ def test_shares_claims_and_preemption_together_keep_every_invariant(trace: list[
             users[rid] = cid
         elif status in ("assigned", "claimed"):
             mine = Holding(line)
+            profile = spec[rid].get("mig_profile")
+            if profile is not None:
+                assert len(mine.mig) == spec[rid]["gpus"] and not mine.whole and not mine.shares, line
+                assert all(gpu == MIG_GPU and p == profile for gpu, p in mine.mig.values()), line
+            else:
+                assert not mine.mig, f"{rid} asked no MIG profile but got instances: {line}"
             for cid, claim in claims.items():
                 assert not mine.devices & claim.devices, f"{rid} got devices of claim {cid}"
             held[rid] = mine
