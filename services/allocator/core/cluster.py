@@ -94,11 +94,14 @@ for it, in time or memory.
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+import msgspec
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedNic, Pair
@@ -108,7 +111,17 @@ from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
-from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, share_bound, slot_bits
+from .sharefit import FitIndex
+from .shares import (
+    GpuUse,
+    evaluate_shared,
+    gpu_use,
+    pack,
+    precheck_shared,
+    share_bound,
+    slot_bits,
+    stacked_choice,
+)
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -285,6 +298,12 @@ class Cluster:
         self._slog: list[tuple[GroupKey, int]] = []
         self._slog_base = 0
         self._share_index = False  # built on first use (_share_index_on)
+        # One-GPU, no-NIC share requests (see .sharefit): per device class, its shared GPUs by
+        # what they have left; the GPU memory sizes of the fleet, sorted (for open_spec); the
+        # whole-GPU specs that open a fresh GPU for a share, by (share spec key, memory floor).
+        self._fits: dict[str, FitIndex] = {}
+        self._gpu_memories: list[int] = []
+        self._open_specs: dict[tuple[object, ...], Spec] = {}
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -321,6 +340,7 @@ class Cluster:
         shape = self._shapes.get(sig)
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
+            self._gpu_memories = sorted({*self._gpu_memories, *shape.gpu_memory})
         merged = {**topology.labels, **(labels or {})}
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
@@ -615,6 +635,25 @@ class Cluster:
                 self._regroup(self._keyed | keys)
         if spec.shared:
             self._share_index_on()
+            if spec.gpus == 1 and spec.rdma == 0 and not spec.selector:
+                got = self._decide_share_one(spec)
+                if got is not None:
+                    return got
+        top = self._top(spec)
+        if isinstance(top, _SigState):
+            st = top
+            impaired: dict[str, int] = {}
+            for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
+                rec = st.groups.get(gkey)
+                if rec is not None and isinstance(rec[1], Refusal):
+                    impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
+            return self._unschedulable(spec, st.refused, st.codes, impaired)
+        node, status, candidates = top
+        return self._placement(node, status, spec, candidates=candidates)
+
+    def _top(self, spec: Spec) -> tuple[_Node, Choice, int] | _SigState:
+        """The best node of the index for ``spec`` (node, in-node choice, candidates), or the
+        signature state when no node can take it (its counters say why)."""
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -644,13 +683,64 @@ class Cluster:
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
             name = next(iter((self._sgroups if spec.shared else self._groups)[gkey]))
-            return self._placement(self._nodes[name], status, spec, candidates=st.feasible + st.pending)
-        impaired: dict[str, int] = {}
-        for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
-            rec = st.groups.get(gkey)
-            if rec is not None and isinstance(rec[1], Refusal):
-                impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
-        return self._unschedulable(spec, st.refused, st.codes, impaired)
+            return self._nodes[name], status, st.feasible + st.pending
+        return st
+
+    def _decide_share_one(self, spec: Spec) -> Placement | None:
+        """A one-GPU, no-NIC share request without a node selector, by :mod:`.sharefit`: the
+        best-fit (binpack) or worst-fit (spread) shared GPU from the class's fit index, or a
+        fresh GPU from the whole-GPU index (binpack: only when no shared GPU fits; spread:
+        first). None when neither has one: the caller's share index then says why."""
+        fits = self._fits.get(spec.device_class)
+        if fits is None:
+            fits = self._fits[spec.device_class] = FitIndex(spec.device_class, spec.dc)
+            for node in self._nodes.values():
+                fits.update(node.name, node.shape, node.mask)
+        limit = spec.dc.max_shares_per_gpu
+        if self.policy == "binpack":
+            hit = fits.best_fit(spec.memory_mib, spec.cores_percent, limit)
+            if hit is None:
+                return self._open_share(spec)
+        else:
+            got = self._open_share(spec)
+            if got is not None:
+                return got
+            hit = fits.worst_fit(spec.memory_mib, spec.cores_percent, limit)
+            if hit is None:
+                return None
+        node = self._nodes[hit[0]]
+        choice = stacked_choice(node.shape, node.mask, hit[1], spec, policy=self.policy)
+        # Candidates: the nodes with a shared GPU of the class that can take more shares.
+        return self._placement(node, choice, spec, candidates=fits.node_count())
+
+    def _open_share(self, spec: Spec) -> Placement | None:
+        """A one-GPU, no-NIC share on a fresh GPU: the whole-GPU decision of the same request
+        with the share's memory as the minimum GPU memory (see :mod:`.sharefit`)."""
+        mems = self._gpu_memories
+        i = bisect.bisect_left(mems, spec.memory_mib)
+        floor = mems[i] if i < len(mems) else spec.memory_mib
+        okey = (spec.key, floor)
+        whole = self._open_specs.get(okey)
+        if whole is None:
+            if len(self._open_specs) >= _SIG_MAX:
+                self._open_specs.clear()
+            dc = msgspec.structs.replace(spec.dc, gpu_min_memory_mib=max(spec.dc.gpu_min_memory_mib, floor))
+            whole = self._open_specs[okey] = Spec(
+                gpus=1,
+                rdma=0,
+                scope=spec.scope,
+                required=spec.required,
+                per_gpu=spec.per_gpu,
+                # The view of a class is cached by name (Shape.view): a name per memory floor.
+                device_class=f"{spec.device_class}\x00{floor}",
+                dc=dc,
+                selector=(),
+            )
+        top = self._top(whole)
+        if isinstance(top, _SigState):
+            return None
+        node, status, candidates = top
+        return self._placement(node, status, spec, candidates=candidates)
 
     # ------------------------------------------------------------------------------------
     # whole jobs: what core.gang reads (the same cached in-node search as decide)
@@ -881,6 +971,11 @@ class Cluster:
         index no node has share bits (a share hold turns it on first)."""
         if self._share_index:
             self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+            if self._fits and old != new:
+                shape = self._hw[new[0]][0] if new is not None else None
+                mask = new[1] if new is not None else 0
+                for fits in self._fits.values():
+                    fits.update(name, shape, mask)
             if old is not None:
                 old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
             if new is not None:

@@ -43,18 +43,20 @@ from dataclasses import replace
 
 from .model import Shape
 from .request import Spec
-from .search import Choice, Refusal, evaluate, one_sided_waste, precheck
+from .search import Choice, Refusal, _span, cross_key, evaluate, one_sided_waste, precheck
 
 __all__ = [
     "FIELD",
     "GpuUse",
     "evaluate_shared",
+    "fit_bound",
     "fit_mask",
     "gpu_use",
     "pack",
     "precheck_shared",
     "share_bound",
     "slot_bits",
+    "stacked_choice",
 ]
 
 FIELD = 48  # bits per GPU: used memory MiB (32), used compute percent (8), share count (8)
@@ -212,7 +214,57 @@ def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[in
         term = max(0, g - shared.bit_count())
     else:
         term = -min(g, (cand & shape.gpu_all & ~shared).bit_count())
-    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, one_sided_waste(shape, cand, g, r))
+    fit = fit_bound(spec, policy=policy) if term == 0 else _NO_FIT
+    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, *fit, one_sided_waste(shape, cand, g, r))
+
+
+_NO_FIT = (0, 0, 0)  # the fit terms of a placement that stacks nothing (see stacked_choice)
+
+
+def fit_bound(spec: Spec, *, policy: str) -> tuple[int, int, int]:
+    """A lower bound of the fit terms of ``Choice.cross`` (see :func:`stacked_choice`)."""
+    if spec.gpus != 1 or spec.rdma != 0:
+        return _NO_FIT
+    if policy == "binpack":
+        return (0, 0, -255)
+    return (-(1 << 40), -100, 0)
+
+
+def fit_terms(shape: Shape, use: GpuUse, s: int, spec: Spec, *, policy: str) -> tuple[int, int, int]:
+    """The fit terms of a one-GPU, no-NIC share stacked on shared GPU slot ``s`` with usage
+    ``use``: binpack best fit (least memory, then compute, left after placing; then most
+    shares), spread worst fit (the opposite)."""
+    mem_left = shape.gpu_memory[s] - use[0] - spec.memory_mib
+    cores_left = 100 - use[1] - spec.cores_percent
+    if policy == "binpack":
+        return (mem_left, cores_left, -use[2])
+    return (-mem_left, -cores_left, use[2])
+
+
+def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) -> Choice:
+    """A one-GPU, no-NIC share placed on shared GPU slot ``s`` of a node with group mask
+    ``mask``. Such a placement has no pair and no NVLink set (its alignment key is all
+    zeros, as for every one-GPU GPU-only placement), opens no GPU and breaks no whole unit
+    (the GPU was in use already), so its fragmentation is zero; what orders it against other
+    shared GPUs are its fit terms (:func:`fit_terms`), placed in ``cross`` right after the
+    opened-GPU term, ahead of the one-sided waste and the node order."""
+    key = (0,) * 10
+    use = gpu_use(shape, mask)[s]
+    return Choice(
+        key=key,
+        frag=(0, 0, 0, 0, 0),
+        gpus=(s,),
+        nics=(),
+        pairs=(),
+        scope=_span(shape, (s,)),
+        met=True,
+        cross=(
+            *cross_key(key, int(spec.scope)),
+            0,
+            *fit_terms(shape, use, s, spec, policy=policy),
+            one_sided_waste(shape, mask & ((1 << shape.n_slots) - 1), 1, 0),
+        ),
+    )
 
 
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
@@ -252,23 +304,25 @@ def evaluate_shared(
         return got
 
     cand, shared = _candidates(shape, mask, spec)
+    one = spec.gpus == 1 and spec.rdma == 0
+    fresh_gpus = cand & shape.gpu_all & ~shared
+    if one and shared and (policy == "binpack" or not fresh_gpus):
+        # Binpack: the best-fit shared GPU; spread with no fresh GPU left: the worst fit.
+        use = gpu_use(shape, mask)
+        s = min(
+            (s for s in range(shape.n_gpus) if shared >> s & 1),
+            key=lambda s: (*fit_terms(shape, use[s], s, spec, policy=policy), s),
+        )
+        return stacked_choice(shape, mask, s, spec, policy=policy)
     res = search(cand)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
     chosen = 0
     for s in res.gpus:
         chosen |= 1 << s
-    fresh_gpus = cand & shape.gpu_all & ~shared
     alt_gpus: int | None = None
     if policy == "binpack" and shared and chosen & ~shared:
         alt_gpus = shared
-        if spec.gpus == 1 and spec.rdma == 0:
-            # Best fit: the fullest GPU the share fits on (most memory, then compute, used).
-            use = gpu_use(shape, mask)
-            alt_gpus = 1 << max(
-                (s for s in range(shape.n_gpus) if shared >> s & 1),
-                key=lambda s: (use[s][0], use[s][1], use[s][2], -s),
-            )
     elif policy != "binpack" and fresh_gpus and chosen & shared:
         alt_gpus = fresh_gpus
     if alt_gpus is not None:
@@ -280,4 +334,4 @@ def evaluate_shared(
                 chosen |= 1 << s
     opened = (chosen & ~shared).bit_count()
     term = opened if policy == "binpack" else -opened
-    return replace(res, cross=(*res.cross[:-1], term, res.cross[-1]))
+    return replace(res, cross=(*res.cross[:-1], term, *_NO_FIT, res.cross[-1]))

@@ -1,0 +1,139 @@
+"""The best-fit index of shared GPUs: one-GPU share requests decided without a signature.
+
+Why. A share request's in-node result and node order depend on its size (memory, compute), so
+through the share index (:mod:`.cluster`, :mod:`.shares`) every distinct size is a signature
+of its own, and every signature replays every change of the share index since its last
+decision: the work grew with (distinct sizes x changes), and a rarely used size met a backlog
+of hundreds of groups (``docs/benchmarks.md``, "Shares"). The most common share request asks
+one GPU and no NIC, and for it the order is simple enough to index directly, by size:
+
+* every placement of a one-GPU, no-NIC share has the same alignment (no pair, no NVLink
+  set), so only packing orders them;
+* ``binpack``: a GPU that already has shares and that the share fits on is taken before any
+  fresh GPU is opened (the opened-GPU term of the cross-node key, ahead of everything else
+  but alignment; :func:`.search.fresh_cost` and :func:`.search.capacity_cost` are 0 for it,
+  as it takes no free device); among those, the *best fit* over the whole cluster: the least
+  memory left after placing, then the least compute left, then the most shares;
+* ``spread``: a fresh GPU first; only when none fits anywhere, the *worst fit* shared GPU (the
+  most memory left, then compute, then the fewest shares).
+
+So the stacking choice is a query over the shared GPUs by what they have left, and the choice
+of a fresh GPU is a whole-GPU decision (a fresh GPU has all its memory and compute, so the
+share's size matters only as a minimum GPU memory): :meth:`Cluster._decide_share_one` asks
+this index, then, if it has nothing, the whole-GPU index with a request whose device class
+also asks that minimum memory (:func:`open_spec`), normalised to the smallest GPU memory of
+the fleet that is at least the share's, so that every share size the fleet's GPUs all hold
+is one signature there. Neither keeps state per size.
+
+The index. Per device class (built on the first such request of the class, O(nodes) once,
+then kept up to date on every move of a node in the share index): every shared GPU of the
+class that can take another share (a shared GPU that is out of service or also held whole
+has no share bits, see :mod:`.shares`), filed under its *point* ``(memory left MiB, compute
+left %, -shares)``; the points are kept sorted. A query for memory ``m``, compute ``c`` and a
+class limit of ``k`` shares bisects to the first point with at least ``m`` left and walks up
+to the first one with at least ``c`` compute left and fewer than ``k`` shares: that point is
+the best fit (points sort by what is left, and what is left after placing is that minus a
+constant). Its first GPU is taken (ties between equal points: the GPU filed there first).
+The walk skips points with too little compute or too many shares; their number is bounded by
+the distinct points (a few hundred at 10,000 nodes), not by the GPUs.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator
+
+from schemas.config import DeviceClass
+
+from .model import Shape
+from .shares import gpu_use
+
+__all__ = ["FitIndex", "Point"]
+
+Point = tuple[int, int, int]  # (memory left MiB, compute left percent, -shares)
+
+
+class FitIndex:
+    """Shared GPUs of one device class by what they have left (see the module docstring)."""
+
+    __slots__ = ("_by_node", "_members", "_sorted", "dc", "name")
+
+    def __init__(self, name: str, dc: DeviceClass) -> None:
+        self.name = name
+        self.dc = dc
+        # point -> {(node, gpu slot): None}, in the order the GPUs reached the point
+        self._members: dict[Point, dict[tuple[str, int], None]] = {}
+        self._sorted: list[Point] = []
+        # node -> its filed GPUs as (slot, point)
+        self._by_node: dict[str, tuple[tuple[int, Point], ...]] = {}
+
+    def node_count(self) -> int:
+        """Nodes with a GPU filed here (a shared GPU of the class that can take a share)."""
+        return len(self._by_node)
+
+    def update(self, name: str, shape: Shape | None, mask: int) -> None:
+        """Node ``name`` now has group mask ``mask`` (``shape`` None: the node is gone)."""
+        if shape is None or mask >> shape.n_slots == 0:
+            now: tuple[tuple[int, Point], ...] = ()
+        else:
+            memory = shape.gpu_memory
+            gpu_ok = shape.view(self.name, self.dc).gpu_ok
+            now = tuple(
+                (s, (memory[s] - mem, 100 - cores, -count))
+                for s, (mem, cores, count) in gpu_use(shape, mask).items()
+                if gpu_ok >> s & 1
+            )
+        old = self._by_node.get(name, ())
+        if old == now:
+            return
+        members = self._members
+        for s, point in old:
+            if (s, point) in now:
+                continue
+            at = members[point]
+            del at[(name, s)]
+            if not at:
+                del members[point]
+                i = bisect.bisect_left(self._sorted, point)
+                del self._sorted[i]
+        for s, point in now:
+            if (s, point) in old:
+                continue
+            into = members.get(point)
+            if into is None:
+                into = members[point] = {}
+                bisect.insort(self._sorted, point)
+            into[(name, s)] = None
+        if now:
+            self._by_node[name] = now
+        else:
+            self._by_node.pop(name, None)
+
+    def best_fit(self, memory: int, cores: int, limit: int) -> tuple[str, int] | None:
+        """The GPU with the least memory, then compute, left that takes a share of ``memory``
+        MiB and ``cores`` percent (fewer than ``limit`` shares on it); None if none does."""
+        order = self._sorted
+        for i in range(bisect.bisect_left(order, (memory, -1, -(1 << 30))), len(order)):
+            point = order[i]
+            if point[1] >= cores and -point[2] < limit:
+                return next(iter(self._members[point]))
+        return None
+
+    def worst_fit(self, memory: int, cores: int, limit: int) -> tuple[str, int] | None:
+        """The GPU with the most memory, then compute, left (then the fewest shares) that
+        takes the share; None if none does."""
+        order = self._sorted
+        for i in range(len(order) - 1, -1, -1):
+            point = order[i]
+            if point[0] < memory:
+                return None
+            # Descending: the first point that fits has the most room, then the fewest shares.
+            if point[1] >= cores and -point[2] < limit:
+                return next(iter(self._members[point]))
+        return None
+
+    def gpus(self) -> Iterator[tuple[str, int, Point]]:
+        """Every filed GPU as (node, slot, point) (tests and reports)."""
+        for point, at in self._members.items():
+            for name, s in at:
+                yield name, s, point
