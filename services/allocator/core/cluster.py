@@ -98,7 +98,7 @@ import bisect
 import heapq
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import msgspec
@@ -111,7 +111,7 @@ from .errors import InvalidRequest
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
-from .sharefit import FitIndex
+from .sharefit import FitIndex, StackIndex
 from .shares import (
     GpuUse,
     evaluate_shared,
@@ -121,6 +121,7 @@ from .shares import (
     share_bound,
     slot_bits,
     stacked_choice,
+    stacked_with_nics,
 )
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
@@ -304,6 +305,8 @@ class Cluster:
         self._fits: dict[str, FitIndex] = {}
         self._gpu_memories: list[int] = []
         self._open_specs: dict[tuple[object, ...], Spec] = {}
+        self._stack_specs: dict[tuple[object, ...], Spec] = {}  # share spec key -> its stack view
+        self._stacks: dict[tuple[object, ...], StackIndex] = {}  # one-GPU shares with NICs
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -635,8 +638,11 @@ class Cluster:
                 self._regroup(self._keyed | keys)
         if spec.shared:
             self._share_index_on()
-            if spec.gpus == 1 and spec.rdma == 0 and not spec.selector:
-                got = self._decide_share_one(spec)
+            if not spec.selector:
+                if spec.gpus == 1 and spec.rdma == 0:
+                    got = self._decide_share_one(spec)
+                else:
+                    got = self._decide_share_tiers(spec)
                 if got is not None:
                     return got
         top = self._top(spec)
@@ -713,9 +719,49 @@ class Cluster:
         # Candidates: the nodes with a shared GPU of the class that can take more shares.
         return self._placement(node, choice, spec, candidates=fits.node_count())
 
+    def _stacked_one(self, spec: Spec) -> tuple[_Node, Choice, int] | None:
+        """The best placement of a one-GPU share with NICs on a shared GPU (binpack), from the
+        :class:`.sharefit.StackIndex` of the request's shape (built on first use, O(nodes))."""
+        shape_key = spec.key[:6]
+        index = self._stacks.get(shape_key)
+        if index is None:
+            cache = self._sevals
+            base = spec
+
+            def search(shape: Shape, free: int) -> Choice | Refusal:
+                # The same cache and key as evaluate_shared's exact searches.
+                key = (shape_key, shape.id, free)
+                got = cache.get(key)
+                if got is None:
+                    if len(cache) >= _EVAL_MAX:
+                        cache.clear()
+                    got = cache[key] = evaluate(shape, free, base)
+                return got
+
+            index = self._stacks[shape_key] = StackIndex(spec, search)
+            for node in self._nodes.values():
+                index.update(node.name, node.shape, node.mask)
+        hit = index.best(spec.memory_mib, spec.cores_percent, spec.dc.max_shares_per_gpu)
+        if hit is None:
+            return None
+        node = self._nodes[hit[0]]
+        got = stacked_with_nics(node.shape, node.mask, hit[1], spec, search=index.evaluate)
+        return node, got, index.node_count()
+
     def _open_share(self, spec: Spec) -> Placement | None:
-        """A one-GPU, no-NIC share on a fresh GPU: the whole-GPU decision of the same request
-        with the share's memory as the minimum GPU memory (see :mod:`.sharefit`)."""
+        """A share on fresh GPUs only: the whole-GPU decision of the same request with the
+        share's memory as the minimum GPU memory (see :meth:`_open_spec`)."""
+        top = self._top(self._open_spec(spec))
+        if isinstance(top, _SigState):
+            return None
+        node, status, candidates = top
+        return self._placement(node, status, spec, candidates=candidates)
+
+    def _open_spec(self, spec: Spec) -> Spec:
+        """The whole-GPU request that finds the best placement of share ``spec`` on fresh GPUs
+        only: a fresh GPU has all its memory and compute, so the share's size matters only as
+        a minimum GPU memory, normalised to the smallest GPU memory of the fleet that is at
+        least the share's (so that all the sizes every GPU holds are one signature)."""
         mems = self._gpu_memories
         i = bisect.bisect_left(mems, spec.memory_mib)
         floor = mems[i] if i < len(mems) else spec.memory_mib
@@ -726,8 +772,8 @@ class Cluster:
                 self._open_specs.clear()
             dc = msgspec.structs.replace(spec.dc, gpu_min_memory_mib=max(spec.dc.gpu_min_memory_mib, floor))
             whole = self._open_specs[okey] = Spec(
-                gpus=1,
-                rdma=0,
+                gpus=spec.gpus,
+                rdma=spec.rdma,
                 scope=spec.scope,
                 required=spec.required,
                 per_gpu=spec.per_gpu,
@@ -736,11 +782,48 @@ class Cluster:
                 dc=dc,
                 selector=(),
             )
-        top = self._top(whole)
-        if isinstance(top, _SigState):
+        return whole
+
+    def _decide_share_tiers(self, spec: Spec) -> Placement | None:
+        """A share request without a node selector (other than one GPU without NICs), in two
+        tiers: the best placement on fresh GPUs only, from the whole-GPU index (one signature
+        for all share sizes, :meth:`_open_spec`), and the best placement on the nodes where a
+        shared GPU fits the share, from the share index with the share's *stacking* view
+        (``Spec.stack``: every other group is refused at its cheap check, so the signature's
+        heap holds only those nodes). The better of the two by the node order wins (the
+        stacking one on a tie). A node with a fitting shared GPU is in both tiers, and its
+        stacking result is at least as good as its fresh-only one, so the answer is the one
+        the full share index gives, without the state per size on every node. None when
+        neither tier has a node: the full share index then says why."""
+        stack = self._stack_specs.get(spec.key)
+        if stack is None:
+            if len(self._stack_specs) >= _SIG_MAX:
+                self._stack_specs.clear()
+            stack = self._stack_specs[spec.key] = replace(spec, stack=True)
+        pressure = self.policy == "binpack" and self._pressure()
+        best: tuple[tuple[tuple[int, ...], ...], _Node, Choice] | None = None
+        candidates = 0
+        if spec.gpus == 1 and self.policy == "binpack" and not pressure:
+            # One GPU with NICs: the stacked placements come from a per-GPU index instead.
+            top: tuple[_Node, Choice, int] | _SigState | None = self._stacked_one(spec)
+        else:
+            top = self._top(stack)
+        if top is not None and not isinstance(top, _SigState):
+            node, choice, candidates = top
+            best = (self._order(spec, (node.hw, node.mask), choice, pressure=pressure), node, choice)
+        top = self._top(self._open_spec(spec))
+        if not isinstance(top, _SigState):
+            node, choice, n = top
+            candidates += n
+            # As a share choice: every GPU opened, no fit terms (see .shares.evaluate_shared).
+            term = spec.gpus if self.policy == "binpack" else -spec.gpus
+            choice = replace(choice, cross=(*choice.cross[:-1], term, 0, 0, 0, choice.cross[-1]))
+            order = self._order(spec, (node.hw, node.mask), choice, pressure=pressure)
+            if best is None or order < best[0]:
+                best = (order, node, choice)
+        if best is None:
             return None
-        node, status, candidates = top
-        return self._placement(node, status, spec, candidates=candidates)
+        return self._placement(best[1], best[2], spec, candidates=candidates)
 
     # ------------------------------------------------------------------------------------
     # whole jobs: what core.gang reads (the same cached in-node search as decide)
@@ -971,11 +1054,14 @@ class Cluster:
         index no node has share bits (a share hold turns it on first)."""
         if self._share_index:
             self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
-            if self._fits and old != new:
+            if (self._fits or self._stacks) and old != new:
+                # The per-GPU indexes of share requests (see .sharefit) follow every move.
                 shape = self._hw[new[0]][0] if new is not None else None
                 mask = new[1] if new is not None else 0
                 for fits in self._fits.values():
                     fits.update(name, shape, mask)
+                for stack in self._stacks.values():
+                    stack.update(name, shape, mask)
             if old is not None:
                 old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
             if new is not None:

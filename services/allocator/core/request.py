@@ -46,9 +46,15 @@ class Spec:
     """Everything node-independent the in-node search depends on (set on creation; the index
     reads it for every group a signature meets, so it is computed once)."""
 
+    # A share request's *stacking* view (see .shares): only nodes with a shared GPU the share
+    # fits on can take it; the cluster index keeps it apart from the full share search.
+    stack: bool = False
+
     def __post_init__(self) -> None:
         base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
         key = (*base, "share", self.memory_mib, self.cores_percent) if self.shared else base
+        if self.stack:
+            key = (*key, "stack")
         object.__setattr__(self, "key", key)
 
     @property

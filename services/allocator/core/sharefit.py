@@ -41,14 +41,17 @@ the distinct points (a few hundred at 10,000 nodes), not by the GPUs.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from schemas.config import DeviceClass
 
 from .model import Shape
+from .request import Spec
+from .search import Choice, Refusal, cross_key
 from .shares import gpu_use
 
-__all__ = ["FitIndex", "Point"]
+__all__ = ["FitIndex", "Point", "StackIndex"]
 
 Point = tuple[int, int, int]  # (memory left MiB, compute left percent, -shares)
 
@@ -137,3 +140,107 @@ class FitIndex:
         for point, at in self._members.items():
             for name, s in at:
                 yield name, s, point
+
+
+# (memory left, compute left, -shares, server capability, GPUs, *fragmentation, free GPUs,
+# free NICs, shape id, *in-node quality key, node name, GPU slot): the binpack node order of
+# a stacked one-GPU share after its alignment prefix (see StackIndex).
+StackEntry = tuple[Any, ...]
+
+
+class StackIndex:
+    """Shared GPUs by the best placement of a one-GPU share *with NICs* on each, for one
+    request shape (everything but the share's size) and ``binpack``.
+
+    A one-GPU share stacked on shared GPU ``s`` takes ``s`` and the NICs the exact in-node
+    search picks for it alone (the search on the node's free NICs and ``s``): that choice does
+    not depend on the share's size, only whether ``s`` fits does. So each shared GPU of the
+    class is filed once per change of its node, under the alignment part of its node order
+    (:meth:`Cluster._order`: fresh-node cost, which is 0 for a node with a shared GPU, and
+    the cross-node alignment), as an entry that sorts like the rest of that order with the fit
+    terms of :func:`.shares.fit_terms` first (memory left, compute left, -shares: best fit),
+    then server capability, fragmentation, fullness, shape, in-node quality, and the node name
+    and slot (so the answer is unique). A query walks the alignment buckets from the best and,
+    in each, the entries from the first with enough memory left to the first that fits (the
+    compute and share count checked on the way): the first bucket with one has the answer.
+    """
+
+    __slots__ = ("_buckets", "_by_node", "_order", "evaluate", "spec")
+
+    def __init__(self, spec: Spec, evaluate: Callable[[Shape, int], Choice | Refusal]) -> None:
+        self.spec = spec
+        self.evaluate = evaluate  # the cached in-node search of spec's shape on a free mask
+        self._buckets: dict[tuple[int, ...], list[StackEntry]] = {}
+        self._order: list[tuple[int, ...]] = []  # bucket keys, sorted
+        self._by_node: dict[str, tuple[tuple[tuple[int, ...], StackEntry], ...]] = {}
+
+    def node_count(self) -> int:
+        return len(self._by_node)
+
+    def update(self, name: str, shape: Shape | None, mask: int) -> None:
+        """Node ``name`` now has group mask ``mask`` (``shape`` None: the node is gone)."""
+        now: tuple[tuple[tuple[int, ...], StackEntry], ...] = ()
+        if shape is not None and mask >> shape.n_slots:
+            spec = self.spec
+            gpu_ok = shape.view(spec.device_class, spec.dc).gpu_ok
+            low = mask & ((1 << shape.n_slots) - 1)
+            nics = low & ~shape.gpu_all
+            free_g = (low & shape.gpu_all).bit_count()
+            free_n = (low & shape.pf_all).bit_count()
+            memory = shape.gpu_memory
+            scope = int(spec.scope)
+            rows = []
+            for s, (mem, cores, count) in gpu_use(shape, mask).items():
+                if not gpu_ok >> s & 1:
+                    continue
+                got = self.evaluate(shape, nics | 1 << s)
+                if not isinstance(got, Choice):
+                    continue
+                bucket = (0, *cross_key(got.key, scope))
+                entry = (
+                    memory[s] - mem,
+                    100 - cores,
+                    -count,
+                    shape.aligned,
+                    shape.n_gpus,
+                    *got.frag,
+                    free_g,
+                    free_n,
+                    shape.id,
+                    *got.key,
+                    name,
+                    s,
+                )
+                rows.append((bucket, entry))
+            now = tuple(rows)
+        old = self._by_node.get(name, ())
+        if old == now:
+            return
+        buckets = self._buckets
+        for bucket, entry in old:
+            lst = buckets[bucket]
+            del lst[bisect.bisect_left(lst, entry)]
+            if not lst:
+                del buckets[bucket]
+                del self._order[bisect.bisect_left(self._order, bucket)]
+        for bucket, entry in now:
+            lst2 = buckets.get(bucket)
+            if lst2 is None:
+                lst2 = buckets[bucket] = []
+                bisect.insort(self._order, bucket)
+            bisect.insort(lst2, entry)
+        if now:
+            self._by_node[name] = now
+        else:
+            self._by_node.pop(name, None)
+
+    def best(self, memory: int, cores: int, limit: int) -> tuple[str, int] | None:
+        """The node and GPU slot of the best stacked placement of a share of ``memory`` MiB
+        and ``cores`` percent (fewer than ``limit`` shares on the GPU); None if none fits."""
+        for bucket in self._order:
+            lst = self._buckets[bucket]
+            for i in range(bisect.bisect_left(lst, (memory,)), len(lst)):
+                e = lst[i]
+                if e[1] >= cores and -e[2] < limit:
+                    return e[-2], e[-1]
+        return None

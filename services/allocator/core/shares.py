@@ -39,6 +39,7 @@ its GPUs; a request that leaves one out reserves none of it (and gets no limit f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from .model import Shape
@@ -57,6 +58,7 @@ __all__ = [
     "share_bound",
     "slot_bits",
     "stacked_choice",
+    "stacked_with_nics",
 ]
 
 FIELD = 48  # bits per GPU: used memory MiB (32), used compute percent (8), share count (8)
@@ -223,7 +225,7 @@ _NO_FIT = (0, 0, 0)  # the fit terms of a placement that stacks nothing (see sta
 
 def fit_bound(spec: Spec, *, policy: str) -> tuple[int, int, int]:
     """A lower bound of the fit terms of ``Choice.cross`` (see :func:`stacked_choice`)."""
-    if spec.gpus != 1 or spec.rdma != 0:
+    if spec.gpus != 1 or (spec.rdma and policy != "binpack"):
         return _NO_FIT
     if policy == "binpack":
         return (0, 0, -255)
@@ -239,6 +241,19 @@ def fit_terms(shape: Shape, use: GpuUse, s: int, spec: Spec, *, policy: str) -> 
     if policy == "binpack":
         return (mem_left, cores_left, -use[2])
     return (-mem_left, -cores_left, use[2])
+
+
+def stacked_with_nics(
+    shape: Shape, mask: int, s: int, spec: Spec, *, search: Callable[[Shape, int], Choice | Refusal]
+) -> Choice:
+    """A one-GPU share with NICs stacked on shared GPU slot ``s`` (binpack): the exact search
+    on the node's free NICs and ``s`` alone (``search``: the cached one), with the fit terms
+    in ``cross`` (see :func:`stacked_choice`)."""
+    nics = mask & ((1 << shape.n_slots) - 1) & ~shape.gpu_all
+    got = search(shape, nics | 1 << s)
+    assert isinstance(got, Choice), "a filed GPU has a placement"
+    fit = fit_terms(shape, gpu_use(shape, mask)[s], s, spec, policy="binpack")
+    return replace(got, cross=(*got.cross[:-1], 0, *fit, got.cross[-1]))
 
 
 def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) -> Choice:
@@ -267,9 +282,15 @@ def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) 
     )
 
 
+_NO_STACK = Refusal("stack", "no shared GPU the share fits on")
+
+
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
-    """The cheap check of a share request (popcounts on the candidate mask)."""
-    cand, _ = _candidates(shape, mask, spec)
+    """The cheap check of a share request (popcounts on the candidate mask); for its stacking
+    view (``spec.stack``), also that some shared GPU of the node fits the share."""
+    cand, shared = _candidates(shape, mask, spec)
+    if spec.stack and not shared:
+        return _NO_STACK
     if not spec.rdma and (cand & shape.gpu_all).bit_count() >= spec.gpus:
         return None  # the candidates are GPUs of the class already; no NIC to check
     res = precheck(shape, cand, spec)
@@ -304,6 +325,8 @@ def evaluate_shared(
         return got
 
     cand, shared = _candidates(shape, mask, spec)
+    if spec.stack and not shared:
+        return _NO_STACK
     one = spec.gpus == 1 and spec.rdma == 0
     fresh_gpus = cand & shape.gpu_all & ~shared
     if one and shared and (policy == "binpack" or not fresh_gpus):
@@ -317,6 +340,26 @@ def evaluate_shared(
     res = search(cand)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
+    if spec.gpus == 1 and policy == "binpack" and shared:
+        # One GPU with NICs, binpack: among the shared GPUs that fit and reach the best
+        # alignment, the best fit, then the least fragmentation (what .sharefit.StackIndex
+        # orders by across nodes).
+        use = gpu_use(shape, mask)
+        nics = cand & ~shape.gpu_all
+        best: tuple[tuple[int, ...], Choice, tuple[int, int, int]] | None = None
+        for s in range(shape.n_gpus):
+            if not shared >> s & 1:
+                continue
+            alt = search(nics | 1 << s)
+            if not isinstance(alt, Choice) or alt.key != res.key:
+                continue
+            fit = fit_terms(shape, use[s], s, spec, policy=policy)
+            rank = (*fit, *alt.frag, s)
+            if best is None or rank < best[0]:
+                best = (rank, alt, fit)
+        if best is not None:
+            alt, fit = best[1], best[2]
+            return replace(alt, cross=(*alt.cross[:-1], 0, *fit, alt.cross[-1]))
     chosen = 0
     for s in res.gpus:
         chosen |= 1 << s
