@@ -307,6 +307,12 @@ class Cluster:
         self._open_specs: dict[tuple[object, ...], Spec] = {}
         self._stack_specs: dict[tuple[object, ...], Spec] = {}  # share spec key -> its stack view
         self._stacks: dict[tuple[object, ...], StackIndex] = {}  # one-GPU shares with NICs
+        # The stacking index: the share index's groups that have share bits (nodes with a
+        # shared GPU), for the stacking view of share requests (Spec.stack): their signatures
+        # replay only the changes of nodes with shares.
+        self._xgroups: dict[GroupKey, dict[str, None]] = {}
+        self._xlog: list[tuple[GroupKey, int]] = []
+        self._xlog_base = 0
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -534,6 +540,7 @@ class Cluster:
             "change_log": len(self._log),
             "share_groups": len(self._sgroups),
             "share_change_log": len(self._slog),
+            "stack_groups": len(self._xgroups),
         }
 
     # ------------------------------------------------------------------------------------
@@ -688,9 +695,15 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter((self._sgroups if spec.shared else self._groups)[gkey]))
+            name = next(iter(self._index_groups(spec)[gkey]))
             return self._nodes[name], status, st.feasible + st.pending
         return st
+
+    def _index_groups(self, spec: Spec) -> dict[GroupKey, dict[str, None]]:
+        """The groups of the index ``spec`` is decided in: whole, share, or stacking."""
+        if not spec.shared:
+            return self._groups
+        return self._xgroups if spec.stack else self._sgroups
 
     def _decide_share_one(self, spec: Spec) -> Placement | None:
         """A one-GPU, no-NIC share request without a node selector, by :mod:`.sharefit`: the
@@ -985,6 +998,12 @@ class Cluster:
             members[node.name] = None
             if node.unavailable or node.port_down:
                 self._simpaired[gkey] = self._simpaired.get(gkey, 0) + 1
+        self._xgroups.clear()
+        self._xlog_base += len(self._xlog)
+        self._xlog.clear()
+        for gkey, members in self._sgroups.items():
+            if gkey[1] >> self._hw[gkey[0]][0].n_slots:
+                self._xgroups[gkey] = dict(members)
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -1054,6 +1073,7 @@ class Cluster:
         index no node has share bits (a share hold turns it on first)."""
         if self._share_index:
             self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+            self._move_stack(name, old, new)
             if (self._fits or self._stacks) and old != new:
                 # The per-GPU indexes of share requests (see .sharefit) follow every move.
                 shape = self._hw[new[0]][0] if new is not None else None
@@ -1130,6 +1150,33 @@ class Cluster:
         if len(log) > _LOG_MAX:
             self._compact(shared=True)
 
+    def _move_stack(self, name: str, old: GroupKey | None, new: GroupKey | None) -> None:
+        """:meth:`_move` in the stacking index: only groups with share bits are in it."""
+        hw = self._hw
+        if old is not None and not old[1] >> hw[old[0]][0].n_slots:
+            old = None
+        if new is not None and not new[1] >> hw[new[0]][0].n_slots:
+            new = None
+        if old == new:
+            return
+        groups = self._xgroups
+        log = self._xlog
+        if old is not None:
+            members = groups.get(old)
+            if members is not None and name in members:
+                del members[name]
+                if not members:
+                    del groups[old]
+                log.append((old, -1))
+        if new is not None:
+            members = groups.get(new)
+            if members is None:
+                members = groups[new] = {}
+            members[name] = None
+            log.append((new, 1))
+        if len(log) > _LOG_MAX:
+            self._compact(shared=True, stack=True)
+
     def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
         left = self._impaired.get(gkey, 0) + delta
         if left:
@@ -1137,17 +1184,22 @@ class Cluster:
         else:
             del self._impaired[gkey]
 
-    def _compact(self, *, shared: bool) -> None:
-        log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
+    def _compact(self, *, shared: bool, stack: bool = False) -> None:
+        if stack:
+            log, base = self._xlog, self._xlog_base
+        else:
+            log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
         end = base + len(log)
         keep_from = end - _LOG_MAX // 2
-        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared}
+        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared and st.spec.stack == stack}
         for k in [k for k, st in mine.items() if st.cursor < keep_from]:
             self._drop_sig(k)
             del mine[k]
         new_base = min((st.cursor for st in mine.values()), default=end)
         del log[: new_base - base]
-        if shared:
+        if stack:
+            self._xlog_base = new_base
+        elif shared:
             self._slog_base = new_base
         else:
             self._log_base = new_base
@@ -1177,7 +1229,9 @@ class Cluster:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        if spec.shared:
+        if spec.stack:
+            log, base, all_groups = self._xlog, self._xlog_base, self._xgroups
+        elif spec.shared:
             log, base, all_groups = self._slog, self._slog_base, self._sgroups
         else:
             log, base, all_groups = self._log, self._log_base, self._groups
