@@ -712,7 +712,7 @@ class Cluster:
         first). None when neither has one: the caller's share index then says why."""
         fits = self._fits.get(spec.device_class)
         if fits is None:
-            fits = self._fits[spec.device_class] = FitIndex(spec.device_class, spec.dc)
+            fits = self._fits[spec.device_class] = FitIndex(spec.device_class, spec.dc, policy=self.policy)
             for node in self._nodes.values():
                 fits.update(node.name, node.shape, node.mask)
         limit = spec.dc.max_shares_per_gpu

@@ -59,16 +59,17 @@ Point = tuple[int, int, int]  # (memory left MiB, compute left percent, -shares)
 class FitIndex:
     """Shared GPUs of one device class by what they have left (see the module docstring)."""
 
-    __slots__ = ("_by_node", "_members", "_sorted", "dc", "name")
+    __slots__ = ("_by_node", "_members", "_sorted", "dc", "name", "policy")
 
-    def __init__(self, name: str, dc: DeviceClass) -> None:
+    def __init__(self, name: str, dc: DeviceClass, *, policy: str) -> None:
         self.name = name
         self.dc = dc
-        # point -> {(node, gpu slot): None}, in the order the GPUs reached the point
-        self._members: dict[Point, dict[tuple[str, int], None]] = {}
+        self.policy = policy
+        # point -> its GPUs' node-order tails (see _tail), sorted: the first is the best
+        self._members: dict[Point, list[tuple[Any, ...]]] = {}
         self._sorted: list[Point] = []
-        # node -> its filed GPUs as (slot, point)
-        self._by_node: dict[str, tuple[tuple[int, Point], ...]] = {}
+        # node -> its filed GPUs as (point, tail)
+        self._by_node: dict[str, tuple[tuple[Point, tuple[Any, ...]], ...]] = {}
 
     def node_count(self) -> int:
         """Nodes with a GPU filed here (a shared GPU of the class that can take a share)."""
@@ -77,12 +78,23 @@ class FitIndex:
     def update(self, name: str, shape: Shape | None, mask: int) -> None:
         """Node ``name`` now has group mask ``mask`` (``shape`` None: the node is gone)."""
         if shape is None or mask >> shape.n_slots == 0:
-            now: tuple[tuple[int, Point], ...] = ()
+            now: tuple[tuple[Point, tuple[Any, ...]], ...] = ()
         else:
             memory = shape.gpu_memory
             gpu_ok = shape.view(self.name, self.dc).gpu_ok
+            low = mask & ((1 << shape.n_slots) - 1)
+            free_g = (low & shape.gpu_all).bit_count()
+            free_n = (low & shape.pf_all).bit_count()
+            # The rest of the node order once the fit terms tie (Cluster._order, for a
+            # placement with no pair and no fragmentation): the one-sided waste (free NICs),
+            # then binpack: the less capable server and the fullest node; spread: the
+            # emptiest node. Then the node name and the slot, so that the answer is unique.
+            if self.policy == "binpack":
+                head: tuple[Any, ...] = (free_n, shape.aligned, shape.n_gpus, free_g, free_n, shape.id, name)
+            else:
+                head = (free_n, -free_g, -free_n, name)
             now = tuple(
-                (s, (memory[s] - mem, 100 - cores, -count))
+                ((memory[s] - mem, 100 - cores, -count), (*head, s))
                 for s, (mem, cores, count) in gpu_use(shape, mask).items()
                 if gpu_ok >> s & 1
             )
@@ -90,41 +102,38 @@ class FitIndex:
         if old == now:
             return
         members = self._members
-        for s, point in old:
-            if (s, point) in now:
-                continue
+        for point, tail in old:
             at = members[point]
-            del at[(name, s)]
+            del at[bisect.bisect_left(at, tail)]
             if not at:
                 del members[point]
-                i = bisect.bisect_left(self._sorted, point)
-                del self._sorted[i]
-        for s, point in now:
-            if (s, point) in old:
-                continue
+                del self._sorted[bisect.bisect_left(self._sorted, point)]
+        for point, tail in now:
             into = members.get(point)
             if into is None:
-                into = members[point] = {}
+                into = members[point] = []
                 bisect.insort(self._sorted, point)
-            into[(name, s)] = None
+            bisect.insort(into, tail)
         if now:
             self._by_node[name] = now
         else:
             self._by_node.pop(name, None)
 
     def best_fit(self, memory: int, cores: int, limit: int) -> tuple[str, int] | None:
-        """The GPU with the least memory, then compute, left that takes a share of ``memory``
-        MiB and ``cores`` percent (fewer than ``limit`` shares on it); None if none does."""
+        """The GPU with the least memory, then compute, left (then the most shares) that takes
+        a share of ``memory`` MiB and ``cores`` percent (fewer than ``limit`` shares on it),
+        best in the node order among equals; None if none does."""
         order = self._sorted
         for i in range(bisect.bisect_left(order, (memory, -1, -(1 << 30))), len(order)):
             point = order[i]
             if point[1] >= cores and -point[2] < limit:
-                return next(iter(self._members[point]))
+                tail = self._members[point][0]
+                return tail[-2], tail[-1]
         return None
 
     def worst_fit(self, memory: int, cores: int, limit: int) -> tuple[str, int] | None:
         """The GPU with the most memory, then compute, left (then the fewest shares) that
-        takes the share; None if none does."""
+        takes the share, best in the node order among equals; None if none does."""
         order = self._sorted
         for i in range(len(order) - 1, -1, -1):
             point = order[i]
@@ -132,14 +141,15 @@ class FitIndex:
                 return None
             # Descending: the first point that fits has the most room, then the fewest shares.
             if point[1] >= cores and -point[2] < limit:
-                return next(iter(self._members[point]))
+                tail = self._members[point][0]
+                return tail[-2], tail[-1]
         return None
 
     def gpus(self) -> Iterator[tuple[str, int, Point]]:
         """Every filed GPU as (node, slot, point) (tests and reports)."""
-        for point, at in self._members.items():
-            for name, s in at:
-                yield name, s, point
+        for point, tails in self._members.items():
+            for tail in tails:
+                yield tail[-2], tail[-1], point
 
 
 # (memory left, compute left, -shares, server capability, GPUs, *fragmentation, free GPUs,

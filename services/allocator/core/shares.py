@@ -42,6 +42,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
+import msgspec
+
 from .model import Shape
 from .request import Spec
 from .search import Choice, Refusal, _span, cross_key, evaluate, one_sided_waste, precheck
@@ -285,6 +287,34 @@ def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) 
 _NO_STACK = Refusal("stack", "no shared GPU the share fits on")
 
 
+_SEARCH_SPECS: dict[tuple[object, ...], Spec] = {}
+
+
+def search_spec(spec: Spec) -> Spec:
+    """The whole-GPU request the exact search of share ``spec`` runs as: the same, with the
+    share's memory as the class's minimum GPU memory (a view of its own, by name), so that a
+    fresh GPU too small for the share is no candidate but still counts as free for the
+    fragmentation terms, exactly as in the whole-GPU index's fresh-GPU tier (see
+    :meth:`.cluster.Cluster._open_spec`)."""
+    if spec.memory_mib <= spec.dc.gpu_min_memory_mib:
+        return spec
+    got = _SEARCH_SPECS.get(spec.key)
+    if got is None:
+        if len(_SEARCH_SPECS) >= _DECODED_MAX:
+            _SEARCH_SPECS.clear()
+        got = _SEARCH_SPECS[spec.key] = Spec(
+            gpus=spec.gpus,
+            rdma=spec.rdma,
+            scope=spec.scope,
+            required=spec.required,
+            per_gpu=spec.per_gpu,
+            device_class=f"{spec.device_class}\x00{spec.memory_mib}",
+            dc=msgspec.structs.replace(spec.dc, gpu_min_memory_mib=spec.memory_mib),
+            selector=(),
+        )
+    return got
+
+
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
     """The cheap check of a share request (popcounts on the candidate mask); for its stacking
     view (``spec.stack``), also that some shared GPU of the node fits the share."""
@@ -313,15 +343,16 @@ def evaluate_shared(
     ``Choice.cross`` gets the opened-GPU term before the one-sided waste (see the module
     docstring). ``cache``: the exact searches by candidate mask, which many share usages and
     every share size have in common (the search depends on the candidates, not the sizes)."""
-    base = spec.key[:6]
+    sspec = search_spec(spec)
+    base = sspec.key[:6]
 
     def search(free: int) -> Choice | Refusal:
         if cache is None:
-            return evaluate(shape, free, spec)
+            return evaluate(shape, free, sspec)
         key = (base, shape.id, free)
         got = cache.get(key)
         if got is None:
-            got = cache[key] = evaluate(shape, free, spec)
+            got = cache[key] = evaluate(shape, free, sspec)
         return got
 
     cand, shared = _candidates(shape, mask, spec)
@@ -337,24 +368,30 @@ def evaluate_shared(
             key=lambda s: (*fit_terms(shape, use[s], s, spec, policy=policy), s),
         )
         return stacked_choice(shape, mask, s, spec, policy=policy)
-    res = search(cand)
+    # Every fresh GPU stays in the searched mask (the search spec's view leaves out those too
+    # small for the share): fragmentation counts them as free, as a whole-GPU search does.
+    low = mask & ((1 << shape.n_slots) - 1)
+    res = search(low | shared)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
     if spec.gpus == 1 and policy == "binpack" and shared:
         # One GPU with NICs, binpack: among the shared GPUs that fit and reach the best
-        # alignment, the best fit, then the least fragmentation (what .sharefit.StackIndex
-        # orders by across nodes).
+        # alignment at the requested scope (the cross-node part: pairs finer than asked do not
+        # open a fresh GPU), the best fit, then the least fragmentation, the finer pairs
+        # (what .sharefit.StackIndex orders by across nodes).
         use = gpu_use(shape, mask)
         nics = cand & ~shape.gpu_all
+        scope = int(spec.scope)
+        want = cross_key(res.key, scope)
         best: tuple[tuple[int, ...], Choice, tuple[int, int, int]] | None = None
         for s in range(shape.n_gpus):
             if not shared >> s & 1:
                 continue
             alt = search(nics | 1 << s)
-            if not isinstance(alt, Choice) or alt.key != res.key:
+            if not isinstance(alt, Choice) or cross_key(alt.key, scope) != want:
                 continue
             fit = fit_terms(shape, use[s], s, spec, policy=policy)
-            rank = (*fit, *alt.frag, s)
+            rank = (*fit, *alt.frag, *alt.key, s)
             if best is None or rank < best[0]:
                 best = (rank, alt, fit)
         if best is not None:
@@ -368,9 +405,21 @@ def evaluate_shared(
         alt_gpus = shared
     elif policy != "binpack" and fresh_gpus and chosen & shared:
         alt_gpus = fresh_gpus
+    # Equal alignment at the requested scope (the cross-node part): pairs finer than asked do
+    # not outweigh packing, within a node as across nodes.
+    scope = int(spec.scope)
     if alt_gpus is not None:
-        alt = search((cand & ~shape.gpu_all) | alt_gpus)
-        if isinstance(alt, Choice) and alt.key == res.key:
+        alt = search(low if alt_gpus == fresh_gpus else (cand & ~shape.gpu_all) | alt_gpus)
+        if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
+            res = alt
+            chosen = 0
+            for s in res.gpus:
+                chosen |= 1 << s
+    if shared and not chosen & shared and alt_gpus != fresh_gpus:
+        # On fresh GPUs only: scored as the fresh-GPU tier scores it (the shared GPUs are not
+        # free for the fragmentation terms), so that both paths rank it the same.
+        alt = search(low)
+        if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
             res = alt
             chosen = 0
             for s in res.gpus:
