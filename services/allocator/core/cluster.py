@@ -134,6 +134,7 @@ _SIG_MAX = 512  # signature states kept (least recently used dropped)
 # Group records (groups seen + heap entries) over all signature states: what bounds their
 # memory when groups are many (a fleet split by labels) or selectors keep changing.
 _SIG_RECORDS = 300_000
+_STACKS_MAX = 16  # per-GPU stacking indexes (one per one-GPU share request shape with NICs)
 _EVAL_MAX = 50_000  # cached in-node results before the cache is cleared (~1 KB each at most)
 # Selectors matching at most this many nodes are decided on those nodes directly.
 DEFAULT_PINNED_MAX = 32
@@ -541,6 +542,7 @@ class Cluster:
             "share_groups": len(self._sgroups),
             "share_change_log": len(self._slog),
             "stack_groups": len(self._xgroups),
+            "share_fit_indexes": len(self._fits) + len(self._stacks),
         }
 
     # ------------------------------------------------------------------------------------
@@ -751,6 +753,9 @@ class Cluster:
                     got = cache[key] = evaluate(shape, free, base)
                 return got
 
+            if len(self._stacks) >= _STACKS_MAX:
+                # Each index follows every move of a node with shares: keep a few request shapes.
+                del self._stacks[next(iter(self._stacks))]
             index = self._stacks[shape_key] = StackIndex(spec, search)
             for node in self._nodes.values():
                 index.update(node.name, node.shape, node.mask)
