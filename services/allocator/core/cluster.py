@@ -90,6 +90,19 @@ index of the same kind keyed by the full mask (its own groups and change log), w
 signature states, heaps, lazy search and cache. The share index is built on first use (the
 first share request or share hold, O(nodes) once), so a fleet that never shares pays nothing
 for it, in time or memory.
+
+A share request's signature includes its size, and every signature replays every change of
+its index, so the share index alone costs O(distinct sizes x changes) and a rarely used size
+meets a long backlog. So a share request without a node selector is decided by indexes that
+keep nothing per size (:meth:`Cluster._decide_share_one`, :meth:`Cluster._decide_share_tiers`,
+:mod:`.sharefit`): the placement on fresh GPUs only comes from the whole-GPU index (a fresh GPU
+has all its memory and compute, so the size is only a minimum GPU memory, normalised to the
+fleet's GPU memory sizes: one signature for all sizes); a one-GPU share stacks through a
+per-GPU index of the shared GPUs by what they have left (best fit); a share on several GPUs
+stacks through the share index's *stacking view* (``Spec.stack``), whose signatures see only
+the nodes with shares (a third index, of those groups only). The better of the two tiers by
+the node order wins. The share index itself still decides share requests with a node selector
+(through the groups) and gives the reasons of a refusal.
 """
 
 from __future__ import annotations
@@ -113,6 +126,7 @@ from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
 from .sharefit import FitIndex, StackIndex
 from .shares import (
+    NO_STACK,
     GpuUse,
     evaluate_shared,
     gpu_use,
@@ -1296,10 +1310,15 @@ class Cluster:
         refused = st.refused
         spec = st.spec
         first = self._first_status
+        stack = spec.stack
         for gkey, delta in changes:
             rec = groups.get(gkey)
             if rec is None:
                 status = first(spec, gkey)
+                if stack and status is NO_STACK:
+                    # A stacking view never reports its refusals (the share index does), so a
+                    # group that stacks nothing is not kept: the next change looks again.
+                    continue
                 rec = groups[gkey] = [delta, status]
                 if status.__class__ is not Refusal and gkey not in st.in_heap:
                     self._push(st, gkey, status)
@@ -1439,6 +1458,12 @@ class Cluster:
         if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
         if spec.shared:
+            if spec.stack:
+                # The stacking view: most groups have no shared GPU the share fits on, and
+                # that check is one cached lookup (see _replay, which then keeps no record).
+                refusal = precheck_shared(shape, mask, spec)
+                if refusal is not None:
+                    return refusal
             cached = self._sevals.get((spec.key, shape.id, mask))
             if cached is not None:
                 return cached

@@ -27,11 +27,24 @@ on the slot bits only (:func:`slot_bits`), so share usage does not split their c
 
 Node and GPU order. Alignment comes first, as for whole GPUs. Then ``binpack`` fills a
 shared GPU before opening another, and ``spread`` opens a fresh GPU before stacking on a
-shared one: in a node, among placements of the same alignment quality, the one on shared
-(binpack) or fresh (spread) GPUs wins, and across nodes the number of GPUs the placement
-opens is a term of the cross-node key right after alignment (fewer first for binpack, more
-first for spread), ahead of the one-sided waste and the node policy's own order. For one
-GPU without NICs, binpack takes the fullest GPU the share fits on (best fit).
+shared one: in a node, among placements of the same alignment at the requested scope (the
+cross-node part of the quality, :func:`.search.cross_key`; pairs finer than asked do not
+outweigh packing), the one on shared (binpack) or fresh (spread) GPUs wins, and across nodes
+the number of GPUs the placement opens is a term of the cross-node key right after alignment
+(fewer first for binpack, more first for spread). Then come three *fit terms*, for a share on
+one GPU that stacks (:func:`fit_terms`): binpack takes the *best fit* of the whole cluster (the
+least memory, then compute, left after placing, then the most shares), spread the worst fit;
+they are zero for every other placement. Then the one-sided waste and the node policy's own
+order. A placement on fresh GPUs only is scored as a whole-GPU search of the fresh GPUs
+scores it (shared GPUs are not free for the fragmentation terms), so that the share index
+and the fresh-GPU tier of :mod:`.cluster` rank it the same.
+
+How a share request is decided (:mod:`.cluster`, :mod:`.sharefit`): without a node selector,
+by indexes that keep no state per share size: one-GPU shares without NICs by the best-fit
+index of shared GPUs, one-GPU shares with NICs (binpack) by a per-GPU stacking index, others
+by the better of a fresh-GPU tier (the whole-GPU index, one signature for every size) and a
+stacking tier (this module's search on the nodes that have a shared GPU the share fits on);
+with a node selector, or when nothing can take it (for the reasons), by the share index below.
 
 Limits of the model: a share request's memory and compute are per GPU and the same on each of
 its GPUs; a request that leaves one out reserves none of it (and gets no limit for it).
@@ -50,6 +63,7 @@ from .search import Choice, Refusal, _span, cross_key, evaluate, one_sided_waste
 
 __all__ = [
     "FIELD",
+    "NO_STACK",
     "GpuUse",
     "evaluate_shared",
     "fit_bound",
@@ -284,7 +298,7 @@ def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) 
     )
 
 
-_NO_STACK = Refusal("stack", "no shared GPU the share fits on")
+NO_STACK = Refusal("stack", "no shared GPU the share fits on")
 
 
 _SEARCH_SPECS: dict[tuple[object, ...], Spec] = {}
@@ -320,7 +334,7 @@ def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
     view (``spec.stack``), also that some shared GPU of the node fits the share."""
     cand, shared = _candidates(shape, mask, spec)
     if spec.stack and not shared:
-        return _NO_STACK
+        return NO_STACK
     if not spec.rdma and (cand & shape.gpu_all).bit_count() >= spec.gpus:
         return None  # the candidates are GPUs of the class already; no NIC to check
     res = precheck(shape, cand, spec)
@@ -357,7 +371,7 @@ def evaluate_shared(
 
     cand, shared = _candidates(shape, mask, spec)
     if spec.stack and not shared:
-        return _NO_STACK
+        return NO_STACK
     one = spec.gpus == 1 and spec.rdma == 0
     fresh_gpus = cand & shape.gpu_all & ~shared
     if one and shared and (policy == "binpack" or not fresh_gpus):
