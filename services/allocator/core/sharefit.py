@@ -33,7 +33,8 @@ left %, -shares)``; the points are kept sorted. A query for memory ``m``, comput
 class limit of ``k`` shares bisects to the first point with at least ``m`` left and walks up
 to the first one with at least ``c`` compute left and fewer than ``k`` shares: that point is
 the best fit (points sort by what is left, and what is left after placing is that minus a
-constant). Its first GPU is taken (ties between equal points: the GPU filed there first).
+constant). Its GPUs are kept sorted by the rest of the node order (one-sided waste, then the
+node policy's order, then node name and slot), so its first GPU is the answer.
 The walk skips points with too little compute or too many shares; their number is bounded by
 the distinct points (a few hundred at 10,000 nodes), not by the GPUs.
 """
