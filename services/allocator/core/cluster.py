@@ -90,15 +90,31 @@ index of the same kind keyed by the full mask (its own groups and change log), w
 signature states, heaps, lazy search and cache. The share index is built on first use (the
 first share request or share hold, O(nodes) once), so a fleet that never shares pays nothing
 for it, in time or memory.
+
+A share request's signature includes its size, and every signature replays every change of
+its index, so the share index alone costs O(distinct sizes x changes) and a rarely used size
+meets a long backlog. So a share request without a node selector is decided by indexes that
+keep nothing per size (:meth:`Cluster._decide_share_one`, :meth:`Cluster._decide_share_tiers`,
+:mod:`.sharefit`): the placement on fresh GPUs only comes from the whole-GPU index (a fresh GPU
+has all its memory and compute, so the size is only a minimum GPU memory, normalised to the
+fleet's GPU memory sizes: one signature for all sizes); a one-GPU share stacks through a
+per-GPU index of the shared GPUs by what they have left (best fit); a share on several GPUs
+stacks through the share index's *stacking view* (``Spec.stack``), whose signatures see only
+the nodes with shares (a third index, of those groups only). The better of the two tiers by
+the node order wins. The share index itself still decides share requests with a node selector
+(through the groups) and gives the reasons of a refusal.
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections.abc import Collection, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
+
+import msgspec
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, AssignedNic, Pair
@@ -109,7 +125,19 @@ from .mig import MigChoice, MigIndex, is_mig_device
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
 from .search import Choice, Refusal, capacity_cost, cross_bound, evaluate, fresh_cost, precheck
-from .shares import GpuUse, evaluate_shared, gpu_use, pack, precheck_shared, share_bound, slot_bits
+from .sharefit import FitIndex, StackIndex
+from .shares import (
+    NO_STACK,
+    GpuUse,
+    evaluate_shared,
+    gpu_use,
+    pack,
+    precheck_shared,
+    share_bound,
+    slot_bits,
+    stacked_choice,
+    stacked_with_nics,
+)
 
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
@@ -121,6 +149,7 @@ _SIG_MAX = 512  # signature states kept (least recently used dropped)
 # Group records (groups seen + heap entries) over all signature states: what bounds their
 # memory when groups are many (a fleet split by labels) or selectors keep changing.
 _SIG_RECORDS = 300_000
+_STACKS_MAX = 16  # per-GPU stacking indexes (one per one-GPU share request shape with NICs)
 _EVAL_MAX = 50_000  # cached in-node results before the cache is cleared (~1 KB each at most)
 # Selectors matching at most this many nodes are decided on those nodes directly.
 DEFAULT_PINNED_MAX = 32
@@ -288,6 +317,20 @@ class Cluster:
         self._slog: list[tuple[GroupKey, int]] = []
         self._slog_base = 0
         self._share_index = False  # built on first use (_share_index_on)
+        # One-GPU, no-NIC share requests (see .sharefit): per device class, its shared GPUs by
+        # what they have left; the GPU memory sizes of the fleet, sorted (for open_spec); the
+        # whole-GPU specs that open a fresh GPU for a share, by (share spec key, memory floor).
+        self._fits: dict[str, FitIndex] = {}
+        self._gpu_memories: list[int] = []
+        self._open_specs: dict[tuple[object, ...], Spec] = {}
+        self._stack_specs: dict[tuple[object, ...], Spec] = {}  # share spec key -> its stack view
+        self._stacks: dict[tuple[object, ...], StackIndex] = {}  # one-GPU shares with NICs
+        # The stacking index: the share index's groups that have share bits (nodes with a
+        # shared GPU), for the stacking view of share requests (Spec.stack): their signatures
+        # replay only the changes of nodes with shares.
+        self._xgroups: dict[GroupKey, dict[str, None]] = {}
+        self._xlog: list[tuple[GroupKey, int]] = []
+        self._xlog_base = 0
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -324,6 +367,7 @@ class Cluster:
         shape = self._shapes.get(sig)
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
+            self._gpu_memories = sorted({*self._gpu_memories, *shape.gpu_memory})
         merged = {**topology.labels, **(labels or {})}
         hw = self._hw_id(shape, merged)
         node = _Node(name, topology, shape, hw, merged, tuple(unavailable), _port_down(topology))
@@ -521,6 +565,8 @@ class Cluster:
             "change_log": len(self._log),
             "share_groups": len(self._sgroups),
             "share_change_log": len(self._slog),
+            "stack_groups": len(self._xgroups),
+            "share_fit_indexes": len(self._fits) + len(self._stacks),
         }
 
     # ------------------------------------------------------------------------------------
@@ -627,6 +673,28 @@ class Cluster:
                 self._regroup(self._keyed | keys)
         if spec.shared:
             self._share_index_on()
+            if not spec.selector:
+                if spec.gpus == 1 and spec.rdma == 0:
+                    got = self._decide_share_one(spec)
+                else:
+                    got = self._decide_share_tiers(spec)
+                if got is not None:
+                    return got
+        top = self._top(spec)
+        if isinstance(top, _SigState):
+            st = top
+            impaired: dict[str, int] = {}
+            for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
+                rec = st.groups.get(gkey)
+                if rec is not None and isinstance(rec[1], Refusal):
+                    impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
+            return self._unschedulable(spec, st.refused, st.codes, impaired)
+        node, status, candidates = top
+        return self._placement(node, status, spec, candidates=candidates)
+
+    def _top(self, spec: Spec) -> tuple[_Node, Choice, int] | _SigState:
+        """The best node of the index for ``spec`` (node, in-node choice, candidates), or the
+        signature state when no node can take it (its counters say why)."""
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -655,14 +723,151 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter((self._sgroups if spec.shared else self._groups)[gkey]))
-            return self._placement(self._nodes[name], status, spec, candidates=st.feasible + st.pending)
-        impaired: dict[str, int] = {}
-        for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
-            rec = st.groups.get(gkey)
-            if rec is not None and isinstance(rec[1], Refusal):
-                impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
-        return self._unschedulable(spec, st.refused, st.codes, impaired)
+            name = next(iter(self._index_groups(spec)[gkey]))
+            return self._nodes[name], status, st.feasible + st.pending
+        return st
+
+    def _index_groups(self, spec: Spec) -> dict[GroupKey, dict[str, None]]:
+        """The groups of the index ``spec`` is decided in: whole, share, or stacking."""
+        if not spec.shared:
+            return self._groups
+        return self._xgroups if spec.stack else self._sgroups
+
+    def _decide_share_one(self, spec: Spec) -> Placement | None:
+        """A one-GPU, no-NIC share request without a node selector, by :mod:`.sharefit`: the
+        best-fit (binpack) or worst-fit (spread) shared GPU from the class's fit index, or a
+        fresh GPU from the whole-GPU index (binpack: only when no shared GPU fits; spread:
+        first). None when neither has one: the caller's share index then says why."""
+        fits = self._fits.get(spec.device_class)
+        if fits is None:
+            fits = self._fits[spec.device_class] = FitIndex(spec.device_class, spec.dc, policy=self.policy)
+            for node in self._nodes.values():
+                fits.update(node.name, node.shape, node.mask)
+        limit = spec.dc.max_shares_per_gpu
+        if self.policy == "binpack":
+            hit = fits.best_fit(spec.memory_mib, spec.cores_percent, limit)
+            if hit is None:
+                return self._open_share(spec)
+        else:
+            got = self._open_share(spec)
+            if got is not None:
+                return got
+            hit = fits.worst_fit(spec.memory_mib, spec.cores_percent, limit)
+            if hit is None:
+                return None
+        node = self._nodes[hit[0]]
+        choice = stacked_choice(node.shape, node.mask, hit[1], spec, policy=self.policy)
+        # Candidates: the nodes with a shared GPU of the class that can take more shares.
+        return self._placement(node, choice, spec, candidates=fits.node_count())
+
+    def _stacked_one(self, spec: Spec) -> tuple[_Node, Choice, int] | None:
+        """The best placement of a one-GPU share with NICs on a shared GPU (binpack), from the
+        :class:`.sharefit.StackIndex` of the request's shape (built on first use, O(nodes))."""
+        shape_key = spec.key[:6]
+        index = self._stacks.get(shape_key)
+        if index is None:
+            cache = self._sevals
+            base = spec
+
+            def search(shape: Shape, free: int) -> Choice | Refusal:
+                # The same cache and key as evaluate_shared's exact searches.
+                key = (shape_key, shape.id, free)
+                got = cache.get(key)
+                if got is None:
+                    if len(cache) >= _EVAL_MAX:
+                        cache.clear()
+                    got = cache[key] = evaluate(shape, free, base)
+                return got
+
+            if len(self._stacks) >= _STACKS_MAX:
+                # Each index follows every move of a node with shares: keep a few request shapes.
+                del self._stacks[next(iter(self._stacks))]
+            index = self._stacks[shape_key] = StackIndex(spec, search)
+            for node in self._nodes.values():
+                index.update(node.name, node.shape, node.mask)
+        hit = index.best(spec.memory_mib, spec.cores_percent, spec.dc.max_shares_per_gpu)
+        if hit is None:
+            return None
+        node = self._nodes[hit[0]]
+        got = stacked_with_nics(node.shape, node.mask, hit[1], spec, search=index.evaluate)
+        return node, got, index.node_count()
+
+    def _open_share(self, spec: Spec) -> Placement | None:
+        """A share on fresh GPUs only: the whole-GPU decision of the same request with the
+        share's memory as the minimum GPU memory (see :meth:`_open_spec`)."""
+        top = self._top(self._open_spec(spec))
+        if isinstance(top, _SigState):
+            return None
+        node, status, candidates = top
+        return self._placement(node, status, spec, candidates=candidates)
+
+    def _open_spec(self, spec: Spec) -> Spec:
+        """The whole-GPU request that finds the best placement of share ``spec`` on fresh GPUs
+        only: a fresh GPU has all its memory and compute, so the share's size matters only as
+        a minimum GPU memory, normalised to the smallest GPU memory of the fleet that is at
+        least the share's (so that all the sizes every GPU holds are one signature)."""
+        mems = self._gpu_memories
+        i = bisect.bisect_left(mems, spec.memory_mib)
+        floor = mems[i] if i < len(mems) else spec.memory_mib
+        okey = (spec.key, floor)
+        whole = self._open_specs.get(okey)
+        if whole is None:
+            if len(self._open_specs) >= _SIG_MAX:
+                self._open_specs.clear()
+            dc = msgspec.structs.replace(spec.dc, gpu_min_memory_mib=max(spec.dc.gpu_min_memory_mib, floor))
+            whole = self._open_specs[okey] = Spec(
+                gpus=spec.gpus,
+                rdma=spec.rdma,
+                scope=spec.scope,
+                required=spec.required,
+                per_gpu=spec.per_gpu,
+                # The view of a class is cached by name (Shape.view): a name per memory floor.
+                device_class=f"{spec.device_class}\x00{floor}",
+                dc=dc,
+                selector=(),
+            )
+        return whole
+
+    def _decide_share_tiers(self, spec: Spec) -> Placement | None:
+        """A share request without a node selector (other than one GPU without NICs), in two
+        tiers: the best placement on fresh GPUs only, from the whole-GPU index (one signature
+        for all share sizes, :meth:`_open_spec`), and the best placement on the nodes where a
+        shared GPU fits the share, from the share index with the share's *stacking* view
+        (``Spec.stack``: every other group is refused at its cheap check, so the signature's
+        heap holds only those nodes). The better of the two by the node order wins (the
+        stacking one on a tie). A node with a fitting shared GPU is in both tiers, and its
+        stacking result is at least as good as its fresh-only one, so the answer is the one
+        the full share index gives, without the state per size on every node. None when
+        neither tier has a node: the full share index then says why."""
+        stack = self._stack_specs.get(spec.key)
+        if stack is None:
+            if len(self._stack_specs) >= _SIG_MAX:
+                self._stack_specs.clear()
+            stack = self._stack_specs[spec.key] = replace(spec, stack=True)
+        pressure = self.policy == "binpack" and self._pressure()
+        best: tuple[tuple[tuple[int, ...], ...], _Node, Choice] | None = None
+        candidates = 0
+        if spec.gpus == 1 and self.policy == "binpack" and not pressure:
+            # One GPU with NICs: the stacked placements come from a per-GPU index instead.
+            top: tuple[_Node, Choice, int] | _SigState | None = self._stacked_one(spec)
+        else:
+            top = self._top(stack)
+        if top is not None and not isinstance(top, _SigState):
+            node, choice, candidates = top
+            best = (self._order(spec, (node.hw, node.mask), choice, pressure=pressure), node, choice)
+        top = self._top(self._open_spec(spec))
+        if not isinstance(top, _SigState):
+            node, choice, n = top
+            candidates += n
+            # As a share choice: every GPU opened, no fit terms (see .shares.evaluate_shared).
+            term = spec.gpus if self.policy == "binpack" else -spec.gpus
+            choice = replace(choice, cross=(*choice.cross[:-1], term, 0, 0, 0, choice.cross[-1]))
+            order = self._order(spec, (node.hw, node.mask), choice, pressure=pressure)
+            if best is None or order < best[0]:
+                best = (order, node, choice)
+        if best is None:
+            return None
+        return self._placement(best[1], best[2], spec, candidates=candidates)
 
     # ------------------------------------------------------------------------------------
     # whole jobs: what core.gang reads (the same cached in-node search as decide)
@@ -877,6 +1082,12 @@ class Cluster:
             members[node.name] = None
             if node.unavailable or node.port_down:
                 self._simpaired[gkey] = self._simpaired.get(gkey, 0) + 1
+        self._xgroups.clear()
+        self._xlog_base += len(self._xlog)
+        self._xlog.clear()
+        for gkey, members in self._sgroups.items():
+            if gkey[1] >> self._hw[gkey[0]][0].n_slots:
+                self._xgroups[gkey] = dict(members)
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -954,6 +1165,15 @@ class Cluster:
         index no node has share bits (a share hold turns it on first)."""
         if self._share_index:
             self._move_share(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+            self._move_stack(name, old, new)
+            if (self._fits or self._stacks) and old != new:
+                # The per-GPU indexes of share requests (see .sharefit) follow every move.
+                shape = self._hw[new[0]][0] if new is not None else None
+                mask = new[1] if new is not None else 0
+                for fits in self._fits.values():
+                    fits.update(name, shape, mask)
+                for stack in self._stacks.values():
+                    stack.update(name, shape, mask)
             if old is not None:
                 old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
             if new is not None:
@@ -1022,6 +1242,33 @@ class Cluster:
         if len(log) > _LOG_MAX:
             self._compact(shared=True)
 
+    def _move_stack(self, name: str, old: GroupKey | None, new: GroupKey | None) -> None:
+        """:meth:`_move` in the stacking index: only groups with share bits are in it."""
+        hw = self._hw
+        if old is not None and not old[1] >> hw[old[0]][0].n_slots:
+            old = None
+        if new is not None and not new[1] >> hw[new[0]][0].n_slots:
+            new = None
+        if old == new:
+            return
+        groups = self._xgroups
+        log = self._xlog
+        if old is not None:
+            members = groups.get(old)
+            if members is not None and name in members:
+                del members[name]
+                if not members:
+                    del groups[old]
+                log.append((old, -1))
+        if new is not None:
+            members = groups.get(new)
+            if members is None:
+                members = groups[new] = {}
+            members[name] = None
+            log.append((new, 1))
+        if len(log) > _LOG_MAX:
+            self._compact(shared=True, stack=True)
+
     def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
         left = self._impaired.get(gkey, 0) + delta
         if left:
@@ -1029,17 +1276,22 @@ class Cluster:
         else:
             del self._impaired[gkey]
 
-    def _compact(self, *, shared: bool) -> None:
-        log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
+    def _compact(self, *, shared: bool, stack: bool = False) -> None:
+        if stack:
+            log, base = self._xlog, self._xlog_base
+        else:
+            log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
         end = base + len(log)
         keep_from = end - _LOG_MAX // 2
-        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared}
+        mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared and st.spec.stack == stack}
         for k in [k for k, st in mine.items() if st.cursor < keep_from]:
             self._drop_sig(k)
             del mine[k]
         new_base = min((st.cursor for st in mine.values()), default=end)
         del log[: new_base - base]
-        if shared:
+        if stack:
+            self._xlog_base = new_base
+        elif shared:
             self._slog_base = new_base
         else:
             self._log_base = new_base
@@ -1069,7 +1321,9 @@ class Cluster:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        if spec.shared:
+        if spec.stack:
+            log, base, all_groups = self._xlog, self._xlog_base, self._xgroups
+        elif spec.shared:
             log, base, all_groups = self._slog, self._slog_base, self._sgroups
         else:
             log, base, all_groups = self._log, self._log_base, self._groups
@@ -1129,10 +1383,15 @@ class Cluster:
         refused = st.refused
         spec = st.spec
         first = self._first_status
+        stack = spec.stack
         for gkey, delta in changes:
             rec = groups.get(gkey)
             if rec is None:
                 status = first(spec, gkey)
+                if stack and status is NO_STACK:
+                    # A stacking view never reports its refusals (the share index does), so a
+                    # group that stacks nothing is not kept: the next change looks again.
+                    continue
                 rec = groups[gkey] = [delta, status]
                 if status.__class__ is not Refusal and gkey not in st.in_heap:
                     self._push(st, gkey, status)
@@ -1272,6 +1531,12 @@ class Cluster:
         if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
             return _SELECTOR_REFUSAL
         if spec.shared:
+            if spec.stack:
+                # The stacking view: most groups have no shared GPU the share fits on, and
+                # that check is one cached lookup (see _replay, which then keeps no record).
+                refusal = precheck_shared(shape, mask, spec)
+                if refusal is not None:
+                    return refusal
             cached = self._sevals.get((spec.key, shape.id, mask))
             if cached is not None:
                 return cached

@@ -48,6 +48,9 @@ class Spec:
 
     # MIG (see .mig): ``gpus`` existing MIG instances of this profile; "" for GPUs.
     mig_profile: str = ""
+    # A share request's *stacking* view (see .shares): only nodes with a shared GPU the share
+    # fits on can take it; the cluster index keeps it apart from the full share search.
+    stack: bool = False
 
     def __post_init__(self) -> None:
         base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
@@ -56,6 +59,8 @@ class Spec:
             key = (*base, "share", self.memory_mib, self.cores_percent)
         if self.mig_profile:
             key = (*base, "mig", self.mig_profile)
+        if self.stack:
+            key = (*key, "stack")
         object.__setattr__(self, "key", key)
 
     @property

@@ -101,8 +101,9 @@ def cross_bound(spec: Spec) -> tuple[int, ...]:
     c = -spec.gpus if both else 0
     d = -spec.rdma if both and not spec.per_gpu else 0
     if spec.shared:
-        # A share request's cross key has the GPUs-opened term before the waste (see .shares).
-        return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, -spec.gpus, 0)
+        # A share request's cross key has the GPUs-opened term and the three fit terms before
+        # the waste (see .shares); -gpus is below any opened term, so zeros bound the rest.
+        return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, -spec.gpus, 0, 0, 0, 0)
     return (0, *([c] * (4 - s)), *([d] * (4 - s)), 0, 0)
 
 

@@ -27,11 +27,24 @@ on the slot bits only (:func:`slot_bits`), so share usage does not split their c
 
 Node and GPU order. Alignment comes first, as for whole GPUs. Then ``binpack`` fills a
 shared GPU before opening another, and ``spread`` opens a fresh GPU before stacking on a
-shared one: in a node, among placements of the same alignment quality, the one on shared
-(binpack) or fresh (spread) GPUs wins, and across nodes the number of GPUs the placement
-opens is a term of the cross-node key right after alignment (fewer first for binpack, more
-first for spread), ahead of the one-sided waste and the node policy's own order. For one
-GPU without NICs, binpack takes the fullest GPU the share fits on (best fit).
+shared one: in a node, among placements of the same alignment at the requested scope (the
+cross-node part of the quality, :func:`.search.cross_key`; pairs finer than asked do not
+outweigh packing), the one on shared (binpack) or fresh (spread) GPUs wins, and across nodes
+the number of GPUs the placement opens is a term of the cross-node key right after alignment
+(fewer first for binpack, more first for spread). Then come three *fit terms*, for a share on
+one GPU that stacks (:func:`fit_terms`): binpack takes the *best fit* of the whole cluster (the
+least memory, then compute, left after placing, then the most shares), spread the worst fit;
+they are zero for every other placement. Then the one-sided waste and the node policy's own
+order. A placement on fresh GPUs only is scored as a whole-GPU search of the fresh GPUs
+scores it (shared GPUs are not free for the fragmentation terms), so that the share index
+and the fresh-GPU tier of :mod:`.cluster` rank it the same.
+
+How a share request is decided (:mod:`.cluster`, :mod:`.sharefit`): without a node selector,
+by indexes that keep no state per share size: one-GPU shares without NICs by the best-fit
+index of shared GPUs, one-GPU shares with NICs (binpack) by a per-GPU stacking index, others
+by the better of a fresh-GPU tier (the whole-GPU index, one signature for every size) and a
+stacking tier (this module's search on the nodes that have a shared GPU the share fits on);
+with a node selector, or when nothing can take it (for the reasons), by the share index below.
 
 Limits of the model: a share request's memory and compute are per GPU and the same on each of
 its GPUs; a request that leaves one out reserves none of it (and gets no limit for it).
@@ -39,22 +52,29 @@ its GPUs; a request that leaves one out reserves none of it (and gets no limit f
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+
+import msgspec
 
 from .model import Shape
 from .request import Spec
-from .search import Choice, Refusal, evaluate, one_sided_waste, precheck
+from .search import Choice, Refusal, _span, cross_key, evaluate, one_sided_waste, precheck
 
 __all__ = [
     "FIELD",
+    "NO_STACK",
     "GpuUse",
     "evaluate_shared",
+    "fit_bound",
     "fit_mask",
     "gpu_use",
     "pack",
     "precheck_shared",
     "share_bound",
     "slot_bits",
+    "stacked_choice",
+    "stacked_with_nics",
 ]
 
 FIELD = 48  # bits per GPU: used memory MiB (32), used compute percent (8), share count (8)
@@ -212,12 +232,109 @@ def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[in
         term = max(0, g - shared.bit_count())
     else:
         term = -min(g, (cand & shape.gpu_all & ~shared).bit_count())
-    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, one_sided_waste(shape, cand, g, r))
+    fit = fit_bound(spec, policy=policy) if term == 0 else _NO_FIT
+    return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, *fit, one_sided_waste(shape, cand, g, r))
+
+
+_NO_FIT = (0, 0, 0)  # the fit terms of a placement that stacks nothing (see stacked_choice)
+
+
+def fit_bound(spec: Spec, *, policy: str) -> tuple[int, int, int]:
+    """A lower bound of the fit terms of ``Choice.cross`` (see :func:`stacked_choice`)."""
+    if spec.gpus != 1 or (spec.rdma and policy != "binpack"):
+        return _NO_FIT
+    if policy == "binpack":
+        return (0, 0, -255)
+    return (-(1 << 40), -100, 0)
+
+
+def fit_terms(shape: Shape, use: GpuUse, s: int, spec: Spec, *, policy: str) -> tuple[int, int, int]:
+    """The fit terms of a one-GPU, no-NIC share stacked on shared GPU slot ``s`` with usage
+    ``use``: binpack best fit (least memory, then compute, left after placing; then most
+    shares), spread worst fit (the opposite)."""
+    mem_left = shape.gpu_memory[s] - use[0] - spec.memory_mib
+    cores_left = 100 - use[1] - spec.cores_percent
+    if policy == "binpack":
+        return (mem_left, cores_left, -use[2])
+    return (-mem_left, -cores_left, use[2])
+
+
+def stacked_with_nics(
+    shape: Shape, mask: int, s: int, spec: Spec, *, search: Callable[[Shape, int], Choice | Refusal]
+) -> Choice:
+    """A one-GPU share with NICs stacked on shared GPU slot ``s`` (binpack): the exact search
+    on the node's free NICs and ``s`` alone (``search``: the cached one), with the fit terms
+    in ``cross`` (see :func:`stacked_choice`)."""
+    nics = mask & ((1 << shape.n_slots) - 1) & ~shape.gpu_all
+    got = search(shape, nics | 1 << s)
+    assert isinstance(got, Choice), "a filed GPU has a placement"
+    fit = fit_terms(shape, gpu_use(shape, mask)[s], s, spec, policy="binpack")
+    return replace(got, cross=(*got.cross[:-1], 0, *fit, got.cross[-1]))
+
+
+def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) -> Choice:
+    """A one-GPU, no-NIC share placed on shared GPU slot ``s`` of a node with group mask
+    ``mask``. Such a placement has no pair and no NVLink set (its alignment key is all
+    zeros, as for every one-GPU GPU-only placement), opens no GPU and breaks no whole unit
+    (the GPU was in use already), so its fragmentation is zero; what orders it against other
+    shared GPUs are its fit terms (:func:`fit_terms`), placed in ``cross`` right after the
+    opened-GPU term, ahead of the one-sided waste and the node order."""
+    key = (0,) * 10
+    use = gpu_use(shape, mask)[s]
+    return Choice(
+        key=key,
+        frag=(0, 0, 0, 0, 0),
+        gpus=(s,),
+        nics=(),
+        pairs=(),
+        scope=_span(shape, (s,)),
+        met=True,
+        cross=(
+            *cross_key(key, int(spec.scope)),
+            0,
+            *fit_terms(shape, use, s, spec, policy=policy),
+            one_sided_waste(shape, mask & ((1 << shape.n_slots) - 1), 1, 0),
+        ),
+    )
+
+
+NO_STACK = Refusal("stack", "no shared GPU the share fits on")
+
+
+_SEARCH_SPECS: dict[tuple[object, ...], Spec] = {}
+
+
+def search_spec(spec: Spec) -> Spec:
+    """The whole-GPU request the exact search of share ``spec`` runs as: the same, with the
+    share's memory as the class's minimum GPU memory (a view of its own, by name), so that a
+    fresh GPU too small for the share is no candidate but still counts as free for the
+    fragmentation terms, exactly as in the whole-GPU index's fresh-GPU tier (see
+    :meth:`.cluster.Cluster._open_spec`)."""
+    if spec.memory_mib <= spec.dc.gpu_min_memory_mib:
+        return spec
+    got = _SEARCH_SPECS.get(spec.key)
+    if got is None:
+        if len(_SEARCH_SPECS) >= _DECODED_MAX:
+            _SEARCH_SPECS.clear()
+        got = _SEARCH_SPECS[spec.key] = Spec(
+            gpus=spec.gpus,
+            rdma=spec.rdma,
+            scope=spec.scope,
+            required=spec.required,
+            per_gpu=spec.per_gpu,
+            device_class=f"{spec.device_class}\x00{spec.memory_mib}",
+            dc=msgspec.structs.replace(spec.dc, gpu_min_memory_mib=spec.memory_mib),
+            selector=(),
+        )
+    return got
 
 
 def precheck_shared(shape: Shape, mask: int, spec: Spec) -> Refusal | None:
-    """The cheap check of a share request (popcounts on the candidate mask)."""
-    cand, _ = _candidates(shape, mask, spec)
+    """The cheap check of a share request (popcounts on the candidate mask); for its stacking
+    view (``spec.stack``), also that some shared GPU of the node fits the share."""
+    cand, shared = _candidates(shape, mask, spec)
+    if spec.stack and not shared:
+        return NO_STACK
     if not spec.rdma and (cand & shape.gpu_all).bit_count() >= spec.gpus:
         return None  # the candidates are GPUs of the class already; no NIC to check
     res = precheck(shape, cand, spec)
@@ -240,44 +357,87 @@ def evaluate_shared(
     ``Choice.cross`` gets the opened-GPU term before the one-sided waste (see the module
     docstring). ``cache``: the exact searches by candidate mask, which many share usages and
     every share size have in common (the search depends on the candidates, not the sizes)."""
-    base = spec.key[:6]
+    sspec = search_spec(spec)
+    base = sspec.key[:6]
 
     def search(free: int) -> Choice | Refusal:
         if cache is None:
-            return evaluate(shape, free, spec)
+            return evaluate(shape, free, sspec)
         key = (base, shape.id, free)
         got = cache.get(key)
         if got is None:
-            got = cache[key] = evaluate(shape, free, spec)
+            got = cache[key] = evaluate(shape, free, sspec)
         return got
 
     cand, shared = _candidates(shape, mask, spec)
-    res = search(cand)
+    if spec.stack and not shared:
+        return NO_STACK
+    one = spec.gpus == 1 and spec.rdma == 0
+    fresh_gpus = cand & shape.gpu_all & ~shared
+    if one and shared and (policy == "binpack" or not fresh_gpus):
+        # Binpack: the best-fit shared GPU; spread with no fresh GPU left: the worst fit.
+        use = gpu_use(shape, mask)
+        s = min(
+            (s for s in range(shape.n_gpus) if shared >> s & 1),
+            key=lambda s: (*fit_terms(shape, use[s], s, spec, policy=policy), s),
+        )
+        return stacked_choice(shape, mask, s, spec, policy=policy)
+    # Every fresh GPU stays in the searched mask (the search spec's view leaves out those too
+    # small for the share): fragmentation counts them as free, as a whole-GPU search does.
+    low = mask & ((1 << shape.n_slots) - 1)
+    res = search(low | shared)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
+    if spec.gpus == 1 and policy == "binpack" and shared:
+        # One GPU with NICs, binpack: among the shared GPUs that fit and reach the best
+        # alignment at the requested scope (the cross-node part: pairs finer than asked do not
+        # open a fresh GPU), the best fit, then the least fragmentation, the finer pairs
+        # (what .sharefit.StackIndex orders by across nodes).
+        use = gpu_use(shape, mask)
+        nics = cand & ~shape.gpu_all
+        scope = int(spec.scope)
+        want = cross_key(res.key, scope)
+        best: tuple[tuple[int, ...], Choice, tuple[int, int, int]] | None = None
+        for s in range(shape.n_gpus):
+            if not shared >> s & 1:
+                continue
+            alt = search(nics | 1 << s)
+            if not isinstance(alt, Choice) or cross_key(alt.key, scope) != want:
+                continue
+            fit = fit_terms(shape, use[s], s, spec, policy=policy)
+            rank = (*fit, *alt.frag, *alt.key, s)
+            if best is None or rank < best[0]:
+                best = (rank, alt, fit)
+        if best is not None:
+            alt, fit = best[1], best[2]
+            return replace(alt, cross=(*alt.cross[:-1], 0, *fit, alt.cross[-1]))
     chosen = 0
     for s in res.gpus:
         chosen |= 1 << s
-    fresh_gpus = cand & shape.gpu_all & ~shared
     alt_gpus: int | None = None
     if policy == "binpack" and shared and chosen & ~shared:
         alt_gpus = shared
-        if spec.gpus == 1 and spec.rdma == 0:
-            # Best fit: the fullest GPU the share fits on (most memory, then compute, used).
-            use = gpu_use(shape, mask)
-            alt_gpus = 1 << max(
-                (s for s in range(shape.n_gpus) if shared >> s & 1),
-                key=lambda s: (use[s][0], use[s][1], use[s][2], -s),
-            )
     elif policy != "binpack" and fresh_gpus and chosen & shared:
         alt_gpus = fresh_gpus
+    # Equal alignment at the requested scope (the cross-node part): pairs finer than asked do
+    # not outweigh packing, within a node as across nodes.
+    scope = int(spec.scope)
     if alt_gpus is not None:
-        alt = search((cand & ~shape.gpu_all) | alt_gpus)
-        if isinstance(alt, Choice) and alt.key == res.key:
+        alt = search(low if alt_gpus == fresh_gpus else (cand & ~shape.gpu_all) | alt_gpus)
+        if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
+            res = alt
+            chosen = 0
+            for s in res.gpus:
+                chosen |= 1 << s
+    if shared and not chosen & shared and alt_gpus != fresh_gpus:
+        # On fresh GPUs only: scored as the fresh-GPU tier scores it (the shared GPUs are not
+        # free for the fragmentation terms), so that both paths rank it the same.
+        alt = search(low)
+        if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
             res = alt
             chosen = 0
             for s in res.gpus:
                 chosen |= 1 << s
     opened = (chosen & ~shared).bit_count()
     term = opened if policy == "binpack" else -opened
-    return replace(res, cross=(*res.cross[:-1], term, res.cross[-1]))
+    return replace(res, cross=(*res.cross[:-1], term, *_NO_FIT, res.cross[-1]))
