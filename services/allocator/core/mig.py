@@ -111,6 +111,19 @@ class _Inst:
     gi: int
     ci: int
 
+    def pick(self) -> MigPick:
+        """This instance as handed out."""
+        return MigPick(
+            device=self.device,
+            gpu_index=self.gpu.index,
+            gpu_uuid=self.gpu.uuid,
+            gpu_bus_id=self.gpu.pci_bus_id,
+            profile=self.profile,
+            uuid=self.uuid,
+            gpu_instance_id=self.gi,
+            compute_instance_id=self.ci,
+        )
+
 
 # A MIG group: (layout id, free instances, free NIC slots, GPU slots with an instance held).
 GroupKey = tuple[int, frozenset[str], int, frozenset[int]]
@@ -328,22 +341,8 @@ class MigIndex:
     def _on(choice: MigChoice, node: _MigNode) -> MigChoice:
         """A group's choice (made on one of its nodes) for ``node`` of the same group: the same
         instance and NIC ids, with this node's name, GPU UUIDs and instance UUIDs."""
-        picks = []
-        for p in choice.picks:
-            i = node.by_device[p.device]
-            picks.append(
-                MigPick(
-                    device=i.device,
-                    gpu_index=i.gpu.index,
-                    gpu_uuid=i.gpu.uuid,
-                    gpu_bus_id=i.gpu.pci_bus_id,
-                    profile=i.profile,
-                    uuid=i.uuid,
-                    gpu_instance_id=i.gi,
-                    compute_instance_id=i.ci,
-                )
-            )
-        return replace(choice, node=node.name, picks=tuple(picks))
+        picks = tuple(node.by_device[p.device].pick() for p in choice.picks)
+        return replace(choice, node=node.name, picks=picks)
 
     def evaluate(
         self, node: _MigNode, spec: Spec, *, policy: str
@@ -391,19 +390,7 @@ class MigIndex:
         nic_slots = tuple(node.shape.slot_of[virt.shape.slot_id[s]] for s in vchoice.nics)
         choice = MigChoice(
             node=node.name,
-            picks=tuple(
-                MigPick(
-                    device=i.device,
-                    gpu_index=i.gpu.index,
-                    gpu_uuid=i.gpu.uuid,
-                    gpu_bus_id=i.gpu.pci_bus_id,
-                    profile=i.profile,
-                    uuid=i.uuid,
-                    gpu_instance_id=i.gi,
-                    compute_instance_id=i.ci,
-                )
-                for i in picks
-            ),
+            picks=tuple(i.pick() for i in picks),
             nics=nic_slots,
             pairs=pairs,
             choice=vchoice,
