@@ -1183,22 +1183,11 @@ class Cluster:
                 self._count_impaired(old, 1 if now_impaired else -1)
             return
         log = self._log
-        if old is not None:
-            members = self._groups.get(old)
-            if members is not None and name in members:
-                del members[name]
-                if not members:
-                    del self._groups[old]
-                log.append((old, -1))
-                self._count_capacity(old, -1)
-                if was_impaired:
-                    self._count_impaired(old, -1)
+        if _regroup(self._groups, log, name, old, new) and old is not None:
+            self._count_capacity(old, -1)
+            if was_impaired:
+                self._count_impaired(old, -1)
         if new is not None:
-            members = self._groups.get(new)
-            if members is None:
-                members = self._groups[new] = {}
-            members[name] = None
-            log.append((new, 1))
             self._count_capacity(new, 1)
             if now_impaired:
                 self._count_impaired(new, 1)
@@ -1220,25 +1209,11 @@ class Cluster:
             if old is not None and was_impaired != now_impaired:
                 _count(impaired, old, 1 if now_impaired else -1)
             return
-        groups = self._sgroups
         log = self._slog
-        if old is not None:
-            members = groups.get(old)
-            if members is not None and name in members:
-                del members[name]
-                if not members:
-                    del groups[old]
-                log.append((old, -1))
-                if was_impaired:
-                    _count(impaired, old, -1)
-        if new is not None:
-            members = groups.get(new)
-            if members is None:
-                members = groups[new] = {}
-            members[name] = None
-            log.append((new, 1))
-            if now_impaired:
-                _count(impaired, new, 1)
+        if _regroup(self._sgroups, log, name, old, new) and old is not None and was_impaired:
+            _count(impaired, old, -1)
+        if new is not None and now_impaired:
+            _count(impaired, new, 1)
         if len(log) > _LOG_MAX:
             self._compact(shared=True)
 
@@ -1251,21 +1226,8 @@ class Cluster:
             new = None
         if old == new:
             return
-        groups = self._xgroups
         log = self._xlog
-        if old is not None:
-            members = groups.get(old)
-            if members is not None and name in members:
-                del members[name]
-                if not members:
-                    del groups[old]
-                log.append((old, -1))
-        if new is not None:
-            members = groups.get(new)
-            if members is None:
-                members = groups[new] = {}
-            members[name] = None
-            log.append((new, 1))
+        _regroup(self._xgroups, log, name, old, new)
         if len(log) > _LOG_MAX:
             self._compact(shared=True, stack=True)
 
@@ -1633,6 +1595,33 @@ def _slot_mask(slot_of: Mapping[str, int], devices: Iterable[str]) -> int:
 _NO_FRAG = (0, 0, 0, 0, 0)  # the least fragmentation: a lower bound of Choice.frag
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
+
+
+def _regroup(
+    groups: dict[GroupKey, dict[str, None]],
+    log: list[tuple[GroupKey, int]],
+    name: str,
+    old: GroupKey | None,
+    new: GroupKey | None,
+) -> bool:
+    """Move node ``name`` from group ``old`` to ``new`` of one index, logging both changes;
+    returns whether it was in ``old`` (so the caller's counts follow)."""
+    removed = False
+    if old is not None:
+        members = groups.get(old)
+        if members is not None and name in members:
+            del members[name]
+            if not members:
+                del groups[old]
+            log.append((old, -1))
+            removed = True
+    if new is not None:
+        members = groups.get(new)
+        if members is None:
+            members = groups[new] = {}
+        members[name] = None
+        log.append((new, 1))
+    return removed
 
 
 def _count(counts: dict[GroupKey, int], gkey: GroupKey, delta: int) -> None:
