@@ -18,7 +18,6 @@ import base64
 import json
 import os
 import re
-import socket
 import ssl
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
 from services.runtime.bus import Bus, ConnectError
+from services.runtime.embedded import free_ports
 from services.runtime.settings import Settings, load_settings
 from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.conftest import make_settings
@@ -49,11 +49,6 @@ pytestmark = pytest.mark.integration
 NATS_BIN = Path(sys.executable).parent / "nats-server"
 SERVERS = 2  # enough for routes; the default is 3
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -114,7 +109,10 @@ def cluster(rendered: Rendered) -> Iterator[list[tuple[int, int]]]:
     tls = root / "etc/nats-tls"
     for key, data in secret_files(docs, f"{RELEASE}-nats-tls").items():
         write(tls / key, data)
-    ports = [(free_port(), free_port(), free_port()) for _ in range(SERVERS)]
+    # All at once: ports picked one by one (bound, released, picked again) can repeat, and a
+    # route port that is another server's client port kept the cluster from forming.
+    flat = free_ports(3 * SERVERS)
+    ports = [(flat[3 * i], flat[3 * i + 1], flat[3 * i + 2]) for i in range(SERVERS)]
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for i, (client, route, monitor) in enumerate(ports):
