@@ -465,6 +465,9 @@ def new_request(args: argparse.Namespace) -> AllocationRequest:
         priority=args.priority,
         network=NetworkSpec(mtu=args.mtu) if args.mtu else None,
         preemption=getattr(args, "preemption", None),
+        gpu_memory_mib=getattr(args, "gpu_memory_mib", None),
+        gpu_cores_percent=getattr(args, "gpu_cores_percent", None),
+        mig_profile=getattr(args, "mig_profile", None),
     )
     try:
         return codec.validated(req)

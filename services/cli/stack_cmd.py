@@ -202,6 +202,24 @@ def register(sub: Any) -> None:
         help="may it evict allocations of lower priority when nothing else makes room "
         "(default: the class's, never)",
     )
+    s.add_argument(
+        "--gpu-memory-mib",
+        type=int,
+        metavar="MIB",
+        help="a share of each GPU instead of whole GPUs: this much memory (the class must allow "
+        "sharing; docs/sharing.md)",
+    )
+    s.add_argument(
+        "--gpu-cores-percent",
+        type=int,
+        metavar="PERCENT",
+        help="a share of each GPU instead of whole GPUs: this much of its compute (1-100)",
+    )
+    s.add_argument(
+        "--mig-profile",
+        metavar="PROFILE",
+        help="--gpus MIG instances of this profile (e.g. 1g.10gb) instead of whole GPUs",
+    )
     s.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the pod's RDMA netdevs (576-9216)")
     s.add_argument(
         "--wait",

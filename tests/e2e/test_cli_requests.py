@@ -112,6 +112,19 @@ def test_requests_pod_release_and_formats(url: str) -> None:
     assert by_pod(requests_json(url), "team-b/huge")["state"] == "cancelled"
 
 
+def test_submit_asks_shares_and_mig_instances_and_says_why_not(url: str) -> None:
+    # The fleet's class hands out whole GPUs only and no GPU is in MIG mode: each request is
+    # refused with the reason a pod author needs, and a malformed profile never leaves the CLI.
+    share = tandem(url, "submit", "--pod", "team-c/infer", "--gpus", "1", "--gpu-memory-mib", "4096", check=1)
+    assert "\nrejected: " in share.stdout and "shar" in share.stdout
+    mig = tandem(url, "submit", "--pod", "team-c/mig", "--gpus", "1", "--mig-profile", "1g.10gb", check=1)
+    assert "MIG instance 1g.10gb" in mig.stdout
+    assert "unschedulable: no node of this cluster could ever hold it" in mig.stdout
+    bad = tandem(url, "submit", "--gpus", "1", "--mig-profile", "huge", check=2)
+    assert "invalid request" in bad.stderr and "mig_profile" in bad.stderr
+    tandem(url, "release", "--pod", "team-c/mig")
+
+
 def test_submit_wait_shows_progress_until_assigned(url: str) -> None:
     fill = [tandem(url, "submit", "--pod", f"fill/f{i}", "--gpus", "4") for i in range(2)]
     assert all("assigned: node box-" in f.stdout for f in fill)
