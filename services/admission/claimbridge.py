@@ -359,7 +359,16 @@ class ClaimBridge:
             await self.record_event(pod, reason=names.EVENT_REASON_INVALID, message=str(exc))
             return
         gpus, rdma = (wants.gpus, wants.rdma) if wants is not None else (0, 0)
-        why = claims.blocking_reason(state, claim=key[1], pod_uid=uid, gpus=gpus, rdma=rdma)
+        why = claims.blocking_reason(
+            state,
+            claim=key[1],
+            pod_uid=uid,
+            gpus=gpus,
+            rdma=rdma,
+            mig_profile=wants.mig_profile if wants is not None else None,
+            gpu_memory_mib=wants.gpu_memory_mib if wants is not None else None,
+            gpu_cores_percent=wants.gpu_cores_percent if wants is not None else None,
+        )
         if why is not None or state is None or state.assignment is None:
             self.waiting.setdefault(key, {})[uid] = name
             await self.record_event(pod, reason=names.EVENT_REASON_CLAIM, message=why or "waiting")

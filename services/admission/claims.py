@@ -40,7 +40,7 @@ import msgspec
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, ClaimMarker, ClaimRecord, PodRef
-from schemas.topology import SCOPES, ScopeName
+from schemas.topology import SCOPES, MigProfile, ScopeName
 from services.admission import names
 from services.admission.errors import InvalidClaim
 
@@ -94,6 +94,9 @@ class ClaimSpec(msgspec.Struct, forbid_unknown_fields=True, omit_defaults=True, 
     shareable: bool = False
     expires_after: str | None = None
     expires_at: str | None = None
+    # ``gpus`` existing MIG instances of this profile instead of whole GPUs (docs/sharing.md
+    # "MIG"); the pattern is the request's, so a bad profile is refused naming spec.migProfile.
+    mig_profile: MigProfile | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,6 +256,18 @@ def claim_request(view: ClaimView, *, device_classes: dict[str, DeviceClass]) ->
             raise InvalidClaim(f"{where}: spec.shares needs spec.gpus > 0 (a share is of a GPU)")
         if spec.shares.gpu_memory_mib is None and spec.shares.gpu_cores_percent is None:
             raise InvalidClaim(f"{where}: spec.shares: give gpuMemoryMiB and/or gpuCoresPercent")
+    if spec.mig_profile is not None:
+        # The request's rules (AllocationRequest.mig_profile): MIG instances are neither whole
+        # GPUs nor shares, and count = gpus.
+        if spec.shares is not None:
+            raise InvalidClaim(
+                f"{where}: spec.migProfile and spec.shares: a claim holds MIG instances or shares of "
+                "GPUs, not both; remove one of them"
+            )
+        if spec.gpus == 0:
+            raise InvalidClaim(
+                f"{where}: spec.migProfile needs spec.gpus > 0 (the number of {spec.mig_profile} instances)"
+            )
     deadline = expires_at(view)
     return AllocationRequest(
         request_id=claim_request_id(view.uid),
@@ -267,6 +282,7 @@ def claim_request(view: ClaimView, *, device_classes: dict[str, DeviceClass]) ->
         claim=ClaimMarker(name=view.name, shareable=spec.shareable, expires_at=deadline),
         gpu_memory_mib=spec.shares.gpu_memory_mib if spec.shares else None,
         gpu_cores_percent=spec.shares.gpu_cores_percent if spec.shares else None,
+        mig_profile=spec.mig_profile,
     )
 
 
@@ -296,11 +312,41 @@ class ClaimState:
         return self.request.claim.expires_at if self.request and self.request.claim else None
 
 
+def _gpu_kind(
+    mig_profile: str | None, gpu_memory_mib: int | None, gpu_cores_percent: int | None
+) -> tuple[str, str]:
+    """What kind of GPU device a request holds, and how a pod asks for that kind."""
+    if mig_profile is not None:
+        return (
+            f"MIG instances {mig_profile}",
+            f"{names.RESOURCE_MIG} with annotation {names.MIG_PROFILE}: {mig_profile}",
+        )
+    if gpu_memory_mib is not None or gpu_cores_percent is not None:
+        given = ((names.GPU_MEMORY_MIB, gpu_memory_mib), (names.GPU_CORES_PERCENT, gpu_cores_percent))
+        sizes = [f"{key}: {value}" for key, value in given if value is not None]
+        return "shares of GPUs", f"{names.RESOURCE_GPU_SHARE} with annotations {', '.join(sizes)}"
+    return "whole GPUs", names.RESOURCE_GPU
+
+
 def blocking_reason(
-    state: ClaimState | None, *, claim: str, pod_uid: str, gpus: int, rdma: int
+    state: ClaimState | None,
+    *,
+    claim: str,
+    pod_uid: str,
+    gpus: int,
+    rdma: int,
+    mig_profile: str | None = None,
+    gpu_memory_mib: int | None = None,
+    gpu_cores_percent: int | None = None,
 ) -> str | None:
     """Why a pod that names ``claim`` cannot get its devices now (a message for the pod author),
-    or ``None`` when it may be bound to the claim's assignment."""
+    or ``None`` when it may be bound to the claim's assignment.
+
+    The pod asks for the claim's devices the way kubelet hands them out: the same counts and
+    the same kind of GPU device (``tandem.io/gpu`` for whole GPUs, ``tandem.io/gpu-share`` with
+    the claim's share size, ``tandem.io/mig`` with its profile), because the device plugin of
+    that resource is the one that answers with the claim's devices (MIG: ``MIG-`` UUIDs in
+    ``NVIDIA_VISIBLE_DEVICES``; shares: the share's limits)."""
     if state is None:
         return f"{names.CLAIM_KIND} {claim!r} does not exist in this namespace; the pod waits for it"
     if state.view.deleting:
@@ -316,6 +362,18 @@ def blocking_reason(
             f"{names.CLAIM_KIND} {claim!r} holds {req.gpus} and {req.rdma}; a pod using a claim asks "
             "for exactly the claim's counts"
         )
+    if req is not None and req.gpus:
+        held, how = _gpu_kind(req.mig_profile, req.gpu_memory_mib, req.gpu_cores_percent)
+        asked, _ = _gpu_kind(mig_profile, gpu_memory_mib, gpu_cores_percent)
+        if (mig_profile, gpu_memory_mib, gpu_cores_percent) != (
+            req.mig_profile,
+            req.gpu_memory_mib,
+            req.gpu_cores_percent,
+        ):
+            return (
+                f"the pod asks for {asked}, but {names.CLAIM_KIND} {claim!r} holds {held}; a pod using "
+                f"it asks for {how}"
+            )
     if state.assignment is None:
         why = f": {state.reason}" if state.reason else ""
         return f"{names.CLAIM_KIND} {claim!r} is not allocated yet{why}"

@@ -136,6 +136,7 @@ def run_plan(
         make_line=_line,
         no_extra=_no_extra,
         is_live=live.__contains__,
+        gpu_line=_gpu,
     )
     for lineno, obj in _records(lines, source):
         where = f"{source}:{lineno}"

@@ -28,14 +28,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas.messages import AllocationRequest
+from schemas.messages import AllocationRequest, AssignedGpu
 from services.allocator.core import Cluster, InvalidRequest, Placement
 from services.cli.errors import CliError
 
 __all__ = ["ClaimBook"]
 
 CLAIM_EXTRA_KEYS = {"expires_after", "shareable"}
-POD_KEYS = {"kind", "id", "claim", "gpus", "rdma"}
+# What kind of GPU device the claim holds; on a pod line each must equal the claim's (left out:
+# the claim's), as the pod bridge wants a pod to ask tandem.io/mig or tandem.io/gpu-share alike.
+KIND_KEYS = ("mig_profile", "gpu_memory_mib", "gpu_cores_percent")
+POD_KEYS = {"kind", "id", "claim", "gpus", "rdma", *KIND_KEYS}
 TICK_KEYS = {"kind", "seconds"}
 
 Line = dict[str, Any]
@@ -47,6 +50,7 @@ class _Claim:
     placement: Placement
     deadline: float | None
     shareable: bool
+    request: AllocationRequest
     users: set[str] = field(default_factory=set)
 
 
@@ -62,6 +66,7 @@ class ClaimBook:
         make_line: Callable[..., Line],
         no_extra: Callable[[dict[str, Any], set[str], str], None],
         is_live: Callable[[str], bool],
+        gpu_line: Callable[[AssignedGpu], dict[str, Any]] | None = None,
     ) -> None:
         self.cluster = cluster
         self.claim_keys = alloc_keys | CLAIM_EXTRA_KEYS
@@ -69,6 +74,8 @@ class ClaimBook:
         self.make_line = make_line
         self.no_extra = no_extra
         self.is_live = is_live
+        # How a line shows a GPU (plan.py's: a share's size, a MIG instance's profile and UUID).
+        self.gpu_line = gpu_line or (lambda g: {"index": g.index, "uuid": g.uuid})
         self.now = 0.0
         self.claims: dict[str, _Claim] = {}
         self.pods: dict[str, str] = {}  # pod id -> claim id
@@ -131,9 +138,11 @@ class ClaimBook:
             raise CliError(f"{where}: {exc}") from None
         if not isinstance(result, Placement):
             return self.make_line(rid, "unschedulable", reason=result.reason)
-        self.cluster.hold(result.node, rid, result.devices())
+        # A claim's hold is never a victim (not preemptible); shares are held as shares, so
+        # the rest of such a GPU stays free for other shares, as for a pod's share.
+        self.cluster.hold(result.node, rid, result.devices(), priority=req.priority, shares=result.shares())
         deadline = self.now + float(after) if after is not None else None
-        self.claims[rid] = _Claim(rid, result, deadline, shareable)
+        self.claims[rid] = _Claim(rid, result, deadline, shareable, req)
         self.counts["claimed"] += 1
         return self._placed(rid, "claimed", result)
 
@@ -156,6 +165,15 @@ class ClaimBook:
                 reason=f"asks {counts[0]} GPUs + {counts[1]} NICs, but claim {cid!r} holds "
                 f"{len(p.gpus)} + {len(p.nics)}; a pod using a claim asks for exactly its counts",
             )
+        for key in KIND_KEYS:
+            held = getattr(claim.request, key)
+            if obj.get(key, held) != held:
+                return self.make_line(
+                    rid,
+                    "unschedulable",
+                    reason=f"asks {key} {obj[key]!r}, but claim {cid!r} holds {key} {held!r}; a pod "
+                    "using a claim asks for exactly its kind of GPU",
+                )
         if claim.users and not claim.shareable:
             return self.make_line(
                 rid,
@@ -208,7 +226,7 @@ class ClaimBook:
             rid,
             status,
             node=p.node,
-            gpus=[{"index": g.index, "uuid": g.uuid} for g in p.gpus],
+            gpus=[self.gpu_line(g) for g in p.gpus],
             nics=[{"name": n.name} for n in p.nics],
             pairs=[{"gpu": x.gpu, "nic": x.nic, "scope": x.scope} for x in p.pairs],
         )

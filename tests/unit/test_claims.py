@@ -14,7 +14,8 @@ import yaml
 
 from schemas import codec
 from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest, AssignedGpu, Assignment, PodRef
+from schemas.topology import MIG_PROFILE_PATTERN
+from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, Assignment, PodRef
 from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
@@ -69,6 +70,15 @@ def request(spec: dict[str, Any]) -> Any:
         ),
         ({"gpus": 1, "shares": {}}, "spec.shares: give gpuMemoryMiB and/or gpuCoresPercent"),
         ({"rdma": 1, "shares": {"gpuMemoryMiB": 1024}}, "spec.shares needs spec.gpus > 0"),
+        ({"gpus": 1, "migProfile": "1g"}, "DeviceClaim ml/c1: Expected `str` matching regex"),
+        (
+            {"gpus": 1, "migProfile": "1g.10gb", "shares": {"gpuMemoryMiB": 1024}},
+            "DeviceClaim ml/c1: spec.migProfile and spec.shares: a claim holds MIG instances or shares",
+        ),
+        (
+            {"rdma": 1, "migProfile": "1g.10gb"},
+            "DeviceClaim ml/c1: spec.migProfile needs spec.gpus > 0 (the number of 1g.10gb instances)",
+        ),
         ({"gpus": 1, "expiresAfter": "soon"}, "spec.expiresAfter: 'soon' is not a duration like 90s"),
         ({"gpus": 1, "expiresAfter": "0s"}, "spec.expiresAfter: '0s' must be more than 0s"),
         ({"gpus": 1, "expiresAt": "tomorrow"}, "spec.expiresAt: 'tomorrow' is not an RFC 3339 time"),
@@ -87,6 +97,11 @@ def test_bad_specs_are_refused_naming_the_claim_and_the_field(spec: dict[str, An
         request(spec)
     assert message in str(info.value)
     assert "Traceback" not in str(info.value)
+
+
+def test_a_bad_mig_profile_is_refused_naming_spec_mig_profile() -> None:
+    with pytest.raises(InvalidClaim, match=r"- at `spec\.migProfile`$"):
+        request({"gpus": 1, "migProfile": "10gb"})
 
 
 def test_metadata_without_a_uid_is_refused() -> None:
@@ -117,6 +132,18 @@ def test_a_claim_becomes_a_request_with_class_defaults_marker_and_shares() -> No
     assert (req.gpu_memory_mib, req.gpu_cores_percent) == (20480, 50)
     assert request({"gpus": 1, "expiresAt": "2027-01-15T10:00:00Z"}).claim.expires_at == T0 + 7200
     assert request({"gpus": 1}).claim.expires_at is None
+    assert request({"gpus": 1}).mig_profile is None
+
+
+def test_a_mig_claim_becomes_a_request_for_mig_instances() -> None:
+    req = request({"gpus": 2, "rdma": 1, "migProfile": "3g.40gb", "shareable": True})
+    assert (req.gpus, req.rdma, req.mig_profile, req.pairing) == (2, 1, "3g.40gb", "shared")
+    assert (req.gpu_memory_mib, req.gpu_cores_percent) == (None, None)
+    assert req.claim is not None and req.claim.shareable
+    # The allocator reads the same request off the wire.
+    back = codec.ALLOC_EVENT.decode(codec.encode(req))
+    assert isinstance(back, AllocationRequest) and back.mig_profile == "3g.40gb"
+    assert request({"gpus": 1, "migProfile": "1g.12gb+me"}).mig_profile == "1g.12gb+me"
 
 
 def test_durations() -> None:
@@ -130,12 +157,17 @@ def test_durations() -> None:
 def _state(spec: dict[str, Any], *, assigned: bool = True, users: dict[str, str] | None = None) -> ClaimState:
     view = claims.read_claim(claim(spec))
     state = ClaimState(view=view, request=claims.claim_request(view, device_classes=CLASSES))
+    if spec.get("migProfile"):
+        mig = AssignedMig(profile=spec["migProfile"], uuid="MIG-0a", device="gpu0-mig9-0")
+        gpus = [AssignedGpu(index=0, uuid="GPU-0", mig=mig)]
+    else:
+        gpus = [AssignedGpu(index=0, uuid="GPU-0")]
     if assigned:
         state.assignment = Assignment(
             request_id=state.request_id,
             pod=state.request.pod,  # type: ignore[union-attr]
             node="n1",
-            gpus=[AssignedGpu(index=0, uuid="GPU-0")],
+            gpus=gpus,
         )
         state.phase = "Allocated"
     state.users = dict(users or {})
@@ -156,6 +188,39 @@ def test_who_may_use_a_claim() -> None:
     released = _state({"gpus": 1})
     released.released, released.phase, released.reason = True, "Released", "reservation expired"
     assert why(released) == "DeviceClaim 'c1' was released (reservation expired); its devices are gone"
+
+
+def test_a_pod_on_a_claim_asks_the_claims_kind_of_gpu_device() -> None:
+    """Kubelet hands a pod its devices through the resource it asks (tandem.io/mig for MIG
+    instances, tandem.io/gpu-share for shares), so a pod asking the claim's counts of another
+    kind of device is not bound: it waits, told what to ask."""
+
+    def why(state: ClaimState, **kind: Any) -> str | None:
+        return claims.blocking_reason(state, claim="c1", pod_uid="p2", gpus=1, rdma=0, **kind)
+
+    mig = _state({"gpus": 1, "migProfile": "1g.10gb"})
+    assert why(mig, mig_profile="1g.10gb") is None
+    assert why(mig) == (
+        "the pod asks for whole GPUs, but DeviceClaim 'c1' holds MIG instances 1g.10gb; a pod using it "
+        "asks for tandem.io/mig with annotation tandem.io/mig-profile: 1g.10gb"
+    )
+    assert "the pod asks for MIG instances 3g.40gb, but DeviceClaim 'c1' holds MIG instances 1g.10gb" in str(
+        why(mig, mig_profile="3g.40gb")
+    )
+    whole = _state({"gpus": 1})
+    assert why(whole) is None
+    assert why(whole, mig_profile="1g.10gb") == (
+        "the pod asks for MIG instances 1g.10gb, but DeviceClaim 'c1' holds whole GPUs; a pod using it "
+        "asks for tandem.io/gpu"
+    )
+    share = _state({"gpus": 1, "shares": {"gpuMemoryMiB": 20480}})
+    assert why(share, gpu_memory_mib=20480) is None
+    assert why(share) == (
+        "the pod asks for whole GPUs, but DeviceClaim 'c1' holds shares of GPUs; a pod using it asks "
+        "for tandem.io/gpu-share with annotations tandem.io/gpu-memory-mib: 20480"
+    )
+    # An RDMA-only claim has no GPU kind to match.
+    assert claims.blocking_reason(_state({"rdma": 1}), claim="c1", pod_uid="p", gpus=0, rdma=1) is None
 
 
 def test_a_reservation_expires_at_its_deadline_only_when_no_pod_uses_it() -> None:
@@ -214,8 +279,50 @@ def test_the_crd_schema_and_the_code_know_the_same_spec_fields() -> None:
     assert set(schema) == fields
     shares = {f.encode_name for f in msgspec.structs.fields(claims.Shares)}
     assert set(schema["shares"]["properties"]) == shares
+    # The same MIG profile pattern as the request's (schemas/topology.py).
+    assert schema["migProfile"]["pattern"] == MIG_PROFILE_PATTERN
     status = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
     assert set(status) == set(claims.status_patch(_state({"gpus": 1}))["status"])
+
+
+def test_the_crd_refuses_bad_mig_claims_with_the_request_rules() -> None:
+    """What the API server checks: the pattern (here with jsonschema) and the spec's CEL rules
+    (evaluated with cel-python on the spec with the schema's defaults, as the API server does;
+    the update-only rule ``self == oldSelf`` aside)."""
+    import celpy
+
+    crd = yaml.safe_load(CRD.read_text())
+    schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    jsonschema.validate(claim({"gpus": 2, "migProfile": "1g.10gb"}), schema)
+    with pytest.raises(jsonschema.ValidationError, match="does not match"):
+        jsonschema.validate(claim({"gpus": 2, "migProfile": "10gb"}), schema)
+    spec_schema = schema["properties"]["spec"]
+    defaults = {k: v["default"] for k, v in spec_schema["properties"].items() if "default" in v}
+    env = celpy.Environment()
+    rules = [
+        (r["message"], env.program(env.compile(r["rule"])))
+        for r in spec_schema["x-kubernetes-validations"]
+        if "oldSelf" not in r["rule"]
+    ]
+
+    def refused(spec: dict[str, Any]) -> list[str]:
+        activation = {"self": celpy.json_to_cel({**defaults, **spec})}
+        out = []
+        for message, program in rules:
+            result = program.evaluate(activation)
+            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
+            if not result:
+                out.append(message)
+        return out
+
+    assert refused({"gpus": 2, "rdma": 1, "migProfile": "1g.10gb"}) == []
+    assert refused({"gpus": 1, "shares": {"gpuMemoryMiB": 1024}}) == []
+    assert refused({"gpus": 1, "migProfile": "1g.10gb", "shares": {"gpuMemoryMiB": 1024}}) == [
+        "spec.migProfile and spec.shares: a claim holds MIG instances or shares of GPUs, not both"
+    ]
+    assert refused({"rdma": 1, "migProfile": "1g.10gb"}) == [
+        "spec.migProfile needs spec.gpus > 0 (the number of MIG instances)"
+    ]
 
 
 # -- the documented examples -------------------------------------------------------------------
@@ -223,7 +330,7 @@ def test_the_crd_schema_and_the_code_know_the_same_spec_fields() -> None:
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 
 
-@pytest.mark.parametrize("example", ["deviceclaim.yaml", "reservation.yaml"])
+@pytest.mark.parametrize("example", ["deviceclaim.yaml", "reservation.yaml", "deviceclaim-mig.yaml"])
 def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: str) -> None:
     docs = [d for d in yaml.safe_load_all((EXAMPLES / example).read_text()) if d]
     crd = yaml.safe_load(CRD.read_text())
@@ -246,6 +353,7 @@ def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: st
         verdict = policy.admit(pod, operation="CREATE", device_classes={"default": DeviceClass()})
         assert verdict.allowed and verdict.request is not None
         assert (verdict.request.gpus, verdict.request.rdma) == (req.gpus, req.rdma)
+        assert verdict.request.mig_profile == req.mig_profile
 
 
 def test_the_claim_marker_rides_the_wire_and_old_requests_still_decode() -> None:
