@@ -14,8 +14,8 @@ import yaml
 
 from schemas import codec
 from schemas.config import DeviceClass
-from schemas.topology import MIG_PROFILE_PATTERN
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, Assignment, PodRef
+from schemas.topology import MIG_PROFILE_PATTERN
 from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
