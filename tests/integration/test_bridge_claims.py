@@ -14,22 +14,26 @@ import datetime
 import json
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import pytest
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, AllocRecord, Freed, NodeAllocations, Release, RequestRecord
-from services.admission import names
+from services.admission import names, policy
 from services.admission.bridge import Bridge
 from services.admission.kube import KubeClient
 from services.localstack import FleetEntry, LocalStack
+from services.nodeagent.deviceplugin import logic as plugin
 from services.runtime.bus import Bus
 from tests.conftest import BusFactory, make_settings
 from tests.e2e.test_cli_up import TANDEM
 from tests.integration import test_bridge as tb
 from tests.integration.test_bridge import (
+    CLASSES,
     NODE,
     Running,
     StartBridge,
@@ -39,6 +43,7 @@ from tests.integration.test_bridge import (
     requests_for,
     stream_messages,
 )
+from tests.unit.test_admission_helpers import deployment_pod
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -434,6 +439,106 @@ async def test_an_expired_reservation_is_freed_and_its_devices_go_to_a_pending_p
         await eventually(lambda: _true(not pod_obj(emu, "late")["spec"].get("schedulingGates")))
         ann = json.loads(pod_obj(emu, "late")["metadata"]["annotations"][names.ASSIGNMENT])
         assert ann["node"] == "box-0" and sorted(g["index"] for g in ann["gpus"]) == [0, 1, 2, 3]
+    finally:
+        await running.stop()
+
+
+MIG_NODE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "mig" / "dgx-h100-mig.yaml"
+
+
+@pytest.fixture
+async def mig_stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[LocalStack]:
+    """The documented DGX H100 with GPUs 0-3 in MIG mode (docs/sharing.md, "MIG")."""
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=5.0)
+    s = LocalStack(settings, fleet=[FleetEntry(str(MIG_NODE), 1, "mig")], retry_interval=0.3)
+    await s.start()
+    await s.wait_ready()
+    yield s
+    await s.stop()
+
+
+async def create_mig_pod(emu: Any, name: str, *, count: str, rdma: str, annotations: dict[str, str]) -> None:
+    """A pod asking ``tandem.io/mig`` (admitted by the webhook policy, persisted)."""
+    pod = deployment_pod(gpu=None, rdma=rdma, annotations=annotations)
+    pod["spec"]["containers"][0]["resources"]["limits"][names.RESOURCE_MIG] = count
+    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES)
+    assert verdict.allowed, verdict.message
+    admitted: dict[str, Any] = jsonpatch.apply_patch(pod, verdict.patch)
+    admitted["metadata"].update(name=name, uid=str(uuid.uuid4()), resourceVersion="1")
+    resp = await emu.post("/api/v1/namespaces/ml/pods", json=admitted)
+    assert resp.status == 200, await resp.text()
+
+
+async def test_a_mig_claim_gives_its_pods_its_instances_and_frees_them_when_deleted(
+    apiserver: tuple[Any, str], mig_stack: LocalStack, bus_factory: BusFactory
+) -> None:
+    """A claim with ``migProfile``: the real allocator holds existing MIG instances for it; a
+    pod asking ``tandem.io/mig`` with the profile is bound to exactly them (and the device
+    plugin's MIG resource answers that pod with their ``MIG-`` UUIDs); a pod asking whole GPUs
+    on it waits, told what to ask; deleting the claim frees the instances after cleanup."""
+    emu, url = apiserver
+    observer = await bus_factory("observer")
+    bridge = Bridge(kube=KubeClient.for_host(url), bus=mig_stack.buses[0], device_classes={"default": _cls()})
+    running = await _run(bridge)
+    try:
+        claim = await create_claim(
+            emu, "infer", gpus=2, rdma=1, pairing="shared", migProfile="1g.10gb", shareable=True
+        )
+        rid = f"claim-{claim['metadata']['uid']}"
+        await eventually(lambda: _true(status(emu, "infer").get("phase") == "Allocated"))
+        st = status(emu, "infer")
+        instances = [d for d in st["devices"] if "-mig" in d]
+        assert st["node"] == "mig-0" and len(instances) == 2 and len(st["devices"]) == 3
+        assignment = bridge.claims.states[("ml", "infer")].assignment
+        assert assignment is not None and assignment.request_id == rid
+        migs = [g.mig for g in assignment.gpus]
+        assert all(m is not None and m.profile == "1g.10gb" for m in migs)
+        uuids = [m.uuid for m in migs if m is not None]
+        assert sorted(m.device for m in migs if m is not None) == sorted(instances)
+
+        # A pod asking the claim's instances as MIG instances of its profile is bound to them.
+        uses = {names.CLAIM: "infer", names.MIG_PROFILE: "1g.10gb"}
+        await create_mig_pod(emu, "infer-0", count="2", rdma="1", annotations=uses)
+        await eventually(lambda: _true(not pod_obj(emu, "infer-0")["spec"].get("schedulingGates")))
+        ann = json.loads(pod_obj(emu, "infer-0")["metadata"]["annotations"][names.ASSIGNMENT])
+        assert ann["request_id"] == rid and ann["node"] == "mig-0"
+        assert [g["mig"]["uuid"] for g in ann["gpus"]] == uuids
+        await eventually(lambda: _true(status(emu, "infer").get("pods") == ["infer-0"]))
+
+        # On the node, kubelet asks the tandem.io/mig plugin for 2 instances: the preferred ones
+        # are the claim's, and Allocate hands exactly those to the container.
+        topo = mig_stack.allocators[0].model.cluster.topology("mig-0")
+        available = [d.id for d in plugin.plugin_devices(topo, {}, plugin.MIG_RESOURCE)]
+        chosen = plugin.preferred(
+            [assignment], plugin.MIG_RESOURCE, available=available, must_include=[], size=2
+        )
+        assert chosen == uuids
+        answer = plugin.allocate(plugin.MIG_RESOURCE, chosen, known=set(available), uverbs=lambda _: [])
+        assert answer.envs == {"NVIDIA_VISIBLE_DEVICES": ",".join(uuids)}
+        assert all(u.startswith("MIG-") for u in uuids)
+
+        # A pod asking whole GPUs on the MIG claim waits and is told what to ask.
+        await create_pod(emu, "whole", gpu="2", rdma="1", annotations={names.CLAIM: "infer"})
+        (event,) = await eventually(lambda: _async(events_for(emu, "whole")))
+        assert event["reason"] == names.EVENT_REASON_CLAIM
+        assert event["message"] == (
+            "the pod asks for whole GPUs, but DeviceClaim 'infer' holds MIG instances 1g.10gb; a pod "
+            "using it asks for tandem.io/mig with annotation tandem.io/mig-profile: 1g.10gb"
+        )
+        assert pod_obj(emu, "whole")["spec"]["schedulingGates"] == [{"name": names.GATE}]
+
+        # The pod ends, the claim is deleted: the instances are cleaned and freed.
+        assert (await emu.delete("/api/v1/namespaces/ml/pods/infer-0")).status == 200
+        assert (await emu.delete("/api/v1/namespaces/ml/pods/whole")).status == 200
+        assert (await emu.delete(f"{CLAIMS}/infer")).status == 200
+        (f,) = await eventually(lambda: freed(observer, rid))
+        assert sorted(f.devices) == sorted(st["devices"])
+        model = mig_stack.allocators[0].model.cluster
+        await wait_until(
+            lambda: set(instances) <= set(model.mig_instances("mig-0").get("1g.10gb", [])),
+            what="the claim's instances free again",
+        )
+        await eventually(lambda: _true(_gone(emu, "infer")))
     finally:
         await running.stop()
 
