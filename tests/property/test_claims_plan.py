@@ -9,12 +9,17 @@ clock ticks over a small fleet. Read back from the output alone, what must hold 
   shareable serves at most one pod at a time;
 * a reservation never expires while a pod uses it, nor before its deadline; once expired or
   freed, its devices may be handed out again.
+
+The second test runs the same checks with claims and plain pods that may ask MIG instances
+(``mig_profile``) on the documented MIG node beside a plain one; a MIG instance is a device of
+its own there.
 """
 
 from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -29,8 +34,12 @@ SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[Heal
 Dev = tuple[str, str, str]  # (node, "gpu"/"nic", id)
 
 
+MIG_NODE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "mig" / "dgx-h100-mig.yaml"
+
+
 @st.composite
-def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
+def traces(draw: st.DrawFn, *, mig: bool = False) -> list[dict[str, Any]]:
+    """``mig``: claims and plain pods may ask MIG instances (``mig_profile``) too."""
     lines: list[dict[str, Any]] = []
     claims: list[str] = []
     ids: list[str] = []
@@ -46,6 +55,7 @@ def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
             }
             if draw(st.booleans()):
                 line["expires_after"] = draw(st.integers(1, 50))
+            _maybe_mig(draw, line, mig=mig)
             line["shareable"] = draw(st.booleans())
             line["pairing"] = "shared"
             claims.append(line["id"])
@@ -60,6 +70,7 @@ def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
                 "rdma": draw(st.integers(int(gpus == 0), 2)),
                 "pairing": "shared",
             }
+            _maybe_mig(draw, line, mig=mig)
         elif op == "free" and ids:
             line = {"kind": "free", "id": draw(st.sampled_from(ids))}
         else:
@@ -70,9 +81,17 @@ def traces(draw: st.DrawFn) -> list[dict[str, Any]]:
     return lines
 
 
+def _maybe_mig(draw: st.DrawFn, line: dict[str, Any], *, mig: bool) -> None:
+    profile = draw(st.sampled_from([None, "1g.10gb", "3g.40gb"])) if mig else None
+    if profile is not None:
+        line["mig_profile"] = profile
+        line["gpus"] = max(line["gpus"], 1)
+
+
 def devices(line: dict[str, Any]) -> set[Dev]:
+    """A line's devices; a MIG instance is its own device (``gpu1-mig9-0``), not its GPU."""
     node = line["node"]
-    return {(node, "gpu", str(g["index"])) for g in line["gpus"]} | {
+    return {(node, "gpu", g["mig"]["device"] if "mig" in g else str(g["index"])) for g in line["gpus"]} | {
         (node, "nic", n["name"]) for n in line["nics"]
     }
 
@@ -84,6 +103,22 @@ def test_a_claims_devices_are_never_given_to_anyone_else(trace: list[dict[str, A
     topo = load_topology("pcie-4gpu-2nic")
     for i in range(2):
         cluster.set_node(f"n{i}", topo)
+    check(cluster, trace)
+
+
+@settings(SETTINGS, max_examples=150)
+@given(trace=traces(mig=True))
+def test_a_mig_claims_instances_are_never_given_to_anyone_else(trace: list[dict[str, Any]]) -> None:
+    """The same, with claims and pods asking MIG instances on the documented MIG node (GPUs 0-3
+    in MIG mode) beside a plain node: a claimed instance goes to no one else, and a pod on a
+    MIG claim gets exactly its instances."""
+    cluster = Cluster(policy="binpack", device_classes=default_device_classes())
+    cluster.set_node("mig", load_topology(str(MIG_NODE)))
+    cluster.set_node("plain", load_topology("pcie-4gpu-2nic"))
+    check(cluster, trace)
+
+
+def check(cluster: Cluster, trace: list[dict[str, Any]]) -> None:
     out = io.StringIO()
     run_plan(cluster, [json.dumps(x) for x in trace], source="trace", out=out, summary=False)
     uses = {x["id"]: x["claim"] for x in trace if x.get("kind") == "alloc" and "claim" in x}
