@@ -169,9 +169,16 @@ def read_claim(obj: Any) -> ClaimView:
         if isinstance(created_text, str) and created_text
         else 0.0
     )
+    raw_spec = obj.get("spec") or {}
     try:
-        spec = msgspec.convert(obj.get("spec") or {}, ClaimSpec)
+        spec = msgspec.convert(raw_spec, ClaimSpec)
     except msgspec.ValidationError as exc:
+        profile = raw_spec.get("migProfile") if isinstance(raw_spec, dict) else None
+        if isinstance(profile, str) and str(exc).endswith("`$.migProfile`"):
+            # msgspec would quote the regex; say it as the webhook says a pod's bad profile.
+            raise InvalidClaim(
+                f'{where}: spec.migProfile: {profile!r} is not a MIG profile like "1g.10gb" or "3g.40gb"'
+            ) from None
         raise InvalidClaim(f"{where}: {_spec_path(str(exc))}") from None
     return ClaimView(
         namespace=ns,
