@@ -74,6 +74,9 @@ log = get_logger(__name__)
 HEALTH_CHANGES = Counter(
     "tandem_nodeagent_health_changes_total", "Device health/cordon changes published", ["healthy"]
 )
+for _healthy in ("true", "false"):
+    # Shown from 0: increase() over a series born at its first change misses that change.
+    HEALTH_CHANGES.labels(_healthy)
 APPLIES = Counter("tandem_nodeagent_applies_total", "Assignments applied, by result", ["result"])
 CLEANUPS = Counter(
     "tandem_nodeagent_cleanups_total", "Releases cleaned up, by verification result", ["result"]

@@ -208,6 +208,9 @@ def loaded(up: tuple[str, dict[str, int]], prometheus: str) -> str:
         'sum(tandem_node_devices{node="pcie-0",kind="gpu",state="unhealthy"}) == 1',
         'sum(tandem_node_devices{node="pcie-0",kind="gpu",state="cordoned"}) == 1',
         'sum(tandem_dead_letters_total{service="allocator"}) >= 1',
+        # The agent's own count of the change, scraped from the agent (the gauges above come
+        # from the inventory, which can be scraped first).
+        'sum(tandem_nodeagent_health_changes_total{healthy="false"}) >= 1',
         "tandem_consumer_pending_messages",  # polled every 5 s by the services
     )
     wait_for(
