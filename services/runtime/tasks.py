@@ -73,7 +73,9 @@ class Supervisor:
         _, stuck = await asyncio.wait(tasks, timeout=timeout)
         for t in stuck:
             frames = [f"{f.f_code.co_filename}:{f.f_lineno}" for f in t.get_stack()]
-            log.error("task_did_not_stop", task=t.get_name(), stack=frames)
+            # Not ``stack``: structlog's console renderer takes that key for a formatted
+            # traceback string and raised on a list, which made a slow stop a crash.
+            log.error("task_did_not_stop", task=t.get_name(), frames=frames)
 
 
 class Service(abc.ABC):
