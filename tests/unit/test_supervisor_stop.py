@@ -18,8 +18,10 @@ async def test_a_task_that_does_not_stop_is_reported_not_raised(
 ) -> None:
     setup_logging(json=json)
     release = asyncio.Event()
+    started = asyncio.Event()
 
     async def stubborn() -> None:
+        started.set()
         try:
             await asyncio.Event().wait()
         except asyncio.CancelledError:
@@ -28,7 +30,7 @@ async def test_a_task_that_does_not_stop_is_reported_not_raised(
 
     tasks = Supervisor("test")
     tasks.spawn("stubborn", stubborn, restart=False)
-    await asyncio.sleep(0)  # let it start
+    await asyncio.wait_for(started.wait(), timeout=5)  # cancelled only once it runs
     await tasks.aclose(timeout=0.05)
     release.set()
     out = capfd.readouterr().err
