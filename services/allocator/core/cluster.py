@@ -723,15 +723,18 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter(self._index_groups(spec)[gkey]))
+            name = next(iter(self._index(spec)[0][gkey]))
             return self._nodes[name], status, st.feasible + st.pending
         return st
 
-    def _index_groups(self, spec: Spec) -> dict[GroupKey, dict[str, None]]:
-        """The groups of the index ``spec`` is decided in: whole, share, or stacking."""
-        if not spec.shared:
-            return self._groups
-        return self._xgroups if spec.stack else self._sgroups
+    def _index(self, spec: Spec) -> tuple[dict[GroupKey, dict[str, None]], list[tuple[GroupKey, int]], int]:
+        """The index ``spec`` is decided in — whole, share, or stacking: its groups, change log
+        and the log's base position."""
+        if spec.stack:
+            return self._xgroups, self._xlog, self._xlog_base
+        if spec.shared:
+            return self._sgroups, self._slog, self._slog_base
+        return self._groups, self._log, self._log_base
 
     def _decide_share_one(self, spec: Spec) -> Placement | None:
         """A one-GPU, no-NIC share request without a node selector, by :mod:`.sharefit`: the
@@ -971,8 +974,6 @@ class Cluster:
 
     def _mig_placement(self, choice: MigChoice, spec: Spec, *, candidates: int) -> Placement:
         node = self._nodes[choice.node]
-        shape = node.shape
-        topo = node.topology
         gpus = [
             AssignedGpu(
                 index=p.gpu_index,
@@ -988,19 +989,8 @@ class Cluster:
             )
             for p in choice.picks
         ]
-        nics = [self._assigned_nic(topo, shape, s) for s in choice.nics]
-        pairs = [Pair(gpu=g, nic=shape.slot_id[ns], scope=_SCOPE[sc]) for g, ns, sc in choice.pairs]
-        res = choice.choice
-        return Placement(
-            node=node.name,
-            gpus=gpus,
-            nics=nics,
-            pairs=pairs,
-            scope=_SCOPE[res.scope],
-            candidates=candidates,
-            met=res.met,
-            quality=res.key + res.frag,
-        )
+        pairs = [Pair(gpu=g, nic=node.shape.slot_id[ns], scope=_SCOPE[sc]) for g, ns, sc in choice.pairs]
+        return self._assembled(node, choice.choice, gpus, choice.nics, pairs, candidates=candidates)
 
     def mig_instances(self, name: str) -> dict[str, list[str]]:
         """Free MIG instances of ``name`` by profile (device ids); empty without MIG GPUs."""
@@ -1283,12 +1273,7 @@ class Cluster:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        if spec.stack:
-            log, base, all_groups = self._xlog, self._xlog_base, self._xgroups
-        elif spec.shared:
-            log, base, all_groups = self._slog, self._slog_base, self._sgroups
-        else:
-            log, base, all_groups = self._log, self._log_base, self._groups
+        all_groups, log, base = self._index(spec)
         end = base + len(log)
         if st is not None:
             # Most recently used last, so the LRU drop below takes the stalest.
@@ -1523,10 +1508,35 @@ class Cluster:
                     index=g.index, uuid=g.uuid, pci_bus_id=g.pci_bus_id, memory_mib=mem, cores_percent=cores
                 )
             )
-        nics = [self._assigned_nic(topo, shape, s) for s in res.nics]
         pairs = [
             Pair(gpu=shape.gpu_index[gs], nic=shape.slot_id[ns], scope=_SCOPE[sc]) for gs, ns, sc in res.pairs
         ]
+        return self._assembled(
+            node,
+            res,
+            gpus,
+            res.nics,
+            pairs,
+            candidates=candidates,
+            sharing=spec.dc.sharing if spec.shared else "",
+            memory_limit=spec.dc.memory_limit,
+        )
+
+    def _assembled(
+        self,
+        node: _Node,
+        res: Choice,
+        gpus: list[AssignedGpu],
+        nic_slots: Iterable[int],
+        pairs: list[Pair],
+        *,
+        candidates: int,
+        sharing: str = "",
+        memory_limit: str = "hard",
+    ) -> Placement:
+        """A placement from its GPUs and pairs (whole, shared or MIG) and the in-node search's
+        result: the NICs of ``nic_slots``, the scope and quality."""
+        nics = [self._assigned_nic(node.topology, node.shape, s) for s in nic_slots]
         return Placement(
             node=node.name,
             gpus=gpus,
@@ -1536,8 +1546,8 @@ class Cluster:
             candidates=candidates,
             met=res.met,
             quality=res.key + res.frag,
-            sharing=spec.dc.sharing if spec.shared else "",
-            memory_limit=spec.dc.memory_limit,
+            sharing=sharing,
+            memory_limit=memory_limit,
         )
 
     @staticmethod
