@@ -7,7 +7,7 @@ path of the bad field, which the services forward to the dead-letter subject.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 
@@ -15,6 +15,7 @@ from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     AllocatorHeartbeat,
+    AllocRecord,
     Applied,
     Assignment,
     ClaimRecord,
@@ -38,6 +39,7 @@ from schemas.messages import (
 )
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 
 NodeEvent = NodeInventory | HealthEvent | Heartbeat | Applied | Cleaned
 AllocEvent = AllocationRequest | JobRequest | Assignment | AllocationFailed | Release | Freed | PreemptionPlan
@@ -62,6 +64,68 @@ CLAIM_RECORD = msgspec.msgpack.Decoder(ClaimRecord)
 ALLOCATOR_HEARTBEAT = msgspec.msgpack.Decoder(AllocatorHeartbeat)
 
 DecodeErrors = (msgspec.DecodeError, msgspec.ValidationError)
+
+
+class RecordDecoder(Protocol[T_co]):
+    """What decodes a KV record: a msgspec decoder, or :class:`NodeAllocsDecoder`."""
+
+    def decode(self, data: bytes, /) -> T_co: ...
+
+
+class _AllocsFrame(msgspec.Struct):
+    """A node allocation record with each allocation left undecoded (NodeAllocations' shape)."""
+
+    node: str
+    allocations: dict[str, msgspec.Raw] = {}
+
+
+_ALLOCS_FRAME = msgspec.msgpack.Decoder(_AllocsFrame)
+_ALLOC_RECORD = msgspec.msgpack.Decoder(AllocRecord)
+
+
+class NodeAllocsDecoder:
+    """Decodes node allocation records as :data:`NODE_ALLOCS` does, for a reader that sees
+    every write of many records (a watch, a follower of every node).
+
+    One write changes one allocation of a node's record and carries the others unchanged, and
+    decoding the whole record again was most of what such a reader spent on it (20 µs for four
+    allocations). So the decoder remembers, per node, each allocation's bytes and decoded
+    :class:`AllocRecord`, and decodes only the allocations whose bytes changed; the others are
+    the very objects of the last record (which lets a reader compare by identity). Errors are
+    those of :data:`NODE_ALLOCS`, with the same paths. Memory: the last record's bytes of each
+    node that holds something.
+    """
+
+    def __init__(self) -> None:
+        self._last: dict[str, dict[str, tuple[msgspec.Raw, AllocRecord]]] = {}
+
+    def decode(self, data: bytes) -> NodeAllocations:
+        frame = _ALLOCS_FRAME.decode(data)
+        before = self._last.get(frame.node, {})
+        seen: dict[str, tuple[msgspec.Raw, AllocRecord]] = {}
+        allocations: dict[str, AllocRecord] = {}
+        for rid, raw in frame.allocations.items():
+            known = before.get(rid)
+            if known is not None and known[0] == raw:
+                rec = known[1]
+            else:
+                try:
+                    rec = _ALLOC_RECORD.decode(raw)
+                except msgspec.ValidationError as exc:
+                    raise msgspec.ValidationError(_nested(str(exc), "$.allocations[...]")) from None
+            allocations[rid] = rec
+            seen[rid] = (raw, rec)
+        if seen:
+            self._last[frame.node] = seen
+        else:
+            self._last.pop(frame.node, None)  # nothing held: nothing to remember
+        return NodeAllocations(node=frame.node, allocations=allocations)
+
+
+def _nested(message: str, at: str) -> str:
+    """A validation error of an inner value, with the path it has in the outer one."""
+    head, sep, path = message.partition(" - at `$")
+    return f"{head} - at `{at}{path}" if sep else f"{head} - at `{at}`"
 
 
 def encode(obj: Any) -> bytes:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 
-from schemas.messages import NodeAllocations, NodeLabels, NodeRecord
+from schemas.messages import AllocRecord, NodeAllocations, NodeLabels, NodeRecord
 from services.allocator.core import Cluster
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
@@ -52,6 +52,8 @@ class ReadModel:
         # node → (job, epoch) of the job pods its record holds ``prepared`` (services.allocator.jobs)
         self.prepared: dict[str, set[tuple[str, int]]] = {}
         self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
+        # node → request → the AllocRecord its hold was last taken from (see _sync_holds)
+        self._applied: dict[str, dict[str, AllocRecord]] = {}
         # Labels the cluster keeps on the Node objects (fabric blocks), mirrored by the pod
         # bridge into KV tandem-node-labels: they join the topology's own labels.
         self.cluster_labels: dict[str, dict[str, str]] = {}
@@ -140,10 +142,17 @@ class ReadModel:
     def _sync_holds(self, node: str, record: NodeAllocations | None) -> None:
         allocations = record.allocations if record is not None else {}
         tentative = self._tentative.get(node, {})
-        current = set(allocations) | set(tentative) | set(self._reserved.get(node, ()))
-        for rid in set(self.cluster.holds(node)) - current:
-            self.cluster.release(node, rid)
+        reserved = self._reserved.get(node, {})
+        for rid in [r for r in self.cluster.held(node) if r not in allocations and r not in tentative]:
+            if rid not in reserved:
+                self.cluster.release(node, rid)
+        applied = self._applied.pop(node, {})
         for rid, rec in allocations.items():
+            if applied.get(rid) is rec and rid not in tentative:
+                # The very allocation held already: a write changes one allocation of a record
+                # and carries the others as they were (commits keep their objects, and
+                # codec.NodeAllocsDecoder the decoded ones), so only that one is held again.
+                continue
             tentative.pop(rid, None)  # committed: the record's hold replaces it
             # A request of higher priority may evict a running allocation; one being released
             # is on its way out already, and a protected one (a claim) stays.
@@ -156,6 +165,8 @@ class ReadModel:
                 preemptible=rec.preemptible and rec.state not in ("releasing", "prepared"),
                 shares=rec.assignment.shares(),
             )
+        if allocations:
+            self._applied[node] = dict(allocations)
         if not tentative:
             self._tentative.pop(node, None)
 

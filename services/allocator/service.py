@@ -145,7 +145,7 @@ class Allocator(Service):
         # race on one node with the same stale view.
         self.before_commit = before_commit
         self.node_allocs: RecordStore[NodeAllocations] = RecordStore(
-            bus, subjects.KV_ALLOCS, codec.NODE_ALLOCS, on_change=self.model.on_allocs
+            bus, subjects.KV_ALLOCS, codec.NodeAllocsDecoder(), on_change=self.model.on_allocs
         )
         self.book = RequestBook(
             bus,

@@ -199,9 +199,8 @@ class ChaosRunner:
             why=f"after {FLEET_READY_S:g}s (logs: {self.run_dir})",
         )
         self.progress(f"{cfg.nodes} nodes registered after {time.monotonic() - t0:.1f} s")
-        publisher = self.publisher = AsyncPublisher(self.bus.js, window=256)
+        publisher = self.publisher = AsyncPublisher(self.bus.acks, window=256)
         self.tasks.spawn("publish", publisher.run)
-        self.tasks.spawn("reap", publisher.reap)
         began = time.monotonic()
         while self._more(began):
             await self._round(self.schedule.next())

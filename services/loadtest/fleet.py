@@ -84,7 +84,7 @@ class Fleet(Service):
         self.heartbeat_interval = heartbeat_interval
         self.apply_delay = apply_delay
         self.nodes = {name: _Node() for name in self.names}
-        self.publisher = AsyncPublisher(bus.js, window=2048)
+        self.publisher = AsyncPublisher(bus.acks, window=2048)
         self.follower = AllocationsFollower(bus, on_record=self._on_record, nodes=lambda: self.names)
         self.counts = {"records": 0, "applied": 0, "cleaned": 0, "heartbeats": 0}
         # Inventory msg ids are unique to this start (as an agent's are), stable across retries.
@@ -93,7 +93,6 @@ class Fleet(Service):
 
     async def start(self) -> None:
         self._tasks.spawn("publish", self.publisher.run)
-        self._tasks.spawn("reap", self.publisher.reap)
         started = time.monotonic()
         # Inventories out first (that is what the services wait for); the follower's first
         # full read of the records runs meanwhile.

@@ -212,9 +212,8 @@ class Harness:
         await self._wait_registered(deadline=deadline)
         self.progress(f"inventory registered {cfg.nodes} nodes after {time.perf_counter() - t0:.1f} s")
 
-        publisher = AsyncPublisher(bus.js, window=1024)
+        publisher = AsyncPublisher(bus.acks, window=1024)
         self.tasks.spawn("publish", publisher.run)
-        self.tasks.spawn("reap", publisher.reap)
         workload = Workload(pinned=cfg.pinned)
         gpus = fleet_gpus(self.plan)
         driver = LoadDriver(

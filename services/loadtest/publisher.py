@@ -1,17 +1,20 @@
 """Many JetStream publishes in flight from one connection, retried until stored.
 
 ``submit`` only queues (it never blocks the caller, so a callback can publish without waiting
-for a round trip); :meth:`AsyncPublisher.run` sends the queue with ``js.publish_async`` keeping
-at most ``window`` publishes unacknowledged, and re-sends a publish whose ack failed or did not
-come within ``ack_timeout`` — with the same ``Nats-Msg-Id``, so the stream's duplicate window
-drops a re-send of one that was stored after all — with a growing pause, for up to
-``RETRY_FOR_S`` (a stream leader election answers "no responders" for seconds). ``flush``
-waits until everything queued is acknowledged.
+for a round trip); :meth:`AsyncPublisher.run` sends the queue through the connection's
+:class:`~services.runtime.puback.AckInbox` (the services' own publish path: a counter token
+and a timer per publish, msgspec for the answer; nats-py's ``publish_async`` made a NUID and a
+random token and parsed JSON for each, a fifth of the simulated fleet's CPU) keeping at most
+``window`` publishes unacknowledged, and re-sends a publish whose ack failed or did not come
+within ``ack_timeout`` — with the same ``Nats-Msg-Id``, so the stream's duplicate window drops
+a re-send of one that was stored after all — with a growing pause, for up to ``RETRY_FOR_S``
+(a stream leader election answers "no responders" for seconds). ``flush`` waits until
+everything queued is acknowledged.
 
-Run it under a :class:`~services.runtime.tasks.Supervisor` (``run`` and ``reap`` are the two
-loops). This is the harness's and the simulated fleet's own sender: the services publish one
-awaited message at a time through :class:`~services.runtime.bus.Bus`, which is one of the
-costs the harness measures.
+Run :meth:`AsyncPublisher.run` under a :class:`~services.runtime.tasks.Supervisor`. This is
+the harness's and the simulated fleet's own sender: the services publish one awaited message
+at a time through :class:`~services.runtime.bus.Bus`, which is one of the costs the harness
+measures.
 """
 
 from __future__ import annotations
@@ -21,8 +24,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from nats.js import JetStreamContext
-from nats.js.api import PubAck
+from nats.aio.msg import Msg
+
+from services.runtime.puback import AckInbox, pub_ack
 
 # A publish is re-sent, with a growing pause, until it is stored or this long has passed since
 # its first attempt: a stream without a leader (a NATS server died) answers "no responders"
@@ -52,7 +56,7 @@ class PublisherStats:
 
 @dataclass
 class AsyncPublisher:
-    js: JetStreamContext
+    acks: AckInbox
     window: int = 1024
     ack_timeout: float = 5.0
     stats: PublisherStats = field(default_factory=PublisherStats)
@@ -61,7 +65,7 @@ class AsyncPublisher:
         self._queue: deque[_Item] = deque()
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(self.window)
-        self._in_flight: dict[asyncio.Future[PubAck], _Item] = {}
+        self._in_flight: dict[asyncio.Future[Msg], _Item] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -99,8 +103,10 @@ class AsyncPublisher:
             item.sent_at = time.monotonic()
             item.first_at = item.first_at or item.sent_at
             try:
-                fut = await self.js.publish_async(item.subject, item.payload, headers=item.headers)
-            except Exception as exc:  # not connected, too many stalled: queue it again
+                fut = await self.acks.send(
+                    item.subject, item.payload, headers=item.headers, timeout=self.ack_timeout
+                )
+            except Exception as exc:  # not connected: queue it again
                 self._slots.release()
                 self._retry(item, exc)
                 await asyncio.sleep(0.05)
@@ -108,14 +114,16 @@ class AsyncPublisher:
             self._in_flight[fut] = item
             fut.add_done_callback(self._done)
 
-    def _done(self, fut: asyncio.Future[PubAck]) -> None:
+    def _done(self, fut: asyncio.Future[Msg]) -> None:
         item = self._in_flight.pop(fut, None)
         self._slots.release()
         if item is None:
             return
-        if fut.cancelled():
-            self._retry(item, TimeoutError(f"no ack within {self.ack_timeout}s"))
-        elif (exc := fut.exception()) is not None:
+        try:
+            if fut.cancelled():  # only when the loop shuts down
+                raise TimeoutError("publish abandoned")
+            pub_ack(fut.result())  # the stream's answer, or its error
+        except Exception as exc:  # no ack within ack_timeout, no stream, a stream error
             self._retry(item, exc)
         else:
             self.stats.acked += 1
@@ -136,15 +144,6 @@ class AsyncPublisher:
     def _check_idle(self) -> None:
         if not self._queue and not self._in_flight:
             self._idle.set()
-
-    async def reap(self) -> None:
-        """Give up waiting for acks older than ``ack_timeout`` (their publish is re-sent)."""
-        while True:
-            await asyncio.sleep(min(1.0, self.ack_timeout / 2))
-            deadline = time.monotonic() - self.ack_timeout
-            for fut, item in list(self._in_flight.items()):
-                if item.sent_at < deadline and not fut.done():
-                    fut.cancel()
 
     async def flush(self, *, timeout: float) -> bool:
         """Until every submitted publish is acknowledged (or given up); False on timeout."""

@@ -97,6 +97,8 @@ class AllocationsFollower:
         self._nodes = nodes if nodes is not None else (lambda: [node] if node else [])
         self.resync_interval = resync_interval
         self._state: dict[str, _NodeState] = {}
+        # Decodes only the allocations a write changed (a fleet follows every node's writes).
+        self._decoder = codec.NodeAllocsDecoder()
         self._sub: Any = None
         self._tasks = Supervisor(f"follow:{node or '*'}")
 
@@ -129,7 +131,7 @@ class AllocationsFollower:
                     log.warning("resync_failed", node=node, error=repr(exc))
                     return
                 try:
-                    record = codec.NODE_ALLOCS.decode(entry.value or b"")
+                    record = self._decoder.decode(entry.value or b"")
                 except codec.DecodeErrors as exc:
                     log.error("allocs_record_undecodable", node=node, error=str(exc))
                     return
@@ -163,7 +165,7 @@ class AllocationsFollower:
             self._offer(node, None, revision)
             return
         try:
-            record = codec.NODE_ALLOCS.decode(msg.data)
+            record = self._decoder.decode(msg.data)
         except codec.DecodeErrors as exc:
             log.error("allocs_record_undecodable", node=node, error=str(exc))
             return

@@ -426,7 +426,7 @@ class Bus:
         self.js = nc.jetstream()
         # JetStream publishes and their acknowledgements, without nats-py's per-request
         # machinery (services/runtime/puback.py), and cheap unique message ids.
-        self._acks = AckInbox(nc)
+        self.acks = AckInbox(nc)
         self.msg_ids = MsgIds()
         self.service = service
         self.settings = settings
@@ -498,7 +498,7 @@ class Bus:
         attempt = 1
         while True:
             try:
-                return await self._acks.publish(
+                return await self.acks.publish(
                     subject, data, headers=headers, timeout=PUBLISH_ATTEMPT_TIMEOUT_S
                 )
             except TRANSIENT_PUBLISH_ERRORS as exc:
@@ -641,7 +641,7 @@ class Bus:
         delay = 0.1
         while True:
             try:
-                await self._acks.ack(msg, timeout=PUBLISH_ATTEMPT_TIMEOUT_S)
+                await self.acks.ack(msg, timeout=PUBLISH_ATTEMPT_TIMEOUT_S)
                 return
             except (nats.errors.NoRespondersError, nats.errors.TimeoutError) as exc:
                 if _cancelling():

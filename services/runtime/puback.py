@@ -75,7 +75,8 @@ class AckInbox:
         self.nc = nc
         self._prefix: str | None = None
         self._starting: asyncio.Future[str] | None = None
-        self._waiting: dict[str, asyncio.Future[Msg]] = {}
+        # reply token → the future of its reply, and the timer that fails it when none comes
+        self._waiting: dict[str, tuple[asyncio.Future[Msg], asyncio.TimerHandle]] = {}
         self._tokens = itertools.count()
 
     async def _start(self) -> str:
@@ -96,23 +97,32 @@ class AckInbox:
             return prefix
         return await asyncio.shield(self._starting)
 
+    async def send(
+        self, subject: str, payload: bytes = b"", *, headers: dict[str, str] | None = None, timeout: float
+    ) -> asyncio.Future[Msg]:
+        """Send a request and return once it is sent, with the future of its reply: the reply
+        message, or ``nats.errors.TimeoutError`` when none came within ``timeout``. For a
+        sender that keeps many requests in flight without a task for each
+        (:class:`services.loadtest.publisher.AsyncPublisher`)."""
+        prefix = await self._start()
+        token = str(next(self._tokens))
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Msg] = loop.create_future()
+        self._waiting[token] = (future, loop.call_later(timeout, self._expire, token))
+        try:
+            await self.nc.publish(subject, payload, reply=prefix + token, headers=headers)
+        except BaseException:
+            self._waiting.pop(token)[1].cancel()
+            raise
+        return future
+
     async def request(
         self, subject: str, payload: bytes = b"", *, headers: dict[str, str] | None = None, timeout: float
     ) -> Msg:
         """A core request answered on the inbox: the reply message, ``NoRespondersError``
         when nobody listens, ``nats.errors.TimeoutError`` when no answer came in time."""
-        prefix = await self._start()
-        token = str(next(self._tokens))
-        loop = asyncio.get_running_loop()
-        future: asyncio.Future[Msg] = loop.create_future()
-        self._waiting[token] = future
-        timer = loop.call_later(timeout, _expire, future)
-        try:
-            await self.nc.publish(subject, payload, reply=prefix + token, headers=headers)
-            reply = await future
-        finally:
-            timer.cancel()
-            del self._waiting[token]
+        # A caller cancelled meanwhile cancels the future; its entry goes when its timer fires.
+        reply = await (await self.send(subject, payload, headers=headers, timeout=timeout))
         if reply.headers and reply.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
             raise nats.errors.NoRespondersError
         return reply
@@ -121,11 +131,7 @@ class AckInbox:
         self, subject: str, payload: bytes, *, headers: dict[str, str], timeout: float
     ) -> api.PubAck:
         """A JetStream publish: the stream's ``PubAck``, or the errors nats-py raises."""
-        try:
-            reply = await self.request(subject, payload, headers=headers, timeout=timeout)
-        except nats.errors.NoRespondersError:
-            raise NoStreamResponseError from None
-        return _pub_ack(reply.data)
+        return pub_ack(await (await self.send(subject, payload, headers=headers, timeout=timeout)))
 
     async def ack(self, msg: Msg, *, timeout: float) -> None:
         """A confirmed ack of a consumed JetStream message (what ``Msg.ack_sync`` sends: an
@@ -136,26 +142,34 @@ class AckInbox:
 
     async def _on_reply(self, msg: Msg) -> None:
         assert self._prefix is not None
-        future = self._waiting.get(msg.subject[len(self._prefix) :])
-        if future is not None and not future.done():  # else: answered after its timeout
+        waiting = self._waiting.pop(msg.subject[len(self._prefix) :], None)
+        if waiting is None:
+            return  # answered after its timeout
+        future, timer = waiting
+        timer.cancel()
+        if not future.done():  # else: its caller was cancelled
             future.set_result(msg)
 
+    def _expire(self, token: str) -> None:
+        waiting = self._waiting.pop(token, None)
+        if waiting is not None and not waiting[0].done():
+            waiting[0].set_exception(nats.errors.TimeoutError())
 
-def _pub_ack(data: bytes) -> api.PubAck:
+
+def pub_ack(reply: Msg) -> api.PubAck:
+    """The stream's answer to a JetStream publish, or the error nats-py raises for it:
+    ``NoStreamResponseError`` when no stream listens, the ``APIError`` of the stream's error."""
+    if reply.headers and reply.headers.get(api.Header.STATUS) == NO_RESPONDERS_STATUS:
+        raise NoStreamResponseError
     try:
-        reply = _REPLY.decode(data)
+        answer = _REPLY.decode(reply.data)
     except msgspec.DecodeError as exc:
         raise APIError(description=f"undecodable publish acknowledgement: {exc}") from None
-    if reply.error is not None:
+    if answer.error is not None:
         try:
-            APIError.from_error(reply.error)  # raises the error's own subclass
+            APIError.from_error(answer.error)  # raises the error's own subclass
         except APIError:
             raise
         except Exception as exc:  # an error object without the expected fields
-            raise APIError(description=f"publish failed: {reply.error!r} ({exc!r})") from None
-    return api.PubAck(stream=reply.stream, seq=reply.seq, domain=reply.domain, duplicate=reply.duplicate)
-
-
-def _expire(future: asyncio.Future[Msg]) -> None:
-    if not future.done():
-        future.set_exception(nats.errors.TimeoutError())
+            raise APIError(description=f"publish failed: {answer.error!r} ({exc!r})") from None
+    return api.PubAck(stream=answer.stream, seq=answer.seq, domain=answer.domain, duplicate=answer.duplicate)

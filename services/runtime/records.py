@@ -37,7 +37,6 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-import msgspec
 from nats.js import api
 from nats.js.errors import APIError, NotFoundError
 
@@ -85,7 +84,7 @@ class RecordStore(Generic[T]):
         self,
         bus: Bus,
         bucket: str,
-        decoder: msgspec.msgpack.Decoder[T],
+        decoder: codec.RecordDecoder[T],
         *,
         on_change: OnChange[T] | None = None,
         retain: Callable[[T], bool] | None = None,

@@ -312,7 +312,7 @@ async def test_commit_whose_reply_was_lost_is_finished_not_redone(
     """The allocation record write lands but its reply never comes (the server died after
     storing it): the redelivered request is neither placed again nor left "deciding"."""
     stack, client = small_stack
-    acks = stack.allocators[0].bus._acks  # where the bus's JetStream publishes are answered
+    acks = stack.allocators[0].bus.acks  # where the bus's JetStream publishes are answered
     real_publish = acks.publish
     lost: list[int] = []
 

@@ -3,7 +3,9 @@ publish, which ``Bus.publish``'s retries and ``RecordStore``'s compare-and-set r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+from typing import Any
 
 import nats.errors
 import pytest
@@ -12,9 +14,12 @@ from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from schemas import subjects
+from services.loadtest.publisher import AsyncPublisher
 from services.runtime.bus import Bus
 from services.runtime.puback import AckInbox, MsgIds
+from services.runtime.tasks import Supervisor
 from tests.conftest import BusFactory
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -92,3 +97,56 @@ async def test_a_confirmed_ack_removes_the_message_from_the_consumer(bus_factory
     await AckInbox(bus.nc).ack(msg, timeout=2)  # returns once the server has taken the ack
     after = await bus.js.consumer_info(STREAM + "_Q", "puback-worker")
     assert after.num_ack_pending == 0 and after.ack_floor.stream_seq == sent.seq
+
+
+async def test_a_cancelled_request_leaves_nothing_once_its_timeout_passed(bus_factory: BusFactory) -> None:
+    bus = await bus_factory()
+    inbox = AckInbox(bus.nc)
+
+    async def silent(msg: Msg) -> None:  # a subscriber that never answers
+        del msg
+
+    await bus.nc.subscribe("puback.never", cb=silent)
+    task = asyncio.get_running_loop().create_task(inbox.request("puback.never", b"x", timeout=0.3))
+    await wait_until(lambda: bool(inbox._waiting), timeout=5, what="the request sent")
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    await wait_until(lambda: not inbox._waiting, timeout=5, what="the cancelled request's entry gone")
+
+
+async def test_async_publisher_stores_everything_once_and_resends_what_got_no_answer(
+    bus_factory: BusFactory,
+) -> None:
+    """Many publishes in flight through the inbox; one whose answer does not come is sent
+    again with its msg id, and the stream keeps it once."""
+    bus = await bus_factory()
+    await fresh_stream(bus, STREAM, "puback.test.>")
+    publisher = AsyncPublisher(bus.acks, window=64, ack_timeout=0.5)
+    real_send = bus.acks.send
+    dropped: list[str] = []
+
+    async def losing_first_answer(subject: str, payload: bytes = b"", **kw: Any) -> asyncio.Future[Msg]:
+        future = await real_send(subject, payload, **kw)
+        if kw["headers"]["Nats-Msg-Id"] != "p-7" or dropped:
+            return future
+        # Stored, but its answer is lost: the sender sees what the inbox's timer gives it.
+        dropped.append(subject)
+        lost: asyncio.Future[Msg] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(lambda _: lost.set_exception(nats.errors.TimeoutError()))
+        return lost
+
+    bus.acks.send = losing_first_answer  # type: ignore[method-assign]
+    tasks = Supervisor("publisher-test")
+    tasks.spawn("publish", publisher.run)
+    try:
+        for i in range(500):
+            publisher.submit(f"puback.test.{i % 7}", str(i).encode(), msg_id=f"p-{i}")
+        assert await publisher.flush(timeout=20)
+    finally:
+        await tasks.aclose()
+    info = await bus.js.stream_info(STREAM)
+    assert info.state.messages == 500
+    assert dropped == ["puback.test.0"]
+    assert publisher.stats.acked == 500 and publisher.stats.failed == 0
+    assert publisher.stats.retried == 1  # the re-send was answered from the duplicate window

@@ -480,6 +480,11 @@ class Cluster:
     def labels(self, name: str) -> dict[str, str]:
         return dict(self._need(name).labels)
 
+    def held(self, name: str) -> list[str]:
+        """The requests (and reservation keys) holding devices on ``name``."""
+        holds = self._holds.get(name)
+        return list(holds) if holds else []
+
     def holds(self, name: str) -> dict[str, frozenset[str]]:
         return {rid: frozenset(devs) for rid, devs in self._holds.get(name, {}).items()}
 
