@@ -13,6 +13,8 @@ parts, one module each:
 * :mod:`.jobs` (with :mod:`.jobcommits`) places whole jobs: the two-phase commit across nodes;
 * :mod:`.preemption` records preemption plans and keeps the preemptor's devices reserved;
 * :mod:`.wire` builds the wire assignment of a placement;
+* :mod:`.frees` is the free path: releases, verified cleanups, devices back;
+* :mod:`.retries` decides pending requests again when capacity may have grown;
 * this module is the placement loop: requests, releases and node reports come from durable
   pull consumers that hand over up to ``concurrency`` messages at once.
 
@@ -39,7 +41,8 @@ acked (rewritten and announced with ``AllocationFailed`` only when the reason sa
 new); pending requests are decided again, highest priority first, when capacity may have
 grown and every ``retry_interval``, and only a decision that finds a place writes anything.
 A release marks the allocation ``releasing`` in the node's record (the agent sees it there
-and cleans up); a verified ``Cleaned`` drops it and the request record says ``freed``.
+and cleans up); a verified ``Cleaned`` drops it and the request record says ``freed``
+(:mod:`.frees`).
 """
 
 from __future__ import annotations
@@ -63,20 +66,19 @@ from schemas.messages import (
     AllocationRequest,
     AllocRecord,
     Assignment,
-    Cleaned,
-    Freed,
     NodeAllocations,
     NodeRecord,
-    Release,
 )
 from services.allocator import commits, metrics
 from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable
 from services.allocator.core.gang import DEFAULT_TIERS
+from services.allocator.frees import Frees
 from services.allocator.jobs import Jobs
 from services.allocator.preemption import Preemptions
 from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
+from services.allocator.retries import PendingRetries
 from services.allocator.wire import build_assignment
 from services.runtime import tracing
 from services.runtime.bus import Bus, Delivery, Retry
@@ -104,8 +106,6 @@ REQUEST_CONCURRENCY = 512
 # free path fell behind under load (cleanup reports piled up, freed devices came back seconds
 # late and arrivals were refused meanwhile).
 EVENT_CONCURRENCY = REQUEST_CONCURRENCY
-# Capacity events within this long are answered by one pass over the pending requests.
-RETRY_COALESCE_S = 0.1
 
 
 def _pod_attributes(req: AllocationRequest) -> dict[str, str | int]:
@@ -139,7 +139,6 @@ class Allocator(Service):
         self.instance = instance
         self.model = ReadModel(Cluster(policy=policy, device_classes=device_classes))
         self.cluster = self.model.cluster
-        self.retry_interval = retry_interval
         self.concurrency = concurrency
         # Test seam: awaited between decide and commit so a test can force two replicas to
         # race on one node with the same stale view.
@@ -173,6 +172,26 @@ class Allocator(Service):
             device_classes=self.cluster.device_classes,
         )
         self._inflight: dict[str, asyncio.Future[str]] = {}  # request id → its outcome
+        self.frees = Frees(
+            bus,
+            model=self.model,
+            node_allocs=self.node_allocs,
+            book=self.book,
+            jobs=self.jobs,
+            inflight=self._inflight,
+        )
+        self.retries = PendingRetries(
+            model=self.model,
+            book=self.book,
+            preemptions=self.preemptions,
+            jobs=self.jobs,
+            inflight=self._inflight,
+            decide=self._decide,
+            handle=self.handle_request,
+            concurrency=concurrency,
+            retry_interval=retry_interval,
+            every_interval=self._refreeze,
+        )
         self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("allocator")
         self._kv: dict[str, KeyValue] = {}
@@ -278,14 +297,14 @@ class Allocator(Service):
                 subjects.ALLOC_STREAM,
                 subjects.CONSUMER_ALLOCATOR_RELEASES,
                 subjects.ALLOC_RELEASE_ALL,
-                self._on_release,
+                self.frees.on_release,
                 EVENT_CONCURRENCY,
             ),
             (
                 subjects.NODE_STREAM,
                 subjects.CONSUMER_ALLOCATOR_NODE,
                 subjects.ALLOCATOR_NODE_FILTERS,
-                self._on_node_report,
+                self.frees.on_node_report,
                 EVENT_CONCURRENCY,
             ),
         ]
@@ -310,7 +329,7 @@ class Allocator(Service):
         await self.replicas.start(self._tasks)
         # Job commits a crashed replica left half-done are settled before new decisions.
         await self.jobs.sweep()
-        self._tasks.spawn("retry-pending", self._retry_loop)
+        self._tasks.spawn("retry-pending", self.retries.run)
         log.info(
             "allocator_started",
             instance=self.instance,
@@ -554,76 +573,8 @@ class Allocator(Service):
         return "pending"
 
     async def retry_pending(self) -> int:
-        """Decide every pending request again, highest priority (then oldest) first.
-
-        Each decision is taken here, in priority order, before anything waits; only one that
-        finds a place (or has something new to say) goes on, as a task, to claim and commit,
-        so a pass over thousands of still-unschedulable requests writes nothing and their
-        commits overlap."""
-        self.preemptions.sweep(self.book.pending, busy=self._inflight)
-        abandoned = self.book.abandoned(busy=self._inflight)
-        candidates = {r.request_id: r for r in [*abandoned, *self.book.pending.values()]}
-        order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
-        gate = asyncio.Semaphore(self.concurrency)
-
-        async def retry(req: AllocationRequest, first: Placement | Unschedulable | None) -> bool:
-            outcome = ""
-            try:
-                outcome = await self.handle_request(req, first=first)
-                return outcome == "assigned"
-            except Retry as r:
-                log.info("retry_deferred", request_id=req.request_id, reason=str(r))
-                return False
-            finally:
-                gate.release()
-                if isinstance(first, Placement) and outcome != "assigned":
-                    self.model.drop_tentative(first.node, req.request_id)
-
-        tasks: list[asyncio.Task[bool]] = []
-        for req in order:
-            rid = req.request_id
-            if rid not in self.book.pending and rid not in self.book.claims:
-                continue
-            if rid in self._inflight or rid in self.model.placed:
-                continue
-            await gate.acquire()
-            try:
-                decision = self._decide(req)
-            except InvalidRequest:
-                decision = None  # handle_request rejects it, with the reason
-            if isinstance(decision, Unschedulable) and not self.book.reason_due(rid, decision):
-                gate.release()
-                continue
-            if isinstance(decision, Placement):
-                # Held now, before the next decision (the task holds it again, idempotently).
-                self.model.hold_tentative(decision.node, rid, decision.devices(), shares=decision.shares())
-            # Held in ``tasks`` and gathered below: not a bare task.
-            tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for res in results:
-            if isinstance(res, BaseException) and not isinstance(res, asyncio.CancelledError):
-                log.warning("retry_failed", error=repr(res))
-        return sum(1 for res in results if res is True)
-
-    async def _retry_loop(self) -> None:
-        last_refreeze = last_sweep = 0.0
-        while True:
-            now = time.monotonic()
-            if now - last_refreeze >= self.retry_interval:
-                last_refreeze = now
-                self._refreeze()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)
-                # Frees come in bursts: answer a burst with one pass, not one pass per free.
-                await asyncio.sleep(RETRY_COALESCE_S)
-            self.model.capacity.clear()
-            if self.book.pending or self.book.claims:
-                await self.retry_pending()
-            if now - last_sweep >= self.retry_interval:
-                # Half-done job commits are rare; every retry_interval is soon enough.
-                last_sweep = now
-                await self.jobs.sweep()
-            await self.jobs.retry_pending()
+        """Decide every pending request again now (:mod:`.retries`)."""
+        return await self.retries.retry_pending()
 
     def _refreeze(self) -> None:
         """``gc.freeze`` again once the fleet grew by a tenth since the last time: nodes that
@@ -633,116 +584,3 @@ class Allocator(Service):
         if nodes > self._frozen_at * 1.1 + 10:
             gc.freeze()
             self._frozen_at = nodes
-
-    # -- release, apply, cleanup ------------------------------------------------------------
-
-    async def _placement_of(self, request_id: str) -> str | None:
-        """The node holding ``request_id``, after any decision of it in flight finished."""
-        running = self._inflight.get(request_id)
-        if running is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(running)
-        node = self.model.placed.get(request_id)
-        if node is not None:
-            return node
-        record = await self.book.record(request_id)
-        if record is not None and record.node and record.state in ("assigned", "releasing"):
-            # Placed by another replica whose write this one's watch has not shown yet.
-            await self.node_allocs.fetch(record.node)
-        return self.model.placed.get(request_id)
-
-    async def _on_release(self, release: object, delivery: Delivery) -> None:
-        if not isinstance(release, Release):
-            log.warning("unexpected_message", subject=delivery.subject, kind=type(release).__name__)
-            return
-        with _tracer.start_as_current_span(
-            "allocator.release", context=delivery.context, kind=SpanKind.CONSUMER
-        ) as span:
-            span.set_attributes({"tandem.request_id": release.request_id})
-            span.set_attributes(tracing.messaging(delivery.subject, "process"))
-            await self._release(release)
-
-    async def _release(self, release: Release) -> None:
-        rid = release.request_id
-        if await self.jobs.release(rid):
-            return  # a whole job: every pod of it
-        node = await self._placement_of(rid)
-        if node is None:
-            outcome = await self.book.cancel(rid, pod=release.pod)
-            if outcome == "cancelled":
-                await self.bus.publish(
-                    subjects.ALLOC_FREED, Freed(request_id=rid), msg_id=subjects.msg_id(rid, "freed")
-                )
-            if outcome != "placed":
-                return
-            # Placed by now (its decision was in flight on another replica): release it.
-            node = await self._placement_of(rid)
-            if node is None:
-                raise Retry(f"release of {rid}: its placement is not visible yet")
-        # The node's record says "releasing" (its agent cleans up on seeing it); the request
-        # record keeps "assigned" until the devices are freed.
-        await self.node_allocs.update(
-            node, commits.set_state(rid, "releasing", only_from=frozenset({"assigned", "applied"}))
-        )
-
-    async def _on_node_report(self, event: object, delivery: Delivery) -> None:
-        if isinstance(event, Cleaned):
-            await self._on_cleaned(event, delivery)
-        else:
-            log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
-
-    async def _on_cleaned(self, cleaned: Cleaned, delivery: Delivery) -> None:
-        """A node's cleanup verdict. Only for an allocation that node holds and that is being
-        released (Bus.consume checked that the node named is the one the subject names, which
-        only that node's agent may publish on): anything else changes nothing."""
-        rid = cleaned.request_id
-        if not cleaned.ok:
-            # Never free devices whose cleanup was not verified; the agent keeps them
-            # unhealthy and retries the cleanup, and a verified one frees them.
-            if await self._releasing_on(cleaned.node, rid):
-                log.warning(
-                    "cleanup_unverified", request_id=rid, node=cleaned.node, problems=cleaned.problems
-                )
-                self.book.cleanup_unverified(rid, cleaned.problems)
-            else:
-                log.info("cleaned_ignored", request_id=rid, node=cleaned.node, ok=False)
-            return
-        with _tracer.start_as_current_span(
-            "allocator.free", context=delivery.context, kind=SpanKind.CONSUMER
-        ) as span:
-            span.set_attributes({"tandem.request_id": rid, "k8s.node.name": cleaned.node})
-            span.set_attributes(tracing.messaging(delivery.subject, "process"))
-            if await self._releasing_on(cleaned.node, rid):
-                # The outcome first, then the drop. In the other order a crash between the two
-                # writes left the request "assigned" with no node holding it: the redelivered
-                # Cleaned found nothing to drop, and a replica that (re)loaded the record took
-                # it for an abandoned claim and placed the released request again. In this
-                # order the redelivery still finds the allocation releasing and drops it.
-                await self.book.freed(rid)
-                drop = commits.drop_allocation(rid, only_from=frozenset({"releasing"}))
-                await self.node_allocs.update(cleaned.node, drop)
-            else:
-                record = await self.book.record(rid)
-                if record is None or record.state != "freed" or record.node != cleaned.node:
-                    # Not being released on that node (a report about an allocation nobody
-                    # released, or that the node does not hold): nothing to free.
-                    log.info("cleaned_ignored", request_id=rid, node=cleaned.node)
-                    return
-                # Freed already: a redelivery because announcing it failed. Announce again.
-            await self.bus.publish(
-                subjects.ALLOC_FREED,
-                Freed(request_id=rid, node=cleaned.node, devices=cleaned.devices),
-                msg_id=subjects.msg_id(rid, "freed"),
-            )
-            log.debug("freed", request_id=rid, node=cleaned.node)
-
-    async def _releasing_on(self, node: str, request_id: str) -> bool:
-        """Whether ``node``'s record holds ``request_id`` being released (read from the
-        server when this replica's copy does not show it)."""
-        for attempt in range(2):
-            known = self.node_allocs.cached(node) if attempt == 0 else await self.node_allocs.fetch(node)
-            record = known[0] if known is not None else None
-            rec = record.allocations.get(request_id) if record is not None else None
-            if rec is not None and rec.state == "releasing":
-                return True
-        return False

@@ -418,7 +418,7 @@ async def test_a_crash_between_freeing_and_dropping_leaves_nothing_to_place_agai
     stack, client = small_stack
     allocator = stack.allocators[0]
     seen = {"active": False, "writes": 0, "crashed": False}
-    real_on_cleaned = allocator._on_cleaned
+    real_on_cleaned = allocator.frees.on_cleaned
 
     async def on_cleaned(cleaned: Cleaned, delivery: object) -> None:
         seen["active"], seen["writes"] = True, 0
@@ -438,7 +438,7 @@ async def test_a_crash_between_freeing_and_dropping_leaves_nothing_to_place_agai
 
         return write
 
-    monkeypatch.setattr(allocator, "_on_cleaned", on_cleaned)
+    monkeypatch.setattr(allocator.frees, "on_cleaned", on_cleaned)
     monkeypatch.setattr(allocator.book, "freed", crash_at_second_write(allocator.book.freed))
     monkeypatch.setattr(allocator.node_allocs, "update", crash_at_second_write(allocator.node_allocs.update))
     req = request(103)
