@@ -151,16 +151,33 @@ async def test_node_agent_cannot_publish_as_another_node(
     forged = [subjects.node_heartbeat(b), subjects.node_inventory(b), subjects.node_cleaned(b)]
     for subject in forged:
         await intruder.nc.publish(subject, b"forged")
-    await intruder.nc.publish(subjects.node_heartbeat(a), b"own")  # allowed: the control
-    await intruder.nc.flush()
+
+    # The control: A's own heartbeat is allowed. NATS keeps one connection's messages in
+    # order, so a forged one that got through would reach the watcher before any "own". In
+    # about one run of this file in fifteen the first "own" never reached the watcher although
+    # the server had taken it (no error, no reconnect; not reproduced outside this test), so
+    # it is sent again when none arrived within two seconds.
+    loop = asyncio.get_running_loop()
+
+    async def own_arrives(within: float) -> bool:
+        await intruder.nc.publish(subjects.node_heartbeat(a), b"own")
+        await intruder.nc.flush()
+        deadline = loop.time() + within
+        while (left := deadline - loop.time()) > 0:
+            try:
+                msg = await seen.next_msg(timeout=left)
+            except nats.errors.TimeoutError:
+                return False
+            assert msg.data != b"forged"  # the real agents' heartbeats are also on the wire
+            if msg.data == b"own":
+                return True
+        return False
 
     # Generous deadlines: on a loaded machine the watcher's client may read late; the checks
     # are that "own" arrives and nothing forged does, not how fast.
-    async with asyncio.timeout(20):
-        msg = await seen.next_msg(timeout=10)
-        while msg.data != b"own":  # the real agents' heartbeats are also on the wire
-            assert msg.data != b"forged"
-            msg = await seen.next_msg(timeout=10)
+    async with asyncio.timeout(30):
+        while not await own_arrives(within=2):
+            pass
     violations = await intruder.violations(len(forged))
     assert len(violations) == len(forged)
     assert all(any(s.lower() in v for v in violations) for s in forged)
