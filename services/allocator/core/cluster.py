@@ -114,8 +114,6 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-import msgspec
-
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, AssignedNic, Pair
 from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
@@ -822,18 +820,7 @@ class Cluster:
         if whole is None:
             if len(self._open_specs) >= _SIG_MAX:
                 self._open_specs.clear()
-            dc = msgspec.structs.replace(spec.dc, gpu_min_memory_mib=max(spec.dc.gpu_min_memory_mib, floor))
-            whole = self._open_specs[okey] = Spec(
-                gpus=spec.gpus,
-                rdma=spec.rdma,
-                scope=spec.scope,
-                required=spec.required,
-                per_gpu=spec.per_gpu,
-                # The view of a class is cached by name (Shape.view): a name per memory floor.
-                device_class=f"{spec.device_class}\x00{floor}",
-                dc=dc,
-                selector=(),
-            )
+            whole = self._open_specs[okey] = spec.whole_with_min_memory(floor)
         return whole
 
     def _decide_share_tiers(self, spec: Spec) -> Placement | None:

@@ -16,6 +16,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import TypeVar
 
+import msgspec
+
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest
 from schemas.topology import Scope
@@ -66,6 +68,21 @@ class Spec:
     @property
     def pairing(self) -> str:
         return "per-gpu" if self.per_gpu else "shared"
+
+    def whole_with_min_memory(self, floor: int) -> Spec:
+        """This request as one for whole GPUs of at least ``floor`` MiB, without a selector:
+        how a share is searched on fresh GPUs (.shares, .cluster). The class gets a name per
+        floor because a class's view of a shape is cached by name (``Shape.view``)."""
+        return Spec(
+            gpus=self.gpus,
+            rdma=self.rdma,
+            scope=self.scope,
+            required=self.required,
+            per_gpu=self.per_gpu,
+            device_class=f"{self.device_class}\x00{floor}",
+            dc=msgspec.structs.replace(self.dc, gpu_min_memory_mib=max(self.dc.gpu_min_memory_mib, floor)),
+            selector=(),
+        )
 
 
 def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spec:

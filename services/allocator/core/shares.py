@@ -55,8 +55,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import replace
 
-import msgspec
-
 from .model import Shape
 from .request import Spec
 from .search import Choice, Refusal, _span, cross_key, evaluate, one_sided_waste, precheck
@@ -316,16 +314,7 @@ def search_spec(spec: Spec) -> Spec:
     if got is None:
         if len(_SEARCH_SPECS) >= _DECODED_MAX:
             _SEARCH_SPECS.clear()
-        got = _SEARCH_SPECS[spec.key] = Spec(
-            gpus=spec.gpus,
-            rdma=spec.rdma,
-            scope=spec.scope,
-            required=spec.required,
-            per_gpu=spec.per_gpu,
-            device_class=f"{spec.device_class}\x00{spec.memory_mib}",
-            dc=msgspec.structs.replace(spec.dc, gpu_min_memory_mib=spec.memory_mib),
-            selector=(),
-        )
+        got = _SEARCH_SPECS[spec.key] = spec.whole_with_min_memory(spec.memory_mib)
     return got
 
 
