@@ -55,7 +55,6 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from nats.js.kv import KeyValue
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -194,7 +193,6 @@ class Allocator(Service):
         )
         self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("allocator")
-        self._kv: dict[str, KeyValue] = {}
 
     # -- the read model, as tests and the CLI see it ------------------------------------------
 
@@ -227,21 +225,13 @@ class Allocator(Service):
 
     async def start(self) -> None:
         began = time.monotonic()
-        buckets = (
-            subjects.KV_NODE_LABELS,
-            subjects.KV_NODES,
-            subjects.KV_ALLOCS,
-            subjects.KV_REQUESTS,
-            subjects.KV_JOBS,
-        )
-        for bucket in buckets:
-            self._kv[bucket] = await self.bus.kv(bucket)
         watches: list[tuple[str, Callable[[asyncio.Event], Awaitable[None]]]] = [
             # Cluster labels first, so that nodes are indexed with them from the start.
             (
                 subjects.KV_NODE_LABELS,
                 lambda r: watch_bucket(
-                    self._kv[subjects.KV_NODE_LABELS],
+                    self.bus.js,
+                    subjects.KV_NODE_LABELS,
                     codec.NODE_LABELS,
                     lambda k, v, _: self.model.on_node_labels(k, v),
                     ready=r,
@@ -249,12 +239,13 @@ class Allocator(Service):
             ),
             (
                 subjects.KV_ALLOCS,
-                lambda r: watch_raw(self._kv[subjects.KV_ALLOCS], self.node_allocs.observe, ready=r),
+                lambda r: watch_raw(self.bus.js, subjects.KV_ALLOCS, self.node_allocs.observe, ready=r),
             ),
             (
                 subjects.KV_NODES,
                 lambda r: watch_bucket(
-                    self._kv[subjects.KV_NODES],
+                    self.bus.js,
+                    subjects.KV_NODES,
                     codec.NODE_RECORD,
                     lambda k, v, _: self.model.on_node_record(k, v),
                     ready=r,
@@ -262,11 +253,11 @@ class Allocator(Service):
             ),
             (
                 subjects.KV_REQUESTS,
-                lambda r: watch_raw(self._kv[subjects.KV_REQUESTS], self.book.store.observe, ready=r),
+                lambda r: watch_raw(self.bus.js, subjects.KV_REQUESTS, self.book.store.observe, ready=r),
             ),
             (
                 subjects.KV_JOBS,
-                lambda r: watch_raw(self._kv[subjects.KV_JOBS], self.jobs.store.observe, ready=r),
+                lambda r: watch_raw(self.bus.js, subjects.KV_JOBS, self.jobs.store.observe, ready=r),
             ),
         ]
         for bucket, watch in watches:

@@ -27,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Literal
 
 import msgspec
@@ -126,7 +126,11 @@ class Inventory(Service):
     async def start(self) -> None:
         self._kv = await self.bus.kv(subjects.KV_NODES)
         ready = asyncio.Event()
-        self._tasks.spawn("watch-nodes", lambda: watch_raw(self.kv, self.records.observe, ready=ready))
+
+        def watch() -> Awaitable[None]:
+            return watch_raw(self.bus.js, subjects.KV_NODES, self.records.observe, ready=ready)
+
+        self._tasks.spawn("watch-nodes", watch)
         await asyncio.wait_for(ready.wait(), 60)
         now = self.clock()
         for node in self.status:

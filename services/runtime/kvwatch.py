@@ -15,40 +15,93 @@ not the reader).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext, api
 from nats.js.errors import KeyNotFoundError, NoKeysError
 from nats.js.kv import KeyValue
 
-from schemas import codec
+from schemas import codec, subjects
 from services.runtime.logging import get_logger
 
 log = get_logger(__name__)
 T = TypeVar("T")
 
+# Headers of KV deliveries (nats-py's names for them are not public).
+KV_OPERATION = "KV-Operation"
+MARKER_REASON = "Nats-Marker-Reason"
+# nats-py's value for its watchers: the server drops the consumer after 5 minutes without a
+# subscriber (a watcher that died with its connection).
+WATCH_INACTIVE_THRESHOLD_S = 5 * 60
+
 OnChange = Callable[[str, T | None, int], object]
 RawChange = Callable[[str, bytes | None, int], object]
 
 
-async def watch_raw(kv: KeyValue, on_change: RawChange, *, ready: asyncio.Event | None = None) -> None:
-    """Run until cancelled; ``on_change(key, bytes_or_None_when_deleted, revision)``."""
-    watcher = await kv.watchall()
+# A key is gone when its delivery says an operation (``KV-Operation``: a delete or purge), or
+# — nats-server 2.11 on — is a marker the server placed when a value's TTL ran out or it was
+# purged or removed; markers of other kinds are not changes (as nats-py's watcher has it).
+_GONE_MARKERS = frozenset({"MaxAge", "Purge", "Remove"})
+_NO_HEADERS: dict[str, str] = {}
+
+
+async def watch_raw(
+    js: JetStreamContext, bucket: str, on_change: RawChange, *, ready: asyncio.Event | None = None
+) -> None:
+    """Run until cancelled; ``on_change(key, bytes_or_None_when_deleted, revision)``.
+
+    The same ordered consumer as nats-py's ``KeyValue.watchall`` (the last value of each key,
+    then every change; nats-py recreates it after a gap), but each delivery goes straight to
+    ``on_change`` from the subscription's callback. The library's watcher builds an entry
+    object per change and hands it through a queue to an iterating task: 12.2 µs of CPU per
+    change taken in against 10.2 µs this way (30,000 changes of a 300-byte value, one
+    process watching). An exception from ``on_change`` ends the watch with it (the
+    service's supervisor starts it again: a fresh watch, so a resync)."""
+    prefix = subjects.kv_subject(bucket, "")
+    failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def deliver(msg: Msg) -> None:
+        if failed.done():
+            return
+        meta = msg.metadata
+        headers = msg.headers or _NO_HEADERS
+        operation = headers.get(KV_OPERATION)
+        marker = headers.get(MARKER_REASON) if operation is None else None
+        if marker is None or marker in _GONE_MARKERS:  # a marker of an unknown kind is no change
+            gone = operation is not None or marker is not None or not msg.data
+            try:
+                on_change(msg.subject[len(prefix) :], None if gone else msg.data, meta.sequence.stream)
+            except Exception as exc:
+                failed.set_exception(exc)
+                return
+        if ready is not None and meta.num_pending == 0:
+            ready.set()  # the initial values are in (and every later change with nothing behind)
+
+    sub = await js.subscribe(
+        subjects.kv_subject(bucket),
+        stream=subjects.kv_stream(bucket),
+        cb=deliver,
+        ordered_consumer=True,
+        deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+        inactive_threshold=WATCH_INACTIVE_THRESHOLD_S,
+    )
     try:
-        async for entry in watcher:
-            if entry is None:  # end of the initial values
-                if ready is not None:
-                    ready.set()
-                continue
-            data = entry.value if entry.operation is None and entry.value else None
-            on_change(entry.key, data, entry.revision or 0)
+        info = await sub.consumer_info()
+        if ready is not None and info.num_pending == 0 and sub.delivered == 0:
+            ready.set()  # an empty bucket: no delivery will say so
+        await failed
     finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def watch_bucket(
-    kv: KeyValue,
+    js: JetStreamContext,
+    bucket: str,
     decoder: msgspec.msgpack.Decoder[T],
     on_change: OnChange[T],
     *,
@@ -62,11 +115,11 @@ async def watch_bucket(
             try:
                 value = decoder.decode(data)
             except codec.DecodeErrors as exc:
-                log.error("kv_decode_failed", bucket=kv._name, key=key, error=str(exc))
+                log.error("kv_decode_failed", bucket=bucket, key=key, error=str(exc))
                 return
         on_change(key, value, revision)
 
-    await watch_raw(kv, decoded, ready=ready)
+    await watch_raw(js, bucket, decoded, ready=ready)
 
 
 async def read_bucket(kv: KeyValue, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:

@@ -1,11 +1,13 @@
-"""The coalescing flusher overrides a private method of nats-py's client and the ack inbox reads
-two private attributes: these checks fail when an upgrade of nats-py moves what they rely on,
-instead of the client silently breaking."""
+"""The coalescing flusher and the header parser override private methods of nats-py's client and
+the ack inbox reads two private attributes: these checks fail when an upgrade of nats-py moves
+what they rely on, instead of the client silently breaking (or parsing headers differently)."""
 
 from __future__ import annotations
 
 import inspect
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from nats.aio.client import Client
 
 from services.runtime.bus import _CoalescingClient
@@ -42,3 +44,53 @@ def test_the_attributes_the_ack_inbox_uses_still_exist() -> None:
     client = Client()
     assert isinstance(client._inbox_prefix, bytearray)
     assert isinstance(client._nuid.next(), bytearray)
+
+
+def test_the_library_parses_header_blocks_through_the_overridden_method() -> None:
+    # nats-py calls it on the instance, so the override is the parser every message meets.
+    assert "self._parse_header_lines(" in inspect.getsource(Client._process_headers)
+
+
+# Header blocks as they come and as they could come: real names and values, names with
+# whitespace or non-ASCII bytes, lines without a colon, empty lines, stray separators.
+_HEADER_PARTS = st.sampled_from(
+    [
+        b"Nats-Msg-Id",
+        b"Nats-Expected-Last-Subject-Sequence",
+        b"KV-Operation",
+        b"traceparent",
+        b"DEL",
+        b"123",
+        b":",
+        b": ",
+        b" ",
+        b"\t",
+        b"\x0b",
+        b"\x1c",
+        b"\x7f",
+        b"\xc3\xa9",
+        b"\xff",
+        b"\r\n",
+        b"\r",
+        b"\n",
+        b"a b",
+        b"",
+    ]
+)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(st.lists(_HEADER_PARTS, max_size=6).map(b"".join), max_size=8).map(b"\r\n".join))
+def test_the_header_parser_gives_the_library_result(raw: bytes) -> None:
+    assert _CoalescingClient._parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+def test_the_header_parser_on_the_blocks_a_kv_watch_delivers() -> None:
+    raw = (
+        b"Nats-Stream: KV_tandem-allocs\r\nNats-Subject: $KV.tandem-allocs.node-1\r\n"
+        b"Nats-Sequence: 42\r\nNats-Last-Sequence: 41\r\nNats-Msg-Id: x:node-1:41:\r\n"
+        b"Nats-Expected-Last-Subject-Sequence: 41\r\nbad name: dropped\r\n\xc3\xa9: dropped\r\n\r\n"
+    )
+    parsed = _CoalescingClient._parse_header_lines(raw)
+    assert parsed == Client._parse_header_lines(raw)
+    assert parsed["Nats-Sequence"] == "42" and "bad name" not in parsed and len(parsed) == 6
