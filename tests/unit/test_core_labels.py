@@ -163,3 +163,35 @@ def test_signature_states_stay_within_their_budget(monkeypatch: pytest.MonkeyPat
 def test_pinned_max_must_not_be_negative() -> None:
     with pytest.raises(InvalidRequest, match="pinned_max"):
         Cluster(pinned_max=-1)
+
+
+def test_memoized_selector_matches_stay_bounded_and_follow_a_regroup(monkeypatch: pytest.MonkeyPatch) -> None:
+    import services.allocator.core.cluster as cluster_mod
+
+    monkeypatch.setattr(cluster_mod, "_SELECTOR_MATCH_MAX", 3)
+    c = fleet(24, pinned_max=0, pools=4)
+    for i in range(12):
+        pool = f"p{i % 4}"
+        p = placed(c.decide(req(f"r{i}", 1, 1, node_selector={"pool": pool})))
+        assert c.labels(p.node)["pool"] == pool
+        assert c.cache_stats()["selector_matches"] <= 3
+    # A new grouping key renumbers the hardware ids: a memo kept across it would answer for
+    # other labels. The nodes come back in the opposite order, racks split the pools, and each
+    # selector still lands on its own nodes.
+    monkeypatch.setattr(cluster_mod, "_SELECTOR_MATCH_MAX", 1000)
+    c = fleet(24, pinned_max=0, pools=4)
+    for i in range(4):
+        placed(c.decide(req(f"u{i}", 1, 1, node_selector={"pool": f"p{i}"})))
+    for i in range(24):
+        c.remove_node(f"n{i}")
+    for i in reversed(range(24)):
+        labels = {HOST: f"n{i}", "pool": f"p{i % 4}", "rack": f"k{i % 3}"}
+        c.set_node(f"n{i}", load_topology("dgx-h100"), labels=labels)
+    # n23 (pool p3), the fullest node, is the first of the new hardware ids.
+    c.hold("n23", "big", [f"gpu{g}" for g in range(6)])
+    for i, (pool, rack) in enumerate([("p1", "k2"), ("p2", "k0"), ("p0", "k2"), ("p3", "k1")]):
+        p = placed(c.decide(req(f"s{i}", 1, 1, node_selector={"pool": pool, "rack": rack})))
+        assert (c.labels(p.node)["pool"], c.labels(p.node)["rack"]) == (pool, rack)
+    for i in range(4):
+        p = placed(c.decide(req(f"t{i}", 1, 1, node_selector={"pool": f"p{i}"})))
+        assert c.labels(p.node)["pool"] == f"p{i}"

@@ -69,8 +69,9 @@ heap, and its label keys then become grouping keys: every node is re-keyed once 
 per new key). Labels that are unique per node, like the hostname the allocator service puts on
 every node, therefore never split the fleet into one group per node. Memory does not grow
 with the stream of selectors: signature states are bounded in number and in total size
-(``_SIG_MAX``, ``_SIG_RECORDS``, least recently used dropped), cached in-node results in
-number (``_EVAL_MAX``), grouping keys can only be label keys that many nodes carry, and
+(``_SIG_MAX``, ``_SIG_RECORDS``, least recently used dropped), cached in-node results and
+memoized selector matches per hardware id in number (``_EVAL_MAX``,
+``_SELECTOR_MATCH_MAX``), grouping keys can only be label keys that many nodes carry, and
 nothing else is kept per selector (:meth:`Cluster.cache_stats` reports the sizes).
 
 Holds are kept per node name and survive ``set_node`` / ``remove_node`` (a removed or
@@ -149,6 +150,7 @@ _SIG_MAX = 512  # signature states kept (least recently used dropped)
 _SIG_RECORDS = 300_000
 _STACKS_MAX = 16  # per-GPU stacking indexes (one per one-GPU share request shape with NICs)
 _EVAL_MAX = 50_000  # cached in-node results before the cache is cleared (~1 KB each at most)
+_SELECTOR_MATCH_MAX = 50_000  # memoized selector matches before they are cleared (see _first_status)
 # Selectors matching at most this many nodes are decided on those nodes directly.
 DEFAULT_PINNED_MAX = 32
 # Share of the nodes that can host the largest aligned job which binpack tries to keep able to
@@ -303,6 +305,8 @@ class Cluster:
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
+        # (selector, hardware id) -> whether its grouping labels match (see _first_status)
+        self._selector_match: dict[tuple[tuple[tuple[str, str], ...], int], bool] = {}
         self._groups: dict[GroupKey, dict[str, None]] = {}
         self._impaired: dict[GroupKey, int] = {}  # group -> its nodes with devices out of service
         self._log: list[tuple[GroupKey, int]] = []
@@ -560,6 +564,7 @@ class Cluster:
             "nodes": len(self._nodes),
             "groups": len(self._groups),
             "hardware_ids": len(self._hw),
+            "selector_matches": len(self._selector_match),
             "grouping_labels": len(self._keyed),
             "signatures": len(self._sigs),
             "signature_records": self._sig_records,
@@ -1026,6 +1031,7 @@ class Cluster:
         self._keyed_order = tuple(sorted(keyed))
         self._hw_ids.clear()
         self._hw.clear()
+        self._selector_match.clear()
         self._groups.clear()
         self._impaired.clear()
         self._sigs.clear()
@@ -1467,8 +1473,17 @@ class Cluster:
         A selector here has only grouping keys (see :meth:`decide`), so the group's labels say."""
         hw, mask = gkey
         shape, labels = self._hw[hw]
-        if spec.selector and not all(labels.get(k) == v for k, v in spec.selector):
-            return _SELECTOR_REFUSAL
+        if spec.selector:
+            # Memoized per hardware id: a replica's shard selector meets every change of the
+            # other shards' groups here (docs/architecture.md, "Replicas").
+            match = self._selector_match.get((spec.selector, hw))
+            if match is None:
+                if len(self._selector_match) >= _SELECTOR_MATCH_MAX:
+                    self._selector_match.clear()
+                match = all(labels.get(k) == v for k, v in spec.selector)
+                self._selector_match[(spec.selector, hw)] = match
+            if not match:
+                return _SELECTOR_REFUSAL
         if spec.shared:
             if spec.stack:
                 # The stacking view: most groups have no shared GPU the share fits on, and
