@@ -1,0 +1,44 @@
+"""Allocator replicas learn of each other over a real nats-server: a replica that starts knows
+its peers within a round trip, not at their next heartbeats, so it never decides on every node
+(and on the same fullest nodes as the others) for the first seconds of its life."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.allocator import replicas as replicas_mod
+from services.allocator.core import Cluster
+from services.allocator.readmodel import ReadModel
+from services.allocator.replicas import Replicas
+from services.runtime.tasks import Supervisor
+from tests.conftest import BusFactory
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.integration
+
+
+async def test_a_replica_that_starts_splits_the_nodes_with_its_peers_at_once(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Beats an hour apart: each replica announces itself once, when it starts. Only the answer
+    # to a new replica's first beat can tell the one that started first about the other.
+    monkeypatch.setattr(replicas_mod, "MEMBER_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(replicas_mod, "MEMBER_LOST_S", 7200.0)
+    tasks = Supervisor("test-replicas")
+    started: list[Replicas] = []
+    try:
+        for name in ("allocator-b", "allocator-a", "allocator-c"):
+            replica = Replicas(await bus_factory(name), instance=name, model=ReadModel(Cluster()))
+            await replica.start(tasks)
+            started.append(replica)
+            await wait_until(lambda: all(r.model.shards == len(started) for r in started), timeout=5)
+        # Sorted by name: a, b, c take shards 0, 1, 2 whatever the order they started in.
+        assert {r.instance: r.shard for r in started} == {
+            "allocator-a": "0",
+            "allocator-b": "1",
+            "allocator-c": "2",
+        }
+    finally:
+        for replica in started:
+            await replica.stop()
+        await tasks.aclose()
