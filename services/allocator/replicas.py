@@ -47,7 +47,9 @@ def decide_in_shard(cluster: Cluster, req: AllocationRequest, shard: str | None)
     decision = cluster.decide(mine)
     if isinstance(decision, Placement):
         return decision
-    return cluster.decide(req)
+    # Outside its shard a replica takes the last of equally good nodes: their owner takes the
+    # first, and both taking the same one made every such decision a compare-and-set conflict.
+    return cluster.decide(req, last_of_equals=True)
 
 
 class Replicas:

@@ -667,8 +667,15 @@ class Cluster:
         """The request with class defaults applied; raises InvalidRequest."""
         return normalise(request, self.device_classes)
 
-    def decide(self, request: AllocationRequest) -> Placement | Unschedulable:
-        """The best node and devices for ``request`` now; changes no hold."""
+    def decide(
+        self, request: AllocationRequest, *, last_of_equals: bool = False
+    ) -> Placement | Unschedulable:
+        """The best node and devices for ``request`` now; changes no hold.
+
+        ``last_of_equals``: among equally good nodes (the members of one group) take the last
+        instead of the first. An allocator replica deciding outside its own shard asks for it,
+        so that it does not pick the very node the shard's owner picks next (see
+        services/allocator/replicas.py)."""
         spec = normalise(request, self.device_classes)
         if spec.mig_profile:
             return self._decide_mig(spec)
@@ -688,7 +695,7 @@ class Cluster:
                     got = self._decide_share_tiers(spec)
                 if got is not None:
                     return got
-        top = self._top(spec)
+        top = self._top(spec, last_of_equals=last_of_equals)
         if isinstance(top, _SigState):
             st = top
             impaired: dict[str, int] = {}
@@ -700,9 +707,10 @@ class Cluster:
         node, status, candidates = top
         return self._placement(node, status, spec, candidates=candidates)
 
-    def _top(self, spec: Spec) -> tuple[_Node, Choice, int] | _SigState:
+    def _top(self, spec: Spec, *, last_of_equals: bool = False) -> tuple[_Node, Choice, int] | _SigState:
         """The best node of the index for ``spec`` (node, in-node choice, candidates), or the
-        signature state when no node can take it (its counters say why)."""
+        signature state when no node can take it (its counters say why). The node is the first
+        member of the best group (the last with ``last_of_equals``)."""
         st = self._state(spec)
         heap = st.heap
         while heap:
@@ -731,7 +739,8 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            name = next(iter(self._index(spec)[0][gkey]))
+            members = self._index(spec)[0][gkey]
+            name = next(reversed(members)) if last_of_equals else next(iter(members))
             return self._nodes[name], status, st.feasible + st.pending
         return st
 
