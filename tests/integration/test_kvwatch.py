@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
 
 import pytest
 from nats.js.errors import NotFoundError
 
 from services.runtime.bus import Bus
-from services.runtime.kvwatch import watch_raw
+from services.runtime.kvwatch import RawChange, watch_raw
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 
@@ -24,6 +25,20 @@ async def _bucket(bus: Bus) -> None:
     with contextlib.suppress(NotFoundError):
         await bus.js.delete_key_value(BUCKET)
     await bus.js.create_key_value(bucket=BUCKET, history=5)
+
+
+@contextlib.asynccontextmanager
+async def _watching(bus: Bus, on_change: RawChange) -> AsyncIterator[None]:
+    """The watch running, its initial values in."""
+    ready = asyncio.Event()
+    task = asyncio.create_task(watch_raw(bus.js, BUCKET, on_change, ready=ready))
+    try:
+        await asyncio.wait_for(ready.wait(), 10)
+        yield
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 async def test_the_last_value_of_each_key_then_every_change(bus_factory: BusFactory) -> None:
@@ -39,10 +54,7 @@ async def test_the_last_value_of_each_key_then_every_change(bus_factory: BusFact
 
     seen: list[tuple[str, bytes | None, int]] = []
     at_ready: list[tuple[str, bytes | None, int]] = []
-    ready = asyncio.Event()
-    task = asyncio.create_task(watch_raw(bus.js, BUCKET, lambda k, d, r: seen.append((k, d, r)), ready=ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
+    async with _watching(bus, lambda k, d, r: seen.append((k, d, r))):
         at_ready.extend(seen)
         # The initial values: the last of each key (a deleted key says so), nothing older.
         assert {k: d for k, d, _ in at_ready} == {"a": b"a2", "b": b"b1", "gone": None, "c": b"c1"}
@@ -54,28 +66,17 @@ async def test_the_last_value_of_each_key_then_every_change(bus_factory: BusFact
         await kv.purge("c")
         await wait_until(lambda: len(seen) == 7)
         assert seen[4:] == [("b", b"b2", rev), ("a", None, rev + 1), ("c", None, rev + 2)]
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_an_empty_bucket_is_ready_at_once(bus_factory: BusFactory) -> None:
     bus = await bus_factory()
     await _bucket(bus)
     seen: list[str] = []
-    ready = asyncio.Event()
-    task = asyncio.create_task(watch_raw(bus.js, BUCKET, lambda k, d, r: seen.append(k), ready=ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
+    async with _watching(bus, lambda k, d, r: seen.append(k)):
         assert seen == []
         kv = await bus.js.key_value(BUCKET)
         await kv.put("first", b"1")
         await wait_until(lambda: seen == ["first"])
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_server_markers_say_a_key_is_gone_unknown_ones_are_no_change(bus_factory: BusFactory) -> None:
@@ -85,20 +86,13 @@ async def test_server_markers_say_a_key_is_gone_unknown_ones_are_no_change(bus_f
     await _bucket(bus)
     kv = await bus.js.key_value(BUCKET)
     seen: list[tuple[str, bytes | None]] = []
-    ready = asyncio.Event()
-    task = asyncio.create_task(watch_raw(bus.js, BUCKET, lambda k, d, r: seen.append((k, d)), ready=ready))
-    try:
-        await asyncio.wait_for(ready.wait(), 10)
+    async with _watching(bus, lambda k, d, r: seen.append((k, d))):
         await kv.put("expiring", b"v")
         await bus.js.publish(f"$KV.{BUCKET}.expiring", b"", headers={"Nats-Marker-Reason": "MaxAge"})
         await bus.js.publish(f"$KV.{BUCKET}.other", b"", headers={"Nats-Marker-Reason": "SomethingNew"})
         await kv.put("after", b"w")
         await wait_until(lambda: len(seen) == 3)
         assert seen == [("expiring", b"v"), ("expiring", None), ("after", b"w")]
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
 
 
 async def test_a_failing_callback_ends_the_watch_with_its_error(bus_factory: BusFactory) -> None:
