@@ -427,6 +427,9 @@ class AllocatorHeartbeat(_Msg, tag="allocator.heartbeat"):
 
     instance: Annotated[str, msgspec.Meta(min_length=1, max_length=253)]
     ts: float = msgspec.field(default_factory=now)
+    # When this replica's process started (the same in all its beats): a new value under a
+    # known name is a replica that restarted. 0: a sender that does not say.
+    started: float = 0.0
 
 
 class DeadLetter(_Msg, tag="dlq"):

@@ -8,7 +8,8 @@ replicas heard from in the last ``MEMBER_LOST_S``, sorted by name, split the nod
 model labels each node with its shard (``tandem.io/allocator-shard`` = CRC32 of the name
 modulo the number of replicas) and a replica decides on its own shard first
 (:meth:`Replicas.decide`). A replica that hears a new one splits the nodes with it at once and
-answers with its own heartbeat, so a replica that starts knows its peers within a round trip.
+answers with its own heartbeat, so a replica that starts — or restarts under the same name:
+beats carry the start time of their process — knows its peers within a round trip.
 Shards steer, they do not guard: a replica still falls back to
 every node when its shard has no room, and correctness rests on the compare-and-set writes.
 """
@@ -59,6 +60,8 @@ class Replicas:
         self.model = model
         self.shard: str | None = None  # this replica's shard while there are several
         self._others: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
+        self._started: dict[str, float] = {}  # other live replicas → when they started
+        self._beat = AllocatorHeartbeat(instance=instance, started=time.time())
         self._sub: Any = None
 
     async def start(self, tasks: Supervisor) -> None:
@@ -80,8 +83,11 @@ class Replicas:
             return  # not a heartbeat; membership only steers which nodes come first
         if beat.instance == self.instance:
             return
-        new = beat.instance not in self._others
+        # New: a name not heard from, or one heard from before it restarted (SIGKILLed and
+        # started again within MEMBER_LOST_S, its name still counted alive).
+        new = beat.instance not in self._others or self._started.get(beat.instance) != beat.started
         self._others[beat.instance] = time.monotonic()
+        self._started[beat.instance] = beat.started
         if new:
             # A replica that just started: split the nodes with it now, and tell it at once
             # that this one is alive. Waiting for the next beats left a new replica deciding on
@@ -91,7 +97,8 @@ class Replicas:
             await self._announce()
 
     async def _announce(self) -> None:
-        await self.bus.publish_core(subjects.ALLOCATOR_HEARTBEAT, AllocatorHeartbeat(instance=self.instance))
+        beat = msgspec.structs.replace(self._beat, ts=time.time())
+        await self.bus.publish_core(subjects.ALLOCATOR_HEARTBEAT, beat)
 
     def _reshard(self) -> None:
         live = sorted([*self._others, self.instance])
@@ -107,5 +114,6 @@ class Replicas:
             cutoff = time.monotonic() - MEMBER_LOST_S
             for name in [n for n, seen in self._others.items() if seen < cutoff]:
                 del self._others[name]
+                self._started.pop(name, None)
             self._reshard()
             await asyncio.sleep(MEMBER_INTERVAL_S)

@@ -42,3 +42,33 @@ async def test_a_replica_that_starts_splits_the_nodes_with_its_peers_at_once(
         for replica in started:
             await replica.stop()
         await tasks.aclose()
+
+
+async def test_a_replica_that_restarts_under_its_name_learns_its_peers_at_once(
+    bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replica SIGKILLed and started again is still counted alive by its peers for
+    # MEMBER_LOST_S; its beats carry a new start time, so they answer it all the same.
+    monkeypatch.setattr(replicas_mod, "MEMBER_INTERVAL_S", 3600.0)
+    monkeypatch.setattr(replicas_mod, "MEMBER_LOST_S", 7200.0)
+    tasks = Supervisor("test-replicas")
+    started: list[Replicas] = []
+
+    async def start(name: str) -> Replicas:
+        replica = Replicas(await bus_factory(name), instance=name, model=ReadModel(Cluster()))
+        await replica.start(tasks)
+        started.append(replica)
+        return replica
+
+    try:
+        a = await start("allocator-a")
+        first_b = await start("allocator-b")
+        await wait_until(lambda: a.shard == "0" and first_b.shard == "1", timeout=5)
+        await first_b.stop()
+        again_b = await start("allocator-b")
+        await wait_until(lambda: again_b.shard == "1" and again_b.model.shards == 2, timeout=5)
+        assert a.shard == "0" and a.model.shards == 2
+    finally:
+        for replica in started:
+            await replica.stop()
+        await tasks.aclose()
