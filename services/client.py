@@ -46,6 +46,8 @@ Outcome = Assignment | AllocationFailed | Freed
 T = TypeVar("T")
 # How long a snapshot of a bucket waits for the server between two entries.
 SNAPSHOT_TIMEOUT_S = 5.0
+# How long it waits for entries the server still owes after saying it had none (see _snapshot).
+SNAPSHOT_GRACE_S = 0.5
 
 
 class Connection(Protocol):
@@ -248,22 +250,45 @@ class TandemClient:
 
     async def _snapshot(self, bucket: str, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
         """The current value of every key of ``bucket`` (values that do not decode are left
-        out: a reader cannot fix a writer's bug)."""
+        out: a reader cannot fix a writer's bug).
+
+        One ordered consumer delivers the last value of each key. nats-py ends the initial
+        values at the first delivery that says nothing is pending, and while keys are being
+        rewritten the server can say so early: ``tandem device list box-1`` once found no
+        box-1 right after ``tandem status`` had listed it. So the snapshot also reads on until
+        it has seen the stream's last sequence as it was before the watch (every key's last
+        value is at or before it, or was rewritten after it), waiting at most
+        ``SNAPSHOT_GRACE_S`` past the early end (that message may be gone: expired)."""
+        import nats.errors
+
         kv = await self.bus.kv(bucket)
-        watcher = await kv.watchall(ignore_deletes=True)
+        last = (await self.bus.js.stream_info(subjects.kv_stream(bucket))).state.last_seq
+        watcher = await kv.watchall()
         out: dict[str, T] = {}
+        seen = 0  # the highest stream sequence delivered
+        ended = False  # nats-py said the initial values are over
         try:
-            while True:
-                entry: Any = await watcher.updates(timeout=SNAPSHOT_TIMEOUT_S)  # type: ignore[no-untyped-call]
+            while not (ended and seen >= last):
+                try:
+                    entry: Any = await watcher.updates(  # type: ignore[no-untyped-call]
+                        timeout=SNAPSHOT_GRACE_S if ended else SNAPSHOT_TIMEOUT_S
+                    )
+                except nats.errors.TimeoutError:
+                    if ended:
+                        break
+                    raise
                 if entry is None:
-                    return out
+                    ended = True
+                    continue
+                seen = max(seen, entry.revision or 0)
                 if entry.operation is None and entry.value:
                     try:
                         out[entry.key] = decoder.decode(entry.value)
                     except codec.DecodeErrors:
-                        continue
+                        out.pop(entry.key, None)
                 else:
                     out.pop(entry.key, None)
+            return out
         finally:
             await watcher.stop()  # type: ignore[no-untyped-call]
 
