@@ -24,6 +24,7 @@ from nats.js import JetStreamContext
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations
+from services.client import last_raw_values
 
 T = TypeVar("T")
 
@@ -47,23 +48,15 @@ async def last_values(
     js: JetStreamContext, bucket: str, decoder: msgspec.msgpack.Decoder[T]
 ) -> dict[str, T | None]:
     """The current value of every key of ``bucket``, decoded (None: undecodable); one ordered
-    consumer delivering the last value of each key, not a get per key."""
-    kv = await js.key_value(bucket)
-    watcher = await kv.watchall(ignore_deletes=True)
+    consumer delivering the last value of each key, not a get per key, and not cut short by
+    the server's early "nothing pending" (:func:`services.client.last_raw_values`)."""
+    raw = await last_raw_values(js, await js.key_value(bucket), bucket)
     records: dict[str, T | None] = {}
-    try:
-        async for entry in watcher:
-            if entry is None:  # end of the current values
-                break
-            if entry.operation is not None or not entry.value:
-                records.pop(entry.key, None)
-                continue
-            try:
-                records[entry.key] = decoder.decode(entry.value)
-            except codec.DecodeErrors:
-                records[entry.key] = None
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
+    for key, data in raw.items():
+        try:
+            records[key] = decoder.decode(data)
+        except codec.DecodeErrors:
+            records[key] = None
     return records
 
 
