@@ -1,7 +1,8 @@
 """The safety invariants, read from the system's own truth: KV ``tandem-allocs``.
 
 A snapshot reads every node's allocation record (one ordered consumer delivering the last value
-of every key — one pass, not a get per key) and checks what no harness bookkeeping can vouch
+of every key — one pass, not a get per key — read on past an early "nothing pending" from the
+server: :func:`services.client.last_raw_values`) and checks what no harness bookkeeping can vouch
 for:
 
 * ``double_held``: a device of a node listed by two allocations of that node's record;
