@@ -16,6 +16,7 @@ Modules::
     fleet       ``python -m services.loadtest.fleet``: one process speaking for N nodes
     driver      submits, releases, paces, observes outcomes on core subscriptions
     invariants  KV snapshots of ``tandem-allocs``: double-held devices, double placements
+    checker     ``python -m services.loadtest.checker``: the checks during the load, at a pace
     ceiling     async-publish and pull+ack rates of a scratch stream
     mix         fleet composition and the seeded request stream (pure)
     publisher   many JetStream publishes in flight, retried with their msg id

@@ -45,7 +45,6 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 
 from schemas import subjects
-from schemas.messages import NodeAllocations
 from services.loadtest import ceiling, invariants
 from services.loadtest.driver import LoadDriver, Req
 from services.loadtest.errors import LoadtestError
@@ -63,6 +62,7 @@ Progress = Callable[[str], None]
 SERVICE_READY_S = 60.0
 CONNECT_S = 5.0
 PROGRESS_EVERY_S = 5.0
+SNAPSHOT_TIMEOUT_S = 60.0  # for the checker's answer to one snapshot in the middle of the run
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +164,8 @@ class Harness:
         self.server: EmbeddedNats | None = None
         self.bus: Bus | None = None
         self.violations = invariants.Violations()
+        self.checker: Child | None = None  # takes the snapshots during the load
+        self._checker_turn = asyncio.Lock()
         self.plan = fleet_plan(cfg.nodes)
         self.names = [spec.name for spec in self.plan]
         self.failed = True
@@ -203,6 +205,14 @@ class Harness:
             module="services.loadtest.fleet",
             config=self._base_config(url),
             args=["--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)],
+            stdout_pipe=True,
+        )
+        self.checker = await self.children.spawn(
+            "checker",
+            role="checker",
+            module="services.loadtest.checker",
+            config=self._base_config(url),
+            stdin_pipe=True,
             stdout_pipe=True,
         )
         events = self.fleet_events = FleetEvents(fleet)
@@ -284,12 +294,14 @@ class Harness:
         return self._cpu_figures(pct)
 
     def _cpu_now(self) -> dict[str, float | None]:
-        """CPU seconds used so far: each role (allocator replicas summed), nats, the harness."""
+        """CPU seconds used so far: each role (allocator replicas summed), nats, the harness
+        (with its checker: its snapshots are the harness's work)."""
         out: dict[str, float | None] = {"harness": time.process_time()}
         for child in self.children.children:
             used = cpu_seconds(child.proc.pid) if child.alive else None
             if used is not None:
-                out[child.role] = (out.get(child.role) or 0.0) + used
+                role = "harness" if child.role == "checker" else child.role
+                out[role] = (out.get(role) or 0.0) + used
         pid = self._nats_pid()
         out["nats"] = cpu_seconds(pid) if pid is not None else None
         return out
@@ -407,25 +419,30 @@ class Harness:
         return req.assigned - t0
 
     def _snapshot_hook(self, name: str) -> Callable[[], None]:
-        """A checkpoint hook: check the invariants on a KV snapshot, in the background.
-
-        The snapshot reads and decodes every node's record (5,000 at 5,000 nodes) on a thread
-        with its own event loop and connection: on this loop it held up the handling of the
-        answers it times, and every request answered meanwhile looked 100-200 ms slower
-        (the p99 at ``--rate 500`` was the three snapshots, docs/benchmarks.md)."""
-        assert self.bus is not None
-        url = self.bus.settings.nats_url
-
-        async def read() -> dict[str, NodeAllocations | None]:
-            bus = await self._connect(url)
-            try:
-                return await invariants.snapshot(bus.js)
-            finally:
-                await bus.close()
+        """A checkpoint hook: check the invariants on a KV snapshot, in the background, taken by
+        the checker process (:mod:`services.loadtest.checker`, which says why)."""
 
         async def take() -> None:
-            records = await asyncio.to_thread(lambda: asyncio.run(read()))
-            invariants.check(records, self.violations)
+            checker = self.checker
+            assert checker is not None and checker.proc.stdin is not None and checker.proc.stdout is not None
+            async with self._checker_turn:  # one question at a time: answers come in order
+                checker.proc.stdin.write(invariants.CHECKER_COMMAND + b"\n")
+                await checker.proc.stdin.drain()
+                try:
+                    line = await asyncio.wait_for(checker.proc.stdout.readline(), SNAPSHOT_TIMEOUT_S)
+                except TimeoutError as exc:
+                    raise LoadtestError(
+                        f"{name}: no answer from the checker in {SNAPSHOT_TIMEOUT_S:g}s (log: {checker.log})"
+                    ) from exc
+            if not line:
+                raise checker.died()
+            try:
+                found = msgspec.json.decode(line, type=invariants.Found)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise LoadtestError(f"{name}: the checker answered {line[:200]!r}: {exc}") from exc
+            if found.error is not None:
+                self.progress(f"warning: {name} not checked: {found.error}")
+            self.violations.add(found)
 
         def start() -> None:
             self.tasks.spawn(name, take, restart=False)

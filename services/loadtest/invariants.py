@@ -12,6 +12,10 @@ Each record is read whole, so a double-held device inside it is never an artefac
 snapshot not being atomic across keys. Across keys it is not atomic, but a request never moves
 between nodes (it is freed and gone, never re-placed under the same id), so a request seen on
 two nodes was really held twice.
+
+In the middle of a load run the checks are made by a process of its own
+(:mod:`services.loadtest.checker`), which reads the bucket at a pace and sends back what it
+found (:class:`Found`).
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ from services.client import last_raw_values
 
 T = TypeVar("T")
 
+# What the harness writes to the checker for one snapshot.
+CHECKER_COMMAND = b"snapshot"
+
 
 @dataclass
 class Violations:
@@ -38,6 +45,32 @@ class Violations:
     double_placed: set[str] = field(default_factory=set)  # request ids
     undecodable: set[str] = field(default_factory=set)  # node keys
     snapshots: int = 0
+
+    def add(self, found: Found) -> None:
+        """Fold in what a snapshot taken elsewhere found (:mod:`services.loadtest.checker`)."""
+        self.double_held.update((node, device) for node, device in found.double_held)
+        self.double_placed.update(found.double_placed)
+        self.undecodable.update(found.undecodable)
+        self.snapshots += found.snapshots
+
+
+class Found(msgspec.Struct, frozen=True):
+    """:class:`Violations` as the checker process sends them."""
+
+    double_held: list[tuple[str, str]]
+    double_placed: list[str]
+    undecodable: list[str]
+    snapshots: int
+    error: str | None = None  # why there is no check this time (the records could not be read)
+
+    @classmethod
+    def of(cls, found: Violations) -> Found:
+        return cls(
+            double_held=sorted(found.double_held),
+            double_placed=sorted(found.double_placed),
+            undecodable=sorted(found.undecodable),
+            snapshots=found.snapshots,
+        )
 
 
 async def snapshot(js: JetStreamContext) -> dict[str, NodeAllocations | None]:
@@ -51,7 +84,11 @@ async def last_values(
     """The current value of every key of ``bucket``, decoded (None: undecodable); one ordered
     consumer delivering the last value of each key, not a get per key, and not cut short by
     the server's early "nothing pending" (:func:`services.client.last_raw_values`)."""
-    raw = await last_raw_values(js, await js.key_value(bucket), bucket)
+    return decode_all(await last_raw_values(js, await js.key_value(bucket), bucket), decoder)
+
+
+def decode_all(raw: dict[str, bytes], decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T | None]:
+    """Every value of ``raw`` decoded (None: undecodable)."""
     records: dict[str, T | None] = {}
     for key, data in raw.items():
         try:

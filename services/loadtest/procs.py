@@ -83,7 +83,7 @@ def cpu_seconds(pid: int) -> float | None:
 @dataclass
 class Child:
     name: str
-    role: str  # "allocator", "inventory", "fleet"
+    role: str  # "allocator", "inventory", "fleet", "checker"
     proc: asyncio.subprocess.Process
     log: Path
     ops_port: int | None = None
@@ -131,8 +131,10 @@ class Children:
         args: list[str] | None = None,
         env: Mapping[str, str] | None = None,
         stdout_pipe: bool = False,
+        stdin_pipe: bool = False,
     ) -> Child:
-        """``python -m <module> --config <run dir>/<name>.yaml [args]``."""
+        """``python -m <module> --config <run dir>/<name>.json [args]``; its stdout (and stdin)
+        a pipe to this process when asked, else the log (and nothing)."""
         cfg = self.run_dir / f"{name}.json"
         cfg.write_bytes(msgspec.json.encode(config))
         log_path = self.run_dir / f"{name}.log"
@@ -145,7 +147,7 @@ class Children:
                 "--config",
                 str(cfg),
                 *(args or []),
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE if stdin_pipe else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if stdout_pipe else log,
                 stderr=log,
                 env=child_environment(env or {}),

@@ -38,7 +38,8 @@ class RssFigures(msgspec.Struct):
 
 
 class CpuFigures(msgspec.Struct):
-    """Per process; ``allocator`` sums the replicas, ``harness`` is this process."""
+    """Per process; ``allocator`` sums the replicas, ``harness`` is this process and its
+    checker (:mod:`services.loadtest.checker`)."""
 
     allocator: float | None = None
     inventory: float | None = None

@@ -4,7 +4,8 @@ Services keep their read models (the allocator's cluster view, the inventory's n
 current this way instead of polling. The initial state is delivered first; ``ready`` is set
 once it has been, so a service can wait for a complete view before deciding anything.
 
-:func:`read_bucket` reads every record once (a resync that needs no watch).
+:func:`read_bucket` reads every record once (a resync that needs no watch); :func:`read_paced`
+reads the last value of every key a batch at a time.
 
 :func:`watch_raw` hands over the value's bytes, for a reader that decodes only what it has not
 seen (:meth:`~services.runtime.records.RecordStore.observe`); :func:`watch_bucket` decodes
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 import msgspec
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 from nats.js.errors import KeyNotFoundError, NoKeysError
@@ -49,6 +51,19 @@ _GONE_MARKERS = frozenset({"MaxAge", "Purge", "Remove"})
 _NO_HEADERS: dict[str, str] = {}
 
 
+def kv_change(msg: Msg, prefix: str) -> tuple[str, bytes | None] | None:
+    """What one delivery of a KV stream says: ``(key, value)``, value None when the key is gone;
+    None when it is no change (a marker of a kind not listed above). ``prefix``: the bucket's
+    subject prefix (``subjects.kv_subject(bucket, "")``)."""
+    headers = msg.headers or _NO_HEADERS
+    operation = headers.get(KV_OPERATION)
+    marker = headers.get(MARKER_REASON) if operation is None else None
+    if marker is not None and marker not in _GONE_MARKERS:
+        return None
+    gone = operation is not None or marker is not None or not msg.data
+    return msg.subject[len(prefix) :], None if gone else msg.data
+
+
 async def watch_raw(
     js: JetStreamContext, bucket: str, on_change: RawChange, *, ready: asyncio.Event | None = None
 ) -> None:
@@ -68,13 +83,10 @@ async def watch_raw(
         if failed.done():
             return
         meta = msg.metadata
-        headers = msg.headers or _NO_HEADERS
-        operation = headers.get(KV_OPERATION)
-        marker = headers.get(MARKER_REASON) if operation is None else None
-        if marker is None or marker in _GONE_MARKERS:  # a marker of an unknown kind is no change
-            gone = operation is not None or marker is not None or not msg.data
+        change = kv_change(msg, prefix)
+        if change is not None:
             try:
-                on_change(msg.subject[len(prefix) :], None if gone else msg.data, meta.sequence.stream)
+                on_change(change[0], change[1], meta.sequence.stream)
             except Exception as exc:
                 failed.set_exception(exc)
                 return
@@ -120,6 +132,59 @@ async def watch_bucket(
         on_change(key, value, revision)
 
     await watch_raw(js, bucket, decoded, ready=ready)
+
+
+async def read_paced(
+    js: JetStreamContext, bucket: str, *, batch: int, pause: float, timeout: float = 5.0
+) -> dict[str, bytes]:
+    """The last value of every key of ``bucket`` (deleted keys left out), ``batch`` deliveries
+    at a time with ``pause`` seconds between: for a reader that must not take the server and
+    the CPU in one burst (the load harness's checks while it measures latency).
+
+    An ephemeral pull consumer delivering the last value of each key (in stream order), read
+    until it has delivered the stream's last sequence as it was before it started, or a later
+    one (every key's last value then is at or before it, or was rewritten since; the same end
+    as :func:`services.client.last_raw_values`), or has nothing more to deliver. The keys are
+    read over some time, not at one moment: each value is whole, the set of them is not one
+    instant's. Under load the server hands over less than a batch per fetch, and 5,000 keys
+    took up to 4 s."""
+    stream = subjects.kv_stream(bucket)
+    prefix = subjects.kv_subject(bucket, "")
+    last = (await js.stream_info(stream)).state.last_seq
+    if last == 0:
+        return {}  # never written to
+    sub = await js.pull_subscribe(
+        subjects.kv_subject(bucket),
+        stream=stream,
+        config=api.ConsumerConfig(
+            deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
+            ack_policy=api.AckPolicy.NONE,
+            inactive_threshold=WATCH_INACTIVE_THRESHOLD_S,
+        ),
+    )
+    out: dict[str, bytes] = {}
+    try:
+        while True:
+            try:
+                msgs = await sub.fetch(batch, timeout=timeout)
+            except nats.errors.TimeoutError:
+                return out  # nothing more within the timeout: every key is in
+            seen = 0
+            for msg in msgs:
+                change = kv_change(msg, prefix)
+                if change is not None:
+                    key, value = change
+                    if value is None:
+                        out.pop(key, None)
+                    else:
+                        out[key] = value
+                seen = msg.metadata.sequence.stream
+            if seen >= last:
+                return out
+            await asyncio.sleep(pause)
+    finally:
+        with contextlib.suppress(Exception):
+            await sub.unsubscribe()
 
 
 async def read_bucket(kv: KeyValue, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:

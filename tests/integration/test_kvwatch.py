@@ -1,6 +1,7 @@
 """The KV watch the services keep their read models with, against a real nats-server: the last
 value of every key first, then every change; deletes, purges and the server's TTL markers as
-``None``; ``ready`` once the initial values are in; a failing callback ends the watch."""
+``None``; ``ready`` once the initial values are in; a failing callback ends the watch. And the
+paced read of every key's last value."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from services.runtime.bus import Bus
-from services.runtime.kvwatch import RawChange, watch_raw
+from services.runtime.kvwatch import RawChange, read_paced, watch_raw
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 
@@ -111,3 +112,24 @@ async def test_a_failing_callback_ends_the_watch_with_its_error(bus_factory: Bus
     await kv.put("poison", b"2")
     with pytest.raises(ValueError, match="cannot take poison"):
         await asyncio.wait_for(task, 10)
+
+
+async def test_a_paced_read_gives_the_last_value_of_each_key_a_batch_at_a_time(
+    bus_factory: BusFactory,
+) -> None:
+    bus = await bus_factory()
+    await _bucket(bus)
+    assert await read_paced(bus.js, BUCKET, batch=3, pause=0.0, timeout=0.5) == {}  # nothing yet
+    kv = await bus.js.key_value(BUCKET)
+    for i in range(10):
+        await kv.put(f"k{i}", b"old")
+    for i in range(0, 10, 2):
+        await kv.put(f"k{i}", f"new{i}".encode())
+    await kv.delete("k1")
+    await kv.purge("k3")
+
+    # 8 keys left, read 3 at a time: the last value of each, deleted and purged keys left out.
+    got = await read_paced(bus.js, BUCKET, batch=3, pause=0.01, timeout=0.5)
+    assert got == {
+        f"k{i}": (f"new{i}".encode() if i % 2 == 0 else b"old") for i in range(10) if i not in (1, 3)
+    }

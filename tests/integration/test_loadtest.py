@@ -6,23 +6,29 @@ Needs the node-side contract of issue 8 (``services.nodeagent.follow``: nodes fo
 allocation record; no per-node consumers). No timing assertions: the figures on a shared
 2-core machine are noise; only counts and invariants are checked.
 
-The pure pieces (fleet plan, percentiles, the invariant check) are tested here too.
+The pure pieces (fleet plan, percentiles, the invariant check) and the checker process's loop
+are tested here too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
+from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
-from services.loadtest import invariants
+from services.loadtest import checker, invariants
 from services.loadtest.mix import FLEET_MIX, RequestStream, fleet_gpus, fleet_plan, node_topology
 from services.loadtest.report import percentiles
+from tests.conftest import BusFactory, make_settings
+from tests.waiting import wait_until
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 ISSUE_KEYS = [
@@ -169,3 +175,44 @@ def test_invariant_check_finds_double_held_devices_and_double_placements() -> No
     clean = invariants.Violations()
     invariants.check({"n1": NodeAllocations(node="n1", allocations={"a": _alloc("a", "n1", [0], [])})}, clean)
     assert not clean.double_held and not clean.double_placed and clean.snapshots == 1
+
+
+async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
+    bus_factory: BusFactory, nats_url: str, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    """The checker process's loop (``python -m services.loadtest.checker``), on a real server:
+    one JSON answer per ``snapshot`` line, read from KV ``tandem-allocs`` as it is then; an
+    unknown command gets none."""
+    bus = await bus_factory()
+    kv = await bus.kv(subjects.KV_ALLOCS)
+    clean = NodeAllocations(node="n2", allocations={"c": _alloc("c", "n2", [0], [])})
+    await kv.put(subjects.kv_key("n2"), codec.encode(clean))
+    commands = asyncio.StreamReader()
+    commands.feed_data(b"snapshot\n")
+    serving = asyncio.create_task(checker.serve(make_settings(nats_url, "loadtest-checker"), commands))
+
+    answers: list[invariants.Found] = []
+
+    def answered() -> bool:
+        out = capsysbinary.readouterr().out  # the answers, among this test process's log lines
+        lines = [line for line in out.splitlines() if line.startswith(b"{")]
+        answers.extend(msgspec.json.decode(line, type=invariants.Found) for line in lines)
+        return bool(answers)
+
+    await wait_until(answered, timeout=10, what="the checker's first answer")
+    assert answers == [invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)]
+
+    double = NodeAllocations(
+        node="n1",
+        allocations={"a": _alloc("a", "n1", [0, 1], []), "b": _alloc("b", "n1", [1], [])},  # gpu1 twice
+    )
+    await kv.put(subjects.kv_key("n1"), codec.encode(double))
+    await kv.put(subjects.kv_key("n3"), b"\xc1 not msgpack")
+    commands.feed_data(b"bogus\nsnapshot\n")
+    commands.feed_eof()
+    await asyncio.wait_for(serving, 10)  # stdin closed: the checker is done
+    answers.clear()
+    answered()
+    assert answers == [
+        invariants.Found(double_held=[("n1", "gpu1")], double_placed=[], undecodable=["n3"], snapshots=1)
+    ]
