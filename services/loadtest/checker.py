@@ -14,7 +14,8 @@ the system, the requests answered meanwhile pay for. Measured with ``tandem load
   once more, as it happens): 43 and 48 ms, and the p50 went from 5 to 7 ms.
 
 So this process reads at a pace instead (:func:`~services.runtime.kvwatch.read_paced`:
-``PACE_BATCH`` records, then ``PACE_PAUSE_S`` to breathe — 5,000 records over about a second),
+``PACE_BATCH`` records, then ``PACE_PAUSE_S`` to breathe — 5,000 records over 1-4 s under
+load),
 at the lowest CPU priority. It is started once, with the fleet: started per check, its imports
 alone cost more CPU than the check.
 

@@ -40,6 +40,10 @@ MARKER_REASON = "Nats-Marker-Reason"
 # subscriber (a watcher that died with its connection).
 WATCH_INACTIVE_THRESHOLD_S = 5 * 60
 
+# A paced read's consumer outlives its unsubscribe (nats-py leaves it to the server): gone this
+# long after its last fetch rather than the watchers' five minutes, each read making a new one.
+PACED_INACTIVE_S = 30.0
+
 OnChange = Callable[[str, T | None, int], object]
 RawChange = Callable[[str, bytes | None, int], object]
 
@@ -159,7 +163,7 @@ async def read_paced(
         config=api.ConsumerConfig(
             deliver_policy=api.DeliverPolicy.LAST_PER_SUBJECT,
             ack_policy=api.AckPolicy.NONE,
-            inactive_threshold=WATCH_INACTIVE_THRESHOLD_S,
+            inactive_threshold=PACED_INACTIVE_S,
         ),
     )
     out: dict[str, bytes] = {}
