@@ -166,6 +166,7 @@ class Harness:
         self.violations = invariants.Violations()
         self.checker: Child | None = None  # takes the snapshots during the load
         self._checker_turn = asyncio.Lock()
+        self._checks: list[asyncio.Task[None]] = []  # the mid-run checks, awaited before the final one
         self.plan = fleet_plan(cfg.nodes)
         self.names = [spec.name for spec in self.plan]
         self.failed = True
@@ -265,6 +266,7 @@ class Harness:
         drained = await driver.drain(timeout=cfg.drain_s, alive=self.children.check)
         if not await publisher.flush(timeout=10.0):
             self.progress(f"warning: publishes still unacknowledged: {publisher.stats.last_error}")
+        await self._finish_checks()
         placed = invariants.check(await invariants.snapshot(bus.js), self.violations)
         self.children.check()
         self.children.sample_rss()
@@ -273,6 +275,16 @@ class Harness:
         since_t0 = {k: _minus(v, self._cpu_t0.get(k)) for k, v in now.items()}
         report.cpu_s = self._cpu_figures(since_t0)
         return report
+
+    async def _finish_checks(self) -> None:
+        """Wait (bounded) for the mid-run checks still reading, so that every snapshot taken is
+        counted and the final check does not compete with one for the server."""
+        running = [t for t in self._checks if not t.done()]
+        if not running:
+            return
+        _, stuck = await asyncio.wait(running, timeout=SNAPSHOT_TIMEOUT_S)
+        if stuck:
+            self.progress(f"warning: {len(stuck)} mid-run check(s) unanswered after {SNAPSHOT_TIMEOUT_S:g}s")
 
     async def _idle(self) -> CpuFigures:
         """CPU share of every process over ``idle_s`` of heartbeats only (no requests)."""
@@ -445,7 +457,7 @@ class Harness:
             self.violations.add(found)
 
         def start() -> None:
-            self.tasks.spawn(name, take, restart=False)
+            self._checks.append(self.tasks.spawn(name, take, restart=False))
 
         return start
 

@@ -24,7 +24,7 @@ import pytest
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
-from services.loadtest import checker, invariants
+from services.loadtest import checker, harness, invariants
 from services.loadtest.mix import FLEET_MIX, RequestStream, fleet_gpus, fleet_plan, node_topology
 from services.loadtest.report import percentiles
 from tests.conftest import BusFactory, make_settings
@@ -83,7 +83,8 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     # Every release of a held request was freed (cancels of pending ones need not be).
     assert result["released"] > 0 and result["freed"] >= result["released"] - result["cancelled"]
     assert result["drained"] is True
-    assert result["snapshots"] >= 2
+    # Three mid-run checks (each awaited before the final one) and the final check.
+    assert result["snapshots"] == 4
     assert result["decisions_per_s"] > 0 and result["ready_s"] > 0
     for key in ("submit_to_assigned_ms", "submit_to_applied_ms"):
         assert set(result[key]) == {"p50", "p99", "max"}
@@ -216,3 +217,31 @@ async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     assert answers == [
         invariants.Found(double_held=[("n1", "gpu1")], double_placed=[], undecodable=["n3"], snapshots=1)
     ]
+
+
+async def test_the_final_check_waits_for_a_mid_run_check_still_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A mid-run check still reading when the load ends is awaited (bounded) before the final
+    check, so its snapshot counts; one that never answers is reported, not waited on forever."""
+    said: list[str] = []
+    run = harness.Harness(
+        harness.LoadConfig(log_dir=str(tmp_path)),
+        make_settings("nats://127.0.0.1:1", "loadtest"),
+        progress=said.append,
+    )
+    clean = invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)
+
+    async def slow_check() -> None:
+        await asyncio.sleep(0.3)
+        run.violations.add(clean)
+
+    run._checks.append(run.tasks.spawn("snapshot-1", slow_check, restart=False))
+    await run._finish_checks()
+    assert run.violations.snapshots == 1 and not said
+
+    monkeypatch.setattr(harness, "SNAPSHOT_TIMEOUT_S", 0.2)
+    run._checks.append(run.tasks.spawn("snapshot-2", lambda: asyncio.sleep(60), restart=False))
+    await run._finish_checks()
+    assert said == ["warning: 1 mid-run check(s) unanswered after 0.2s"]
+    await run.tasks.aclose()
