@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import uuid
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import msgspec
 
@@ -32,6 +32,7 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
+from services.runtime.kvread import last_raw_values
 
 if TYPE_CHECKING:
     # Types only: the CLI imports this module before it has decided how to load nats-py
@@ -44,10 +45,6 @@ if TYPE_CHECKING:
 
 Outcome = Assignment | AllocationFailed | Freed
 T = TypeVar("T")
-# How long a snapshot of a bucket waits for the server between two entries.
-SNAPSHOT_TIMEOUT_S = 5.0
-# How long it waits for entries the server still owes after saying it had none (see _snapshot).
-SNAPSHOT_GRACE_S = 0.5
 
 
 class Connection(Protocol):
@@ -250,7 +247,7 @@ class TandemClient:
 
     async def _snapshot(self, bucket: str, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
         """The current value of every key of ``bucket`` (values that do not decode are left
-        out: a reader cannot fix a writer's bug); see :func:`last_raw_values`."""
+        out: a reader cannot fix a writer's bug); see :mod:`services.runtime.kvread`."""
         out: dict[str, T] = {}
         for key, data in (await last_raw_values(self.bus.js, await self.bus.kv(bucket), bucket)).items():
             try:
@@ -291,43 +288,3 @@ class TandemClient:
                 continue
             out.append(codec.NODE_ALLOCS.decode(entry.value or b""))
         return out
-
-
-async def last_raw_values(js: JetStreamContext, kv: KeyValue, bucket: str) -> dict[str, bytes]:
-    """The current value of every key of ``bucket`` (``kv``), as stored; deleted keys left out.
-
-    One ordered consumer delivers the last value of each key. nats-py ends the initial values
-    at the first delivery that says nothing is pending, and while keys are being rewritten the
-    server can say so early: ``tandem device list box-1`` once found no box-1 right after
-    ``tandem status`` had listed it. So this also reads on until it has seen the stream's last
-    sequence as it was before the watch (every key's last value is at or before it, or was
-    rewritten after it), waiting at most ``SNAPSHOT_GRACE_S`` past the early end (that message
-    may be gone: expired). Used by the CLI and by the load and chaos harnesses' checks."""
-    import nats.errors
-
-    last = (await js.stream_info(subjects.kv_stream(bucket))).state.last_seq
-    watcher = await kv.watchall()
-    out: dict[str, bytes] = {}
-    seen = 0  # the highest stream sequence delivered
-    ended = False  # nats-py said the initial values are over
-    try:
-        while not (ended and seen >= last):
-            try:
-                entry: Any = await watcher.updates(  # type: ignore[no-untyped-call]
-                    timeout=SNAPSHOT_GRACE_S if ended else SNAPSHOT_TIMEOUT_S
-                )
-            except nats.errors.TimeoutError:
-                if ended:
-                    break
-                raise
-            if entry is None:
-                ended = True
-                continue
-            seen = max(seen, entry.revision or 0)
-            if entry.operation is None and entry.value:
-                out[entry.key] = entry.value
-            else:
-                out.pop(entry.key, None)
-        return out
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]

@@ -203,10 +203,10 @@ class Bridge:
     # -- resync ----------------------------------------------------------------------------
 
     async def request_records(self) -> dict[str, RequestRecord]:
-        return await read_bucket(await self.bus.kv(subjects.KV_REQUESTS), codec.REQUEST_RECORD)
+        return await read_bucket(self.bus.js, subjects.KV_REQUESTS, codec.REQUEST_RECORD)
 
     async def job_records(self) -> dict[str, JobRecord]:
-        return await read_bucket(await self.bus.kv(subjects.KV_JOBS), codec.JOB_RECORD)
+        return await read_bucket(self.bus.js, subjects.KV_JOBS, codec.JOB_RECORD)
 
     async def resync_jobs(self, pods: list[dict[str, Any]], records: dict[str, JobRecord]) -> None:
         """Pods of jobs that went away while the bridge was down: a placed job's missing pod

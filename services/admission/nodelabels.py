@@ -69,7 +69,7 @@ class NodeLabelMirror:
                     await asyncio.wait_for(stop.wait(), self.relist_backoff)
 
     async def _load(self) -> None:
-        records = await read_bucket(await self.bus.kv(subjects.KV_NODE_LABELS), codec.NODE_LABELS)
+        records = await read_bucket(self.bus.js, subjects.KV_NODE_LABELS, codec.NODE_LABELS)
         self.written = {r.node: dict(r.labels) for r in records.values()}
 
     async def sync(self, nodes: list[dict[str, Any]]) -> None:

@@ -4,8 +4,9 @@ Services keep their read models (the allocator's cluster view, the inventory's n
 current this way instead of polling. The initial state is delivered first; ``ready`` is set
 once it has been, so a service can wait for a complete view before deciding anything.
 
-:func:`read_bucket` reads every record once (a resync that needs no watch); :func:`read_paced`
-reads the last value of every key a batch at a time.
+:func:`read_bucket` reads every record once (a resync that needs no watch), complete even
+when the server says early that nothing is pending; :func:`read_paced` reads the last value of
+every key a batch at a time.
 
 :func:`watch_raw` hands over the value's bytes, for a reader that decodes only what it has not
 seen (:meth:`~services.runtime.records.RecordStore.observe`); :func:`watch_bucket` decodes
@@ -24,10 +25,9 @@ import msgspec
 import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
-from nats.js.errors import KeyNotFoundError, NoKeysError
-from nats.js.kv import KeyValue
 
 from schemas import codec, subjects
+from services.runtime.kvread import last_raw_values
 from services.runtime.logging import get_logger
 
 log = get_logger(__name__)
@@ -148,7 +148,7 @@ async def read_paced(
     An ephemeral pull consumer delivering the last value of each key (in stream order), read
     until it has delivered the stream's last sequence as it was before it started, or a later
     one (every key's last value then is at or before it, or was rewritten since; the same end
-    as :func:`services.client.last_raw_values`), or has nothing more to deliver. The keys are
+    as :func:`services.runtime.kvread.last_raw_values`), or has nothing more to deliver. The keys are
     read over some time, not at one moment: each value is whole, the set of them is not one
     instant's. Under load the server hands over less than a batch per fetch, and 5,000 keys
     took up to 4 s."""
@@ -191,23 +191,14 @@ async def read_paced(
             await sub.unsubscribe()
 
 
-async def read_bucket(kv: KeyValue, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
-    """Every record of the bucket now, decoded (a key deleted meanwhile or a value that does
-    not decode is skipped, the latter logged)."""
-    try:
-        keys = await kv.keys()
-    except NoKeysError:  # nats-py's answer for an empty bucket
-        return {}
+async def read_bucket(js: JetStreamContext, bucket: str, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
+    """Every record of ``bucket`` now, decoded; one that does not decode is logged and left
+    out. One consumer for the whole bucket (not a get per key), read to the end even when the
+    server says early that nothing is pending (:mod:`services.runtime.kvread`)."""
     out: dict[str, T] = {}
-    for key in keys:
+    for key, data in (await last_raw_values(js, await js.key_value(bucket), bucket)).items():
         try:
-            entry = await kv.get(key)
-        except KeyNotFoundError:
-            continue
-        if entry.value is None:
-            continue
-        try:
-            out[key] = decoder.decode(entry.value)
+            out[key] = decoder.decode(data)
         except codec.DecodeErrors as exc:
-            log.warning("bad_record", bucket=kv._name, key=key, error=str(exc))
+            log.warning("bad_record", bucket=bucket, key=key, error=str(exc))
     return out

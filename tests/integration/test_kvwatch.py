@@ -1,7 +1,7 @@
 """The KV watch the services keep their read models with, against a real nats-server: the last
 value of every key first, then every change; deletes, purges and the server's TTL markers as
 ``None``; ``ready`` once the initial values are in; a failing callback ends the watch. And the
-paced read of every key's last value."""
+paced read of every key's last value, and the one-pass read of every record resyncs use."""
 
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 import pytest
 from nats.js.errors import NotFoundError
 
+from schemas import codec
+from schemas.messages import AllocatorHeartbeat
 from services.runtime.bus import Bus
-from services.runtime.kvwatch import RawChange, read_paced, watch_raw
+from services.runtime.kvwatch import RawChange, read_bucket, read_paced, watch_raw
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 
@@ -133,3 +135,24 @@ async def test_a_paced_read_gives_the_last_value_of_each_key_a_batch_at_a_time(
     assert got == {
         f"k{i}": (f"new{i}".encode() if i % 2 == 0 else b"old") for i in range(10) if i not in (1, 3)
     }
+
+
+async def test_read_bucket_decodes_every_record_and_leaves_out_the_gone_and_the_undecodable(
+    bus_factory: BusFactory,
+) -> None:
+    """The resync read (the admission bridge's request and job records, the node labels): the
+    last value of every key, decoded; deleted keys and a value that does not decode are left
+    out. The server's early "nothing pending" is covered at nats-py's boundary in
+    tests/unit/test_client_snapshot.py."""
+    bus = await bus_factory()
+    await _bucket(bus)
+    assert await read_bucket(bus.js, BUCKET, codec.ALLOCATOR_HEARTBEAT) == {}  # never written to
+    kv = await bus.js.key_value(BUCKET)
+    for name in ("a", "b", "c"):
+        await kv.put(name, codec.encode(AllocatorHeartbeat(instance=f"{name}-old")))
+    await kv.put("a", codec.encode(AllocatorHeartbeat(instance="a-new")))
+    await kv.delete("b")
+    await kv.put("bad", b"\xc1 not msgpack")
+
+    got = await read_bucket(bus.js, BUCKET, codec.ALLOCATOR_HEARTBEAT)
+    assert {key: beat.instance for key, beat in got.items()} == {"a": "a-new", "c": "c-old"}

@@ -18,8 +18,8 @@ import pytest
 
 from schemas import codec
 from schemas.messages import AllocatorHeartbeat
-from services import client as client_mod
 from services.client import TandemClient
+from services.runtime import kvread
 
 ENTRY = SimpleNamespace  # key, value, revision, operation: what nats-py's KeyValue.Entry has
 
@@ -105,7 +105,7 @@ def test_deletes_count_towards_the_last_sequence_and_leave_the_key_out() -> None
 def test_a_last_message_that_is_gone_costs_only_the_grace(monkeypatch: pytest.MonkeyPatch) -> None:
     # The message at the stream's last sequence expired: nothing will ever reach it, and the
     # snapshot returns what it has once the grace has passed (the fake answers at once).
-    monkeypatch.setattr(client_mod, "SNAPSHOT_GRACE_S", 0.01)
+    monkeypatch.setattr(kvread, "SNAPSHOT_GRACE_S", 0.01)
     got, _ = snapshot_of(
         [ENTRY(key="box-0", value=record("box-0"), revision=3, operation=None), None], last_seq=9
     )
