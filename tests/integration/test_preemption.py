@@ -15,6 +15,7 @@ from opentelemetry.context import Context
 from prometheus_client import REGISTRY
 
 from schemas import codec, subjects
+from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
 from services.allocator.preemption import reservation_key
 from services.client import TandemClient
@@ -158,3 +159,68 @@ async def test_every_replica_keeps_the_preemptors_devices(
         lambda: not any(key in a.cluster.holds("h100-0") for a in st.allocators),
         what="the reservations dropped once the preemptor is placed",
     )
+
+
+SHARED_CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami", max_shares_per_gpu=4)}
+
+
+@pytest.fixture
+async def shared_stack(
+    nats_url: str, clean_jetstream: None
+) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    settings = make_settings(
+        nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, device_classes=SHARED_CLASSES
+    )
+    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
+    await st.start()
+    await st.wait_ready()
+    client = await TandemClient(st.buses[0]).start()
+    yield st, client
+    await client.close()
+    await st.stop()
+
+
+async def test_a_whole_gpu_request_evicts_every_share_of_one_gpu(
+    shared_stack: tuple[LocalStack, TandemClient], bus_factory: BusFactory
+) -> None:
+    """Seven GPUs held whole at a priority the preemptor may not touch, the eighth as two
+    shares of priority 0: a one-GPU request of priority 5 evicts both shares, and the GPU,
+    once they are freed, goes to it whole — not to a share request of higher priority that
+    arrives meanwhile (the reservation keeps the GPU from shares too)."""
+    _, client = shared_stack
+    observer = await bus_factory("observer")
+    plans = await observer.nc.subscribe(subjects.ALLOC_PREEMPT)
+
+    big = request("big", 7, priority=9)
+    await client.submit(big)
+    assert isinstance(await client.wait_for(big.request_id), Assignment)
+    shares = [
+        request(f"share{i}", 1, device_class="shared", gpu_memory_mib=10240, gpu_cores_percent=25, priority=0)
+        for i in range(2)
+    ]
+    for r in shares:
+        await client.submit(r)
+        assert isinstance(await client.wait_for(r.request_id), Assignment)
+    shared_gpu = {client.assignment(r.request_id).device_ids()[0] for r in shares}  # type: ignore[union-attr]
+    assert len(shared_gpu) == 1  # both on the one GPU left
+
+    hi = request("hi", 1, priority=5, preemption="lower-priority")
+    await client.submit(hi)
+    plan = codec.ALLOC_EVENT.decode((await plans.next_msg(timeout=10)).data)
+    assert isinstance(plan, PreemptionPlan) and plan.request_id == hi.request_id
+    assert sorted(v.request_id for v in plan.victims) == sorted(r.request_id for r in shares)
+
+    # A share request of higher priority, which may not preempt, waits: the GPU is reserved.
+    rival = request("rival", 1, device_class="shared", gpu_memory_mib=1024, gpu_cores_percent=10, priority=9)
+    await client.submit(rival)
+    for r in shares:  # the evictions
+        await client.release(r.request_id)
+        assert isinstance(await client.wait_for(r.request_id, (Freed,)), Freed)
+
+    placed = await client.wait_for(hi.request_id, (Assignment,), timeout=15)
+    assert isinstance(placed, Assignment) and placed.device_ids() == sorted(shared_gpu)
+    assert placed.gpus[0].memory_mib is None  # whole, not a share
+    assert client.assignment(rival.request_id) is None
+    allocs = (await client.allocations(["h100-0"]))[0]
+    assert set(allocs.allocations) == {big.request_id, hi.request_id}
+    await plans.unsubscribe()

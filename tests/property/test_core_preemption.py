@@ -1,7 +1,8 @@
 """Property tests of priority preemption (services/allocator/core/preempt.py).
 
 Random small clusters (one or two random nodes) whose devices are mostly held by allocations of
-random priorities, some of them protected (claims); a random request of priority ``P`` that may
+random priorities, some of them protected (claims), and the GPUs left held in part as shares
+(one to three share holds per GPU); a random request for whole GPUs of priority ``P`` that may
 preempt. The reference is an exhaustive search written from the order's definition, not from
 the code: every set of eligible holds over the whole cluster, by increasing size, each tried by
 the plain exhaustive in-node search (``bench.exhaustive``) on every node with those holds'
@@ -57,6 +58,24 @@ def _cluster(
             protected = rng.random() < 0.2
             cluster.hold(name, f"{name}h{h}", devs, priority=prio, preemptible=not protected)
             holds.append((name, f"{name}h{h}", prio, not protected, frozenset(devs)))
+        # GPU shares on some of the GPUs left: one to three holds per GPU, the odd one with a
+        # NIC of its own; to a whole-GPU preemptor the GPU is free only with all of them gone.
+        taken = set().union(*owners.values()) if owners else set()
+        nics = [n.name for n in topo.nics() if n.name not in taken]
+        for gpu in [g.id for g in topo.gpus() if g.id not in taken]:
+            if rng.random() < 0.5:
+                continue
+            for k in range(rng.randint(1, 3)):
+                devs = {gpu}
+                if nics and rng.random() < 0.2:
+                    devs.add(nics.pop())
+                prio = rng.randint(0, 3)
+                protected = rng.random() < 0.2
+                rid = f"{name}{gpu}s{k}"
+                cluster.hold(
+                    name, rid, devs, priority=prio, preemptible=not protected, shares={gpu: (1024, 10)}
+                )
+                holds.append((name, rid, prio, not protected, frozenset(devs)))
     return cluster, topos, bad, holds
 
 
@@ -136,6 +155,8 @@ def _check(
         assert v.priority == p and set(v.devices) == devs
     prios = tuple(sorted((v.priority for v in got.victims), reverse=True))
     assert (len(got.victims), prios, got.placement.quality) == best
+    if any("s" in v.request_id.removeprefix(got.node) for v in got.victims):
+        event("a share evicted")
 
     # The placement is valid once the victims are gone.
     gone = {v.request_id for v in got.victims}

@@ -115,3 +115,53 @@ def test_may_preempt_request_overrides_class() -> None:
         preempt.may_preempt(
             AllocationRequest(request_id="x", pod=PodRef("ns", "x"), gpus=1, device_class="nope"), classes
         )
+
+
+def shared_gpu(cluster: Cluster, gpu: int, shares: dict[str, tuple[int, bool]]) -> None:
+    """Hold ``gpu`` of n0 as shares: request id -> (priority, preemptible)."""
+    for rid, (prio, ok) in shares.items():
+        cluster.hold(
+            "n0", rid, [f"gpu{gpu}"], priority=prio, preemptible=ok, shares={f"gpu{gpu}": (8192, 25)}
+        )
+
+
+def test_every_share_of_a_gpu_is_evicted_to_free_it_whole() -> None:
+    cluster = full_node({"rest": ([0, 1, 2, 3, 4, 5, 6], 20, True)})
+    shared_gpu(cluster, 7, {"s1": (0, True), "s2": (1, True), "s3": (0, True)})
+    plan = preempt.plan(cluster, req("hi", 1))
+    assert plan is not None
+    assert sorted(v.request_id for v in plan.victims) == ["s1", "s2", "s3"]
+    assert all(v.devices == ("gpu7",) for v in plan.victims)
+    assert [g.index for g in plan.placement.gpus] == [7]
+    for v in plan.victims:
+        cluster.release("n0", v.request_id)
+    assert isinstance(cluster.decide(req("hi", 1)), Placement)
+
+
+def test_a_share_that_may_not_go_keeps_its_gpu() -> None:
+    cluster = full_node({"rest": ([0, 1, 2, 3, 4, 5, 6], 20, True)})
+    shared_gpu(cluster, 7, {"s1": (0, True), "claim": (0, False)})
+    assert preempt.plan(cluster, req("hi", 1)) is None
+    shared_gpu(cluster, 7, {"claim": (10, True)})  # of the preemptor's priority: as protected
+    assert preempt.plan(cluster, req("hi", 1)) is None
+
+
+def test_one_whole_victim_beats_a_gpu_of_shares() -> None:
+    cluster = full_node({"rest": ([0, 1, 2, 3, 4, 5], 20, True), "whole": ([6], 5, True)})
+    shared_gpu(cluster, 7, {"s1": (0, True), "s2": (0, True)})
+    plan = preempt.plan(cluster, req("hi", 1))
+    assert plan is not None and [v.request_id for v in plan.victims] == ["whole"]
+
+
+def test_many_shares_per_gpu_are_searched_by_gpu_not_by_every_set() -> None:
+    # 8 GPUs with 8 shares each: 64 eligible holds, whose sets of 16 number ~5e14; by GPU
+    # there are 8 units, so the plan for 2 GPUs is found at once: every share of two GPUs.
+    cluster = Cluster()
+    cluster.set_node("n0", load_topology("dgx-h100"))
+    for g in range(8):
+        shared_gpu(cluster, g, {f"g{g}s{k}": (g % 2, True) for k in range(8)})
+    plan = preempt.plan(cluster, req("hi", 2))
+    assert plan is not None and len(plan.victims) == 16
+    # The lowest priorities first: two GPUs whose shares are all of priority 0.
+    assert {v.priority for v in plan.victims} == {0}
+    assert len({v.devices for v in plan.victims}) == 2

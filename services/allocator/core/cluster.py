@@ -80,7 +80,8 @@ in-use devices handed out twice). A hold may be *preemptible* with a priority
 (``hold(..., priority=, preemptible=True)``): :mod:`.preempt` may then choose it as a victim
 for a request of higher priority; the nodes with such holds are kept grouped by what that
 search depends on (:meth:`Cluster.preemption_groups`), rebuilt lazily for the nodes whose
-holds changed (a hold with GPU shares is never a victim). Not thread-safe: one owner calls it.
+holds changed (a hold of GPU shares may be a victim too: every share of a GPU evicted frees it
+whole; a hold of MIG instances never is). Not thread-safe: one owner calls it.
 
 Shares of GPUs (fractional GPUs, :mod:`.shares`): a hold may give some of its GPUs as shares
 (memory MiB, compute percent); a shared GPU leaves the free mask like a held one, and the
@@ -428,10 +429,10 @@ class Cluster:
         evicted (:mod:`.preempt`); the default is protected (a decision in flight, a claim).
         ``shares``: the GPUs of ``devices`` held as shares, device id -> (memory MiB, compute
         percent), as :meth:`Placement.shares` gives them; the other devices are held whole. A
-        hold with shares is never a victim: evicting one share frees no whole GPU, which is
-        what the preemption search counts on."""
+        preemptible hold with shares may be a victim like any other: its GPUs count as held,
+        so only evicting every share of a GPU frees it (:mod:`.preempt`)."""
         devs = tuple(sorted(set(devices)))
-        if preemptible and not shares and not any(is_mig_device(d) for d in devs):
+        if preemptible and not any(is_mig_device(d) for d in devs):
             self._victims.setdefault(name, {})[request_id] = priority
             self._pv_forget(name)
         else:

@@ -43,8 +43,17 @@ How it stays cheap — every step keeps the minimum exact:
   nothing helps.
 * **Within a view**, sets are tried by increasing size, stopping at the first size that has
   one, and within a size in order of 2., stopping once the priorities rank behind the best
-  set of that size. A view with ``h`` eligible holds costs at most ``2^h`` in-node searches
-  (the cluster's cached ones); nodes hold a few allocations each.
+  set of that size. The holds of one GPU only are taken together (:func:`_units`): on a GPU
+  held as shares, evicting some of its shares frees nothing, so a minimal set has all of
+  them or none (a whole hold of one GPU is such a unit of one). A view with ``u`` units costs
+  at most ``2^u`` in-node searches (the cluster's cached ones); nodes hold a few
+  allocations each, and a GPU's many shares are one unit.
+
+GPU shares: a preemptible hold of shares is a victim like a whole one and counts as one
+allocation in 1.; its GPU counts as held, so a placement gets that GPU only with every share on
+it evicted (a share the preemptor may not evict keeps the GPU). A request *for* shares or MIG
+instances does not preempt (:func:`may_preempt`), and a hold of MIG instances is never a
+victim.
 
 Preemption runs only for requests that may preempt and that nothing else can place
 (``docs/benchmarks.md``, "Preemption (core)", for its cost at 1,000 and 10,000 nodes).
@@ -100,10 +109,10 @@ class Preemption:
 
 def may_preempt(request: AllocationRequest, classes: Mapping[str, DeviceClass]) -> bool:
     """Whether ``request`` may evict allocations of lower priority (its own ``preemption``,
-    else its device class's). A request for GPU *shares* never preempts: eviction frees whole
-    devices, and shares are placed among the shares left (docs/sharing.md). Nor does a request
-    for *MIG instances*: no preemptible hold holds an instance (a MIG hold is never a victim),
-    so evicting frees none. Raises InvalidRequest for an unknown class."""
+    else its device class's). A request for GPU *shares* never preempts: its room would be a
+    part of a GPU, which the search, counting whole devices, does not plan (docs/sharing.md).
+    Nor does a request for *MIG instances*: no preemptible hold holds an instance (a MIG hold
+    is never a victim), so evicting frees none. Raises InvalidRequest for an unknown class."""
     if request.shared or request.mig_profile is not None:
         return False
     if request.preemption is not None:
@@ -200,10 +209,14 @@ def _best_in_view(
     if not isinstance(cluster.evaluate_free(spec, shape, shape.effective_free(blocked)), Choice):
         return None  # even evicting every eligible allocation does not make room here
     n = len(eligible)
+    units = _units(eligible, blocked, shape.gpu_all)
+    singles = sorted(unit[0] for unit in units if len(unit) == 1)
+    plain = len(singles) == len(units)  # no GPU of several shares (the common case)
     for size in range(1, n + 1):
-        # ``eligible`` is in order of priority, highest first, so each set's priorities are
-        # too; sets with equal priorities keep ``combinations``' fixed order.
-        sets = sorted(combinations(range(n), size), key=lambda ix: tuple(eligible[i][0] for i in ix))
+        # ``eligible`` is in order of priority, highest first, and each set lists its holds
+        # in that order, so its priorities are sorted too.
+        pool = combinations(singles, size) if plain else _sets_of_size(units, size)
+        sets = sorted(pool, key=lambda ix: tuple(eligible[i][0] for i in ix))
         found: _Own | None = None
         for ix in sets:
             prios = tuple(eligible[i][0] for i in ix)
@@ -222,6 +235,39 @@ def _best_in_view(
         if found is not None:
             return found
     return None  # pragma: no cover - evicting all made room above
+
+
+def _units(eligible: tuple[tuple[int, int], ...], blocked: int, gpu_all: int) -> list[tuple[int, ...]]:
+    """The eligible holds (indexes) in the units a minimal set takes whole: the holds whose
+    slots are one GPU alone, by that GPU (on a shared GPU, some of its shares evicted free
+    nothing; a GPU that ``blocked`` keeps frees nothing at all, so its holds are left out),
+    and every other hold on its own."""
+    by_gpu: dict[int, list[int]] = {}
+    units: list[tuple[int, ...]] = []
+    for i, (_, mask) in enumerate(eligible):
+        if mask & (mask - 1) == 0 and mask & gpu_all:  # exactly one slot, and it is a GPU
+            if not mask & blocked:
+                by_gpu.setdefault(mask, []).append(i)
+        else:
+            units.append((i,))
+    units.extend(tuple(ix) for ix in by_gpu.values())
+    return units
+
+
+def _sets_of_size(units: list[tuple[int, ...]], size: int) -> list[tuple[int, ...]]:
+    """Every union of ``units`` with exactly ``size`` holds, as sorted hold indexes."""
+    out: list[tuple[int, ...]] = []
+
+    def extend(start: int, left: int, taken: tuple[int, ...]) -> None:
+        if left == 0:
+            out.append(tuple(sorted(taken)))
+            return
+        for u in range(start, len(units)):
+            if len(units[u]) <= left:
+                extend(u + 1, left - len(units[u]), taken + units[u])
+
+    extend(0, size, ())
+    return out
 
 
 def _victims(cluster: Cluster, name: str, chosen: list[tuple[int, int]]) -> list[Victim]:
