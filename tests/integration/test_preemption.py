@@ -8,6 +8,7 @@ tests/integration/test_bridge.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -32,16 +33,33 @@ def request(name: str, gpus: int, rdma: int = 0, **kw: object) -> AllocationRequ
     )  # type: ignore[arg-type]
 
 
-@pytest.fixture
-async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
-    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
-    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
+SHARED_CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami", max_shares_per_gpu=4)}
+
+
+@contextlib.asynccontextmanager
+async def one_dgx(
+    nats_url: str, *, allocators: int = 1, classes: dict[str, DeviceClass] | None = None
+) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    """The services in-process around one simulated DGX H100, and a client."""
+    extra = {} if classes is None else {"device_classes": classes}
+    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, **extra)
+    st = LocalStack(
+        settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=allocators, retry_interval=0.3
+    )
     await st.start()
     await st.wait_ready()
     client = await TandemClient(st.buses[0]).start()
-    yield st, client
-    await client.close()
-    await st.stop()
+    try:
+        yield st, client
+    finally:
+        await client.close()
+        await st.stop()
+
+
+@pytest.fixture
+async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    async with one_dgx(nats_url) as running:
+        yield running
 
 
 async def test_high_priority_request_preempts_then_is_placed(
@@ -120,14 +138,8 @@ async def test_high_priority_request_preempts_then_is_placed(
 async def two_replicas(
     nats_url: str, clean_jetstream: None
 ) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
-    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0)
-    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=2, retry_interval=0.3)
-    await st.start()
-    await st.wait_ready()
-    client = await TandemClient(st.buses[0]).start()
-    yield st, client
-    await client.close()
-    await st.stop()
+    async with one_dgx(nats_url, allocators=2) as running:
+        yield running
 
 
 async def test_every_replica_keeps_the_preemptors_devices(
@@ -161,23 +173,12 @@ async def test_every_replica_keeps_the_preemptors_devices(
     )
 
 
-SHARED_CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami", max_shares_per_gpu=4)}
-
-
 @pytest.fixture
 async def shared_stack(
     nats_url: str, clean_jetstream: None
 ) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
-    settings = make_settings(
-        nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, device_classes=SHARED_CLASSES
-    )
-    st = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
-    await st.start()
-    await st.wait_ready()
-    client = await TandemClient(st.buses[0]).start()
-    yield st, client
-    await client.close()
-    await st.stop()
+    async with one_dgx(nats_url, classes=SHARED_CLASSES) as running:
+        yield running
 
 
 async def test_a_whole_gpu_request_evicts_every_share_of_one_gpu(
