@@ -178,6 +178,14 @@ def test_invariant_check_finds_double_held_devices_and_double_placements() -> No
     assert not clean.double_held and not clean.double_placed and clean.snapshots == 1
 
 
+def _checker_answers(capsysbinary: pytest.CaptureFixture[bytes]) -> list[invariants.Found]:
+    """The checker's answers printed since the last call, among this test process's log lines."""
+    out = capsysbinary.readouterr().out
+    return [
+        msgspec.json.decode(line, type=invariants.Found) for line in out.splitlines() if line.startswith(b"{")
+    ]
+
+
 async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     bus_factory: BusFactory, nats_url: str, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
@@ -195,9 +203,7 @@ async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     answers: list[invariants.Found] = []
 
     def answered() -> bool:
-        out = capsysbinary.readouterr().out  # the answers, among this test process's log lines
-        lines = [line for line in out.splitlines() if line.startswith(b"{")]
-        answers.extend(msgspec.json.decode(line, type=invariants.Found) for line in lines)
+        answers.extend(_checker_answers(capsysbinary))
         return bool(answers)
 
     await wait_until(answered, timeout=10, what="the checker's first answer")
@@ -245,3 +251,40 @@ async def test_the_final_check_waits_for_a_mid_run_check_still_reading(
     await run._finish_checks()
     assert said == ["warning: 1 mid-run check(s) unanswered after 0.2s"]
     await run.tasks.aclose()
+
+
+async def test_the_checker_answers_an_error_when_it_cannot_read_the_records(
+    bus_factory: BusFactory,
+    nats_url: str,
+    capsysbinary: pytest.CaptureFixture[bytes],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No allocation records to read (here: the bucket does not exist yet; under the load, a
+    server killed or a stream electing its leader): the checker tries again for
+    ``READ_ATTEMPTS_S``, then answers with ``error`` set and no snapshot counted, and goes on
+    answering — the harness reports it and the run continues."""
+    monkeypatch.setattr(checker, "READ_ATTEMPTS_S", 0.3)
+    monkeypatch.setattr(checker, "READ_RETRY_S", 0.05)
+    commands = asyncio.StreamReader()
+    commands.feed_data(b"snapshot\n")
+    serving = asyncio.create_task(checker.serve(make_settings(nats_url, "loadtest-checker"), commands))
+    answers: list[invariants.Found] = []
+
+    def answered() -> bool:
+        answers.extend(_checker_answers(capsysbinary))
+        return bool(answers)
+
+    await wait_until(answered, timeout=10, what="the checker's answer")
+    [failed] = answers
+    assert failed.snapshots == 0 and failed.error is not None and "cannot read the records" in failed.error
+    found = invariants.Violations()
+    found.add(failed)
+    assert found.snapshots == 0
+
+    await bus_factory()  # provisions the buckets: the next read works
+    commands.feed_data(b"snapshot\n")
+    commands.feed_eof()
+    await asyncio.wait_for(serving, 10)
+    assert _checker_answers(capsysbinary) == [
+        invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)
+    ]
