@@ -6,8 +6,10 @@ compare-and-set by :class:`~services.runtime.records.RecordStore`, which folds e
 queued for one node into one write (group commit) and re-applies them to the fresh record
 when another replica wrote first. So each mutation here must decide from the record it is
 given, never from the allocator's view: :func:`add_allocation` refuses (``Conflict``) when a
-device it wants is held in the fresh record — that is what keeps two replicas from ever
-handing out one device.
+device it wants is held in the fresh record, or when a GPU it takes a share of has no room
+left for it there (:class:`ShareRoom`) — that is what keeps two replicas from ever handing
+out one device, or more of a GPU than it has: each decides on its own view, and two shares
+decided on one stale view must not both land on a GPU that fits one.
 
 Request records (``RequestRecord``, KV ``tandem-requests``) say where a request stands. The
 *claim* is the only compare-and-set that guards a request rather than a device: two replicas
@@ -67,10 +69,19 @@ def check_same(current: RequestRecord | None, req: AllocationRequest) -> None:
 # -- node allocation records -------------------------------------------------------------------
 
 
+class ShareRoom(msgspec.Struct, frozen=True):
+    """What the shared GPUs of a node can hold, as the allocator core counts it
+    (``core.shares.fit_mask``): each GPU's memory, 100 % of compute, and at most
+    ``max_shares`` shares (the request's device class)."""
+
+    memory_mib: dict[str, int]  # GPU device id -> its memory
+    max_shares: int
+
+
 def _clash(base: NodeAllocations, assignment: Assignment) -> set[str]:
     """Devices of ``assignment`` another allocation of ``base`` holds: any device held whole
-    by either side. Two shares of one GPU do not clash here: how much of a GPU its shares may
-    take is the allocator core's decision (docs/sharing.md), made on the node's full state."""
+    by either side. Two shares of one GPU do not clash here; whether the GPU has room for one
+    more is :func:`_no_room`'s question."""
     mine = set(assignment.device_ids())
     my_shares = assignment.shares()
     whole: set[str] = set()
@@ -82,7 +93,36 @@ def _clash(base: NodeAllocations, assignment: Assignment) -> set[str]:
     return (mine & whole) | ((mine - set(my_shares)) & shared)
 
 
-def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[NodeAllocations]:
+def _no_room(base: NodeAllocations, assignment: Assignment, room: ShareRoom) -> list[str]:
+    """The shares of ``assignment`` that the GPUs of ``base`` have no room left for: memory,
+    compute or share count over what :class:`ShareRoom` says, counting every share ``base``
+    holds on the GPU (as ``core.shares.fit_mask`` decides)."""
+    mine = assignment.shares()
+    used: dict[str, list[int]] = {dev: [0, 0, 0] for dev in mine}
+    for other in base.allocations.values():
+        for dev, (mem, cores) in other.assignment.shares().items():
+            u = used.get(dev)
+            if u is not None:
+                u[0] += mem
+                u[1] += cores
+                u[2] += 1
+    out = []
+    for dev, (mem, cores) in mine.items():
+        u = used[dev]
+        if u[2] >= room.max_shares:
+            out.append(f"{dev} holds {u[2]} shares already (at most {room.max_shares})")
+        elif u[0] + mem > room.memory_mib.get(dev, 0):
+            out.append(f"{dev} has {room.memory_mib.get(dev, 0) - u[0]} MiB left, not {mem}")
+        elif u[1] + cores > 100:
+            out.append(f"{dev} has {100 - u[1]} % compute left, not {cores}")
+    return out
+
+
+def add_allocation(
+    node: str, request_id: str, rec: AllocRecord, *, share_room: ShareRoom | None = None
+) -> Mutation[NodeAllocations]:
+    """Add ``rec`` to the node's record; ``share_room`` is required when it holds shares."""
+
     def mutate(current: NodeAllocations | None) -> NodeAllocations | None:
         base = current if current is not None else NodeAllocations(node=node)
         if request_id in base.allocations:
@@ -90,6 +130,12 @@ def add_allocation(node: str, request_id: str, rec: AllocRecord) -> Mutation[Nod
         clash = _clash(base, rec.assignment)
         if clash:
             raise Conflict(f"{node}: {', '.join(sorted(clash))} held by another allocation")
+        if rec.assignment.shares():
+            if share_room is None:
+                raise ValueError(f"{request_id}: an allocation of shares needs the GPUs' room")
+            full = _no_room(base, rec.assignment, share_room)
+            if full:
+                raise Conflict(f"{node}: {'; '.join(full)}")
         allocations = dict(base.allocations)
         allocations[request_id] = rec
         return NodeAllocations(node=node, allocations=allocations)

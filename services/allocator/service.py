@@ -517,9 +517,11 @@ class Allocator(Service):
                 # (docs/sharing.md, "Preemption").
                 preemptible=req.claim is None,
             )
+            room = self._share_room(req, assignment) if assignment.shares() else None
             try:
                 await self.node_allocs.update(
-                    assignment.node, commits.add_allocation(assignment.node, req.request_id, rec)
+                    assignment.node,
+                    commits.add_allocation(assignment.node, req.request_id, rec, share_room=room),
                 )
             except RecordTooLarge:
                 raise
@@ -535,6 +537,15 @@ class Allocator(Service):
                 raise
             cspan.set_attribute("tandem.committed", True)
             return True
+
+    def _share_room(self, req: AllocationRequest, assignment: Assignment) -> commits.ShareRoom:
+        """What the node's GPUs can hold in shares, checked again by the commit against the
+        node's record as it is then (:mod:`.commits`)."""
+        topo = self.cluster.topology(assignment.node)
+        dc = self.cluster.device_classes.get(req.device_class) or DeviceClass()
+        return commits.ShareRoom(
+            memory_mib={g.id: g.memory_mib for g in topo.gpus()}, max_shares=dc.max_shares_per_gpu
+        )
 
     async def _reject(self, req: AllocationRequest, reason: str) -> None:
         await self.book.reject(req, reason)

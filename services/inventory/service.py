@@ -32,7 +32,7 @@ from typing import Literal
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.js.errors import KeyNotFoundError, NoKeysError
+from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
 
@@ -46,7 +46,7 @@ from schemas.messages import (
     NodeRecord,
 )
 from services.runtime.bus import Bus, Delivery
-from services.runtime.kvwatch import watch_raw
+from services.runtime.kvwatch import read_bucket, watch_raw
 from services.runtime.logging import get_logger
 from services.runtime.records import RecordStore
 from services.runtime.tasks import Service, Supervisor
@@ -175,12 +175,6 @@ class Inventory(Service):
         else:
             self.status[node] = record.status
 
-    async def _keys(self) -> list[str]:
-        try:
-            return list(await self.kv.keys())
-        except NoKeysError:  # nats-py's answer for an empty bucket
-            return []
-
     async def _on_node_event(self, event: object, delivery: Delivery) -> None:
         now = self.clock()
         # Bus.consume checked that the node in the body is the one the subject names (only
@@ -238,14 +232,13 @@ class Inventory(Service):
                 self._frozen_at = len(self.status)
 
     async def _on_query(self, query: InventoryQuery, _: Delivery) -> InventoryReply:
-        keys = [query.node] if query.node else await self._keys()
-        nodes = []
-        for key in keys:
-            try:
-                entry = await self.kv.get(subjects.kv_key(key))
-            except KeyNotFoundError:
-                if query.node:
-                    return InventoryReply(error=f"unknown node {query.node!r}")
-                continue
-            nodes.append(codec.NODE_RECORD.decode(entry.value or b""))
-        return InventoryReply(nodes=nodes)
+        if not query.node:
+            # Every record in one pass, complete even when the server says early that nothing
+            # is pending (a listing of keys then a get per key could miss nodes).
+            every = await read_bucket(self.bus.js, subjects.KV_NODES, codec.NODE_RECORD)
+            return InventoryReply(nodes=[every[k] for k in sorted(every)])
+        try:
+            entry = await self.kv.get(subjects.kv_key(query.node))
+        except KeyNotFoundError:
+            return InventoryReply(error=f"unknown node {query.node!r}")
+        return InventoryReply(nodes=[codec.NODE_RECORD.decode(entry.value or b"")])

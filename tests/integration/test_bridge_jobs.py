@@ -11,13 +11,13 @@ from typing import Any
 
 import jsonpatch
 import pytest
-from nats.js.errors import NoKeysError
 
 from schemas import codec, subjects
 from schemas.messages import JobRecord, JobRequest
 from services.admission import jobs, names, policy
 from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
+from services.runtime.kvwatch import read_bucket
 from tests.conftest import BusFactory, make_settings
 from tests.integration.test_bridge import CLASSES, StartBridge, apiserver, start_bridge, stream_messages
 from tests.unit.test_admission_helpers import deployment_pod
@@ -65,18 +65,10 @@ def gated(emu: Any, name: str) -> bool:
 
 async def held(bus: Bus) -> dict[str, tuple[str, str]]:
     """Allocation id → (node, state) for every allocation the server holds."""
-    kv = await bus.kv(subjects.KV_ALLOCS)
-    out: dict[str, tuple[str, str]] = {}
-    try:
-        keys = await kv.keys()
-    except NoKeysError:  # an empty bucket (any other error must not read as "nothing held")
-        return out
-    for key in keys:
-        entry = await kv.get(key)
-        if entry.value:
-            for rid, rec in codec.NODE_ALLOCS.decode(entry.value).allocations.items():
-                out[rid] = (key, rec.state)
-    return out
+    records = await read_bucket(bus.js, subjects.KV_ALLOCS, codec.NODE_ALLOCS)
+    return {
+        rid: (key, rec.state) for key, record in records.items() for rid, rec in record.allocations.items()
+    }
 
 
 async def test_an_eight_pod_job_is_requested_once_and_bound_whole(

@@ -20,6 +20,7 @@ from schemas import codec, subjects
 from schemas.messages import AllocRecord, JobRecord, JobRequest, NodeAllocations, PodRef, Release
 from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
+from services.runtime.kvwatch import read_bucket
 from tests.conftest import make_settings
 from tests.waiting import wait_until
 
@@ -41,18 +42,10 @@ def job(job_id: str, pods: int, *, gpus: int = 8, rdma: int = 8) -> JobRequest:
 
 
 async def allocations(bus: Bus) -> dict[str, dict[str, AllocRecord]]:
-    """Every node's allocations, as the server holds them now."""
-    kv = await bus.kv(subjects.KV_ALLOCS)
-    out: dict[str, dict[str, AllocRecord]] = {}
-    try:
-        keys = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError on an empty bucket
-        return out
-    for key in keys:
-        entry = await kv.get(key)
-        if entry.value:
-            out[key] = dict(codec.NODE_ALLOCS.decode(entry.value).allocations)
-    return out
+    """Every node's allocations, as the server holds them now (one complete read: a listing
+    of keys can end early, and then this returned nothing for a job just placed)."""
+    records = await read_bucket(bus.js, subjects.KV_ALLOCS, codec.NODE_ALLOCS)
+    return {key: dict(record.allocations) for key, record in records.items()}
 
 
 async def pods_of(bus: Bus, job_id: str) -> dict[str, tuple[str, AllocRecord]]:

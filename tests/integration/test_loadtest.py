@@ -178,6 +178,25 @@ def test_invariant_check_finds_double_held_devices_and_double_placements() -> No
     assert not clean.double_held and not clean.double_placed and clean.snapshots == 1
 
 
+def _start_checker(nats_url: str) -> tuple[asyncio.StreamReader, asyncio.Task[None]]:
+    """The checker's loop on a pipe of our own, asked for one snapshot already."""
+    commands = asyncio.StreamReader()
+    commands.feed_data(b"snapshot\n")
+    return commands, asyncio.create_task(checker.serve(make_settings(nats_url, "loadtest-checker"), commands))
+
+
+async def _first_answers(capsysbinary: pytest.CaptureFixture[bytes]) -> list[invariants.Found]:
+    """Wait for the checker to answer; what it printed by then."""
+    answers: list[invariants.Found] = []
+
+    def answered() -> bool:
+        answers.extend(_checker_answers(capsysbinary))
+        return bool(answers)
+
+    await wait_until(answered, timeout=10, what="the checker's answer")
+    return answers
+
+
 def _checker_answers(capsysbinary: pytest.CaptureFixture[bytes]) -> list[invariants.Found]:
     """The checker's answers printed since the last call, among this test process's log lines."""
     out = capsysbinary.readouterr().out
@@ -196,17 +215,8 @@ async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     kv = await bus.kv(subjects.KV_ALLOCS)
     clean = NodeAllocations(node="n2", allocations={"c": _alloc("c", "n2", [0], [])})
     await kv.put(subjects.kv_key("n2"), codec.encode(clean))
-    commands = asyncio.StreamReader()
-    commands.feed_data(b"snapshot\n")
-    serving = asyncio.create_task(checker.serve(make_settings(nats_url, "loadtest-checker"), commands))
-
-    answers: list[invariants.Found] = []
-
-    def answered() -> bool:
-        answers.extend(_checker_answers(capsysbinary))
-        return bool(answers)
-
-    await wait_until(answered, timeout=10, what="the checker's first answer")
+    commands, serving = _start_checker(nats_url)
+    answers = await _first_answers(capsysbinary)
     assert answers == [invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)]
 
     double = NodeAllocations(
@@ -218,9 +228,7 @@ async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     commands.feed_data(b"bogus\nsnapshot\n")
     commands.feed_eof()
     await asyncio.wait_for(serving, 10)  # stdin closed: the checker is done
-    answers.clear()
-    answered()
-    assert answers == [
+    assert _checker_answers(capsysbinary) == [
         invariants.Found(double_held=[("n1", "gpu1")], double_placed=[], undecodable=["n3"], snapshots=1)
     ]
 
@@ -265,17 +273,8 @@ async def test_the_checker_answers_an_error_when_it_cannot_read_the_records(
     answering — the harness reports it and the run continues."""
     monkeypatch.setattr(checker, "READ_ATTEMPTS_S", 0.3)
     monkeypatch.setattr(checker, "READ_RETRY_S", 0.05)
-    commands = asyncio.StreamReader()
-    commands.feed_data(b"snapshot\n")
-    serving = asyncio.create_task(checker.serve(make_settings(nats_url, "loadtest-checker"), commands))
-    answers: list[invariants.Found] = []
-
-    def answered() -> bool:
-        answers.extend(_checker_answers(capsysbinary))
-        return bool(answers)
-
-    await wait_until(answered, timeout=10, what="the checker's answer")
-    [failed] = answers
+    commands, serving = _start_checker(nats_url)
+    [failed] = await _first_answers(capsysbinary)
     assert failed.snapshots == 0 and failed.error is not None and "cannot read the records" in failed.error
     found = invariants.Violations()
     found.add(failed)

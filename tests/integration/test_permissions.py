@@ -99,7 +99,7 @@ async def test_flow_runs_with_least_privilege_and_no_violation(secured: Secured,
         record = (await stack.client.allocations([node]))[0].allocations.get(req.request_id)
         assert record is not None and record.assignment == assigned
         bridge_view = await stack.admission.kv(subjects.KV_REQUESTS)
-        assert req.request_id in await bridge_view.keys()
+        assert (await bridge_view.get(req.request_id)).value
         # The bridge writes its view of a DeviceClaim; the CLI reads it (tandem status).
         claim = ClaimRecord(request_id="claim-c", namespace="ns", name="c", phase="Allocated", pods=["p"])
         await (await stack.admission.kv(subjects.KV_CLAIMS)).put("claim-c", codec.encode(claim))

@@ -8,7 +8,6 @@ tests/integration/test_bridge.py)."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import AsyncIterator
 
 import pytest
@@ -20,8 +19,9 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
 from services.allocator.preemption import reservation_key
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
-from tests.conftest import BusFactory, make_settings
+from services.localstack import LocalStack
+from tests.conftest import BusFactory
+from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -34,26 +34,6 @@ def request(name: str, gpus: int, rdma: int = 0, **kw: object) -> AllocationRequ
 
 
 SHARED_CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami", max_shares_per_gpu=4)}
-
-
-@contextlib.asynccontextmanager
-async def one_dgx(
-    nats_url: str, *, allocators: int = 1, classes: dict[str, DeviceClass] | None = None
-) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
-    """The services in-process around one simulated DGX H100, and a client."""
-    extra = {} if classes is None else {"device_classes": classes}
-    settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, **extra)
-    st = LocalStack(
-        settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=allocators, retry_interval=0.3
-    )
-    await st.start()
-    await st.wait_ready()
-    client = await TandemClient(st.buses[0]).start()
-    try:
-        yield st, client
-    finally:
-        await client.close()
-        await st.stop()
 
 
 @pytest.fixture

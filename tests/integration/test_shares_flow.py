@@ -4,20 +4,22 @@ Inventory, allocator and a simulated node agent in-process (services.localstack)
 class that allows sharing: two share requests land on one GPU, each assignment carries its
 share and the class's sharing mode, the node's allocation record holds both (the commit lets
 two shares of one GPU through), a whole-GPU request never gets that GPU, and releasing both
-shares makes it whole-free again.
+shares makes it whole-free again. Two replicas racing for one GPU's memory never overcommit it.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef
+from services.allocator.core import Placement
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
-from tests.conftest import make_settings
+from services.localstack import LocalStack
+from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
@@ -33,16 +35,8 @@ def request(name: str, gpus: int, **kw: object) -> AllocationRequest:
 
 @pytest.fixture
 async def stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
-    settings = make_settings(
-        nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, device_classes=CLASSES
-    )
-    s = LocalStack(settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], retry_interval=0.3)
-    await s.start()
-    await s.wait_ready()
-    client = await TandemClient(s.buses[0]).start()
-    yield s, client
-    await client.close()
-    await s.stop()
+    async with one_dgx(nats_url, classes=CLASSES) as running:
+        yield running
 
 
 async def test_two_shares_on_one_gpu_then_whole_again(stack: tuple[LocalStack, TandemClient]) -> None:
@@ -83,3 +77,49 @@ async def test_two_shares_on_one_gpu_then_whole_again(stack: tuple[LocalStack, T
         assert isinstance(await client.wait_for(x.request_id, kinds=(Freed,)), Freed)
     await wait_until(lambda: shared in model.free_devices("h100-0"), what="the GPU whole-free again")
     assert model.gpu_shares("h100-0") == {}
+
+
+@pytest.fixture
+async def two_replicas(
+    nats_url: str, clean_jetstream: None
+) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    async with one_dgx(nats_url, allocators=2, classes=CLASSES) as running:
+        yield running
+
+
+async def test_two_replicas_racing_for_one_gpus_memory_never_overcommit_it(
+    two_replicas: tuple[LocalStack, TandemClient],
+) -> None:
+    """Seven GPUs held whole, then two shares of 50 GiB each (an 80 GiB GPU takes one) decided
+    by two replicas on the same view: both choose the eighth GPU; the commit that comes
+    second must not add its share on top (the node's record, re-read after the lost
+    compare-and-set, says the GPU's memory is taken), so that request is decided again and,
+    with no GPU left that fits it, waits."""
+    s, client = two_replicas
+    a0, a1 = s.allocators
+    big = request("big", 7)
+    assert await a0.handle_request(big) == "assigned"
+    await wait_until(lambda: big.request_id in a1.placed, what="the other replica seeing the big request")
+
+    barrier = asyncio.Barrier(2)
+    decided: list[Placement] = []
+
+    async def hold_until_both_decided(_: AllocationRequest, placement: Placement) -> None:
+        decided.append(placement)
+        if len(decided) <= 2:
+            await barrier.wait()  # both replicas now hold the same view of the node
+
+    a0.before_commit = a1.before_commit = hold_until_both_decided
+    mem = 50 * 1024
+    r0 = request("r0", 1, device_class="shared", gpu_memory_mib=mem)
+    r1 = request("r1", 1, device_class="shared", gpu_memory_mib=mem)
+    outcomes = await asyncio.gather(a0.handle_request(r0), a1.handle_request(r1))
+
+    assert sorted(outcomes) == ["assigned", "pending"], outcomes
+    assert decided[0].devices() == decided[1].devices()  # the same GPU, chosen twice
+    record = (await client.allocations(["h100-0"]))[0]
+    on_gpu: dict[str, int] = {}
+    for rec in record.allocations.values():
+        for dev, (m, _) in rec.assignment.shares().items():
+            on_gpu[dev] = on_gpu.get(dev, 0) + m
+    assert list(on_gpu.values()) == [mem]  # one share of 50 GiB, not 100 GiB on an 80 GiB GPU
