@@ -31,8 +31,9 @@ One request, start to finish (each step idempotent, keyed by ``request_id``):
    on two nodes;
 4. ``allocator.commit``: add the allocation to the node's record with compare-and-set. That
    one write is the commit and the node agent's event (the server republishes it on
-   ``tandem.allocs.<node>``). If another replica wrote the record first and took a device,
-   the write fails for this request only, which is decided again;
+   ``tandem.allocs.<node>``). If another replica wrote the record first and took a device
+   (or the room left on a GPU this request takes a share of), the write fails for this
+   request only, which is decided again;
 5. publish ``Assignment`` on the node's subject (for the pod bridge and the CLI), then ack the
    request: a lost event means a redelivery, which publishes it again (step 1).
 
