@@ -6,7 +6,7 @@ stdout gets a short summary and the JSON line, or only the JSON line with ``--js
 
 Ctrl-C (or SIGTERM) stops the run: the fleet and the services get SIGTERM, SIGKILL after a
 grace period, and the embedded server is stopped; a second Ctrl-C kills them at once. Exit
-code 0 when the invariants held (``lost``, ``double_held`` and ``double_placed`` all 0), 1
+code 0 when the invariants held (``lost``, ``double_held``, ``double_placed`` and ``overcommitted`` all 0), 1
 when one did not, 2 when the run could not be done (one line on stderr), 130 when interrupted.
 """
 
@@ -55,6 +55,12 @@ def register(sub: Any) -> None:
         help="cancel a request still pending after this many seconds, as a user would (0: never; default 5)",
     )
     p.add_argument("--pinned", type=float, default=0.0, help="share of requests pinned to one node")
+    p.add_argument(
+        "--shares",
+        type=float,
+        default=0.0,
+        help="share of requests asking a share of one GPU instead of whole GPUs (default 0)",
+    )
     p.add_argument("--seed", type=int, default=1, help="seed of the request stream (default 1)")
     p.add_argument("--drain", type=float, default=60.0, help="seconds to wait for the last answers")
     p.add_argument(
@@ -96,6 +102,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         max_in_flight=args.max_in_flight,
         give_up_s=args.give_up,
         pinned=args.pinned,
+        shares=args.shares,
         nats_url=args.nats,
         start_services=not args.no_services,
         drain_s=args.drain,
@@ -110,7 +117,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.cli.interrupt import until_interrupted
-    from services.loadtest import Harness, LoadtestError, summary, to_json_line
+    from services.loadtest import Harness, LoadtestError, summary, to_json_line, violations
     from services.runtime.errors import SettingsError
     from services.runtime.lifecycle import run_loop
     from services.runtime.settings import load_settings
@@ -140,5 +147,4 @@ def _run(args: argparse.Namespace) -> int:
     if not args.json:
         print(summary(report))
     print(to_json_line(report), flush=True)
-    ok = report.lost == 0 and report.double_held == 0 and report.double_placed == 0
-    return 0 if ok else 1
+    return 0 if violations(report) == 0 else 1

@@ -7,7 +7,7 @@ publishes inventory and heartbeats and applies and cleans up its allocations ove
 measures it from outside: decisions per second, submit → assigned and submit → applied
 latencies, readiness time, peak memory per process, and the JetStream ceiling of the same
 server beside them. It also checks the safety invariants on the system's own records (no
-device held twice, no request placed twice, none lost).
+device held twice, no GPU shared past what it has, no request placed twice, none lost).
 
 Modules::
 
@@ -15,7 +15,7 @@ Modules::
     procs       child processes: config file + environment, readiness, SIGTERM → SIGKILL, RSS
     fleet       ``python -m services.loadtest.fleet``: one process speaking for N nodes
     driver      submits, releases, paces, observes outcomes on core subscriptions
-    invariants  KV snapshots of ``tandem-allocs``: double-held devices, double placements
+    invariants  KV snapshots of ``tandem-allocs``: double-held devices, overcommitted GPUs, double placements
     checker     ``python -m services.loadtest.checker``: the checks during the load, at a pace
     ceiling     async-publish and pull+ack rates of a scratch stream
     mix         fleet composition and the seeded request stream (pure)
@@ -29,6 +29,15 @@ from __future__ import annotations
 
 from services.loadtest.errors import LoadtestError
 from services.loadtest.harness import Harness, LoadConfig, run_loadtest
-from services.loadtest.report import Report, summary, to_json_line
+from services.loadtest.report import Report, summary, to_json_line, violations
 
-__all__ = ["Harness", "LoadConfig", "LoadtestError", "Report", "run_loadtest", "summary", "to_json_line"]
+__all__ = [
+    "Harness",
+    "LoadConfig",
+    "LoadtestError",
+    "Report",
+    "run_loadtest",
+    "summary",
+    "to_json_line",
+    "violations",
+]

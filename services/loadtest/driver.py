@@ -64,7 +64,7 @@ from schemas.messages import (
     PodRef,
     Release,
 )
-from services.loadtest.mix import NAMESPACE, RequestStream
+from services.loadtest.mix import NAMESPACE, UNITS_PER_GPU, RequestStream, weight
 from services.loadtest.publisher import AsyncPublisher
 
 # An answer or a Freed not seen this long is looked up in KV (recover_missed), this many at a time.
@@ -79,8 +79,9 @@ STALL_S = 30.0
 
 @dataclass(slots=True)
 class Req:
-    gpus: int
+    gpus: int  # in hundredths of a GPU (mix.weight)
     submitted: float
+    shared: bool = False  # asks a share of a GPU
     measured: bool = True  # False: the readiness probe, outside every figure
     first: float | None = None
     assigned: float | None = None
@@ -114,8 +115,9 @@ class LoadDriver:
         self.nc = nc
         self.publisher = publisher
         self.stream = stream
-        self.target = util * fleet_gpus
-        self.fleet_gpus = fleet_gpus
+        # Counted in hundredths of a GPU, as requests weigh (a share its compute percent).
+        self.fleet_gpus = fleet_gpus * UNITS_PER_GPU
+        self.target = util * self.fleet_gpus
         self.total = requests
         self.rate = rate
         self.max_in_flight = max_in_flight
@@ -270,7 +272,9 @@ class LoadDriver:
     def submit(self, request: AllocationRequest, *, measured: bool = True) -> Req:
         """Publish ``request``; ``measured=False`` tracks it outside the load (the probe)."""
         rid = request.request_id
-        req = Req(gpus=request.gpus, submitted=time.perf_counter(), measured=measured)
+        req = Req(
+            gpus=weight(request), shared=request.shared, submitted=time.perf_counter(), measured=measured
+        )
         if measured:
             self.reqs[rid] = req
             self.in_flight_gpus += req.gpus

@@ -48,7 +48,15 @@ from schemas import subjects
 from services.loadtest import ceiling, invariants
 from services.loadtest.driver import LoadDriver, Req
 from services.loadtest.errors import LoadtestError
-from services.loadtest.mix import RequestStream, Workload, fleet_gpus, fleet_plan, probe_request
+from services.loadtest.mix import (
+    SHARED_CLASS,
+    SHARED_DEVICE_CLASS,
+    RequestStream,
+    Workload,
+    fleet_gpus,
+    fleet_plan,
+    probe_request,
+)
 from services.loadtest.procs import Child, Children, cpu_seconds, rss_mb
 from services.loadtest.publisher import AsyncPublisher
 from services.loadtest.report import CeilingFigures, CpuFigures, Report, RssFigures, percentiles
@@ -76,6 +84,7 @@ class LoadConfig:
     max_in_flight: int | None = None  # None: 5 % of the fleet's GPUs in requests (8 to 1024)
     give_up_s: float = 5.0  # cancel requests pending this long (<= 0: never)
     pinned: float = 0.0
+    shares: float = 0.0  # requests for a share of one GPU (mix.SHARED_CLASS)
     nats_url: str | None = None  # None: start an embedded nats-server
     start_services: bool = True  # False: inventory and allocators already run on nats_url
     drain_s: float = 60.0
@@ -99,6 +108,7 @@ class LoadConfig:
                 f"--max-in-flight must be at least 1, got {self.max_in_flight}",
             ),
             (not 0 <= self.pinned <= 1, f"--pinned must be in [0, 1], got {self.pinned}"),
+            (not 0 <= self.shares <= 1, f"--shares must be in [0, 1], got {self.shares}"),
             (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
             (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
             (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
@@ -225,7 +235,7 @@ class Harness:
 
         publisher = AsyncPublisher(bus.acks, window=1024)
         self.tasks.spawn("publish", publisher.run)
-        workload = Workload(pinned=cfg.pinned)
+        workload = Workload(pinned=cfg.pinned, shares=cfg.shares)
         gpus = fleet_gpus(self.plan)
         driver = LoadDriver(
             bus.nc,
@@ -267,7 +277,9 @@ class Harness:
         if not await publisher.flush(timeout=10.0):
             self.progress(f"warning: publishes still unacknowledged: {publisher.stats.last_error}")
         await self._finish_checks()
-        placed = invariants.check(await invariants.snapshot(bus.js), self.violations)
+        placed = invariants.check(
+            await invariants.snapshot(bus.js), self.violations, shares=invariants.LOADTEST_SHARES
+        )
         self.children.check()
         self.children.sample_rss()
         report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
@@ -380,7 +392,8 @@ class Harness:
                 "stream_replicas": s.stream_replicas,
                 "node_policy": s.node_policy,
                 "node_lost_after": s.node_lost_after,
-                "device_classes": s.device_classes,
+                # The class of the harness's share requests, beside the configured ones.
+                "device_classes": {**s.device_classes, SHARED_CLASS: SHARED_DEVICE_CLASS},
             }
             started.append(
                 await self.children.spawn(
@@ -538,6 +551,9 @@ class Harness:
             rss_mb=self._rss(),
             ready_s=round(ready_s, 3),
             double_placed=len(self.violations.double_placed | driver.extra_placements),
+            overcommitted=len(self.violations.overcommitted),
+            shares=cfg.shares,
+            shares_assigned=sum(1 for r in reqs.values() if r.shared and r.assigned is not None),
             released=sum(1 for r in reqs.values() if r.released is not None),
             freed=sum(1 for r in reqs.values() if r.freed is not None),
             rejected=sum(1 for r in reqs.values() if r.rejected),

@@ -5,7 +5,10 @@ of every key — one pass, not a get per key — read on past an early "nothing 
 server: :func:`services.runtime.kvread.last_raw_values`) and checks what no harness bookkeeping can vouch
 for:
 
-* ``double_held``: a device of a node listed by two allocations of that node's record;
+* ``double_held``: a device of a node listed by two allocations of that node's record — except
+  a GPU that every one of them holds as a *share* (several shares of a GPU are the point);
+* ``overcommitted``: a GPU whose shares take more than it has: memory over the GPU's (when
+  ``gpu_memory`` knows it), compute over 100 %, or more shares than ``max_shares``;
 * ``double_placed``: one request id held on two nodes.
 
 Each record is read whole, so a double-held device inside it is never an artefact of the
@@ -21,6 +24,7 @@ found (:class:`Found`).
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -29,6 +33,7 @@ from nats.js import JetStreamContext
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations
+from services.loadtest import mix
 from services.runtime.kvread import last_raw_values
 
 T = TypeVar("T")
@@ -42,6 +47,7 @@ class Violations:
     """Everything found so far; sets, so repeated snapshots do not count one fault twice."""
 
     double_held: set[tuple[str, str]] = field(default_factory=set)  # (node, device)
+    overcommitted: set[tuple[str, str]] = field(default_factory=set)  # (node, GPU)
     double_placed: set[str] = field(default_factory=set)  # request ids
     undecodable: set[str] = field(default_factory=set)  # node keys
     snapshots: int = 0
@@ -49,6 +55,7 @@ class Violations:
     def add(self, found: Found) -> None:
         """Fold in what a snapshot taken elsewhere found (:mod:`services.loadtest.checker`)."""
         self.double_held.update((node, device) for node, device in found.double_held)
+        self.overcommitted.update((node, device) for node, device in found.overcommitted)
         self.double_placed.update(found.double_placed)
         self.undecodable.update(found.undecodable)
         self.snapshots += found.snapshots
@@ -62,6 +69,7 @@ class Found(msgspec.Struct, frozen=True):
     undecodable: list[str]
     snapshots: int
     error: str | None = None  # why there is no check this time (the records could not be read)
+    overcommitted: list[tuple[str, str]] = []
 
     @classmethod
     def of(cls, found: Violations) -> Found:
@@ -70,6 +78,7 @@ class Found(msgspec.Struct, frozen=True):
             double_placed=sorted(found.double_placed),
             undecodable=sorted(found.undecodable),
             snapshots=found.snapshots,
+            overcommitted=sorted(found.overcommitted),
         )
 
 
@@ -98,19 +107,50 @@ def decode_all(raw: dict[str, bytes], decoder: msgspec.msgpack.Decoder[T]) -> di
     return records
 
 
-def check(records: dict[str, NodeAllocations | None], found: Violations) -> dict[str, str]:
-    """Add what ``records`` violates to ``found``; return request id → node for every holding."""
+@dataclass(frozen=True)
+class ShareLimits:
+    """What a GPU's shares may take: its memory (None: unknown, not checked) and a count."""
+
+    gpu_memory: Callable[[str, str], int | None]  # (node, GPU device id) -> MiB
+    max_shares: int
+
+
+# The harness's fleet and share class (services/loadtest/mix.py).
+LOADTEST_SHARES = ShareLimits(
+    gpu_memory=mix.gpu_memory, max_shares=mix.SHARED_DEVICE_CLASS.max_shares_per_gpu
+)
+
+
+def check(
+    records: dict[str, NodeAllocations | None], found: Violations, *, shares: ShareLimits | None = None
+) -> dict[str, str]:
+    """Add what ``records`` violates to ``found``; return request id → node for every holding.
+    ``shares``: what a GPU's shares may take (without it, only compute over 100 % counts)."""
     found.snapshots += 1
     placed: dict[str, str] = {}
     for key, record in records.items():
         if record is None:
             found.undecodable.add(key)
             continue
-        held: Counter[str] = Counter()
+        whole: Counter[str] = Counter()
+        shared: dict[str, list[int]] = {}  # GPU -> [memory MiB, compute %, shares]
         for rid, rec in record.allocations.items():
-            held.update(set(rec.assignment.device_ids()))
+            its_shares = rec.assignment.shares()
+            for device in set(rec.assignment.device_ids()):
+                if device in its_shares:
+                    use = shared.setdefault(device, [0, 0, 0])
+                    use[0] += its_shares[device][0]
+                    use[1] += its_shares[device][1]
+                    use[2] += 1
+                else:
+                    whole[device] += 1
             if rid in placed and placed[rid] != key:
                 found.double_placed.add(rid)
             placed[rid] = key
-        found.double_held.update((key, device) for device, n in held.items() if n > 1)
+        found.double_held.update((key, d) for d, n in whole.items() if n > 1 or (n and d in shared))
+        for device, (memory, cores, count) in shared.items():
+            size = shares.gpu_memory(key, device) if shares is not None else None
+            too_many = shares is not None and count > shares.max_shares
+            if cores > 100 or (size is not None and memory > size) or too_many:
+                found.overcommitted.add((key, device))
     return placed

@@ -11,7 +11,10 @@ real nodes would report them.
 with the benchmark's workload: 1 / 2 / 4 / 8 GPUs (30 / 20 / 25 / 25 %); 70 % ask one NIC per
 GPU, 20 % no NIC (GPU-only), the rest half as many NICs as GPUs (shared); 20 % make a scope
 *required* (half ``pcie-switch``, half ``numa``), and a share ``pinned`` name one node with the
-``kubernetes.io/hostname`` selector, as pods pinned to a node do.
+``kubernetes.io/hostname`` selector, as pods pinned to a node do. With ``shares`` > 0, that
+share of the requests asks a *share* of one GPU instead (class :data:`SHARED_CLASS`, one of
+:data:`SHARE_SIZES`, a NIC in 30 %), as the core's share benchmark does (``bench/shares.py``);
+a share weighs its compute percent / 100 of a GPU in the fleet's utilisation (:func:`weight`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
+from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import NodeTopology, ScopeName
 from services.topology import load_topology
@@ -33,10 +37,17 @@ FLEET_MIX: tuple[tuple[str, float], ...] = (
     ("pcie-4gpu-2nic", 0.15),
     ("gpu-only-8", 0.15),
 )
+_KINDS = frozenset(kind for kind, _ in FLEET_MIX)
 # The Kubernetes well-known label every node carries (the allocator labels nodes with it).
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 NAMESPACE = "loadtest"
 REQUIRED_SCOPES: tuple[ScopeName, ...] = ("pcie-switch", "numa")
+# The device class of share requests, as the harness configures the allocators with it.
+SHARED_CLASS = "loadtest-shared"
+SHARED_DEVICE_CLASS = DeviceClass(sharing="hami", max_shares_per_gpu=8)
+# (memory MiB, compute percent) of a share: a handful of presets, as sharing setups offer.
+SHARE_SIZES: tuple[tuple[int, int], ...] = ((4096, 10), (8192, 25), (10240, 25), (20480, 50))
+UNITS_PER_GPU = 100  # the driver counts the fleet in hundredths of a GPU (see weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +102,23 @@ def fleet_gpus(plan: list[NodeSpec]) -> int:
     return sum(kind_gpus(spec.kind) for spec in plan)
 
 
+def gpu_memory(node: str, device: str) -> int | None:
+    """The memory (MiB) of GPU ``device`` of a simulated node, from the kind its name starts
+    with (:func:`fleet_plan`'s names); None for a name or device the plan does not have."""
+    kind = node.rsplit("-", 1)[0]
+    if kind not in _KINDS:
+        return None  # not a node of the plan
+    return next((g.memory_mib for g in kind_topology(kind).gpus() if g.id == device), None)
+
+
+def weight(request: AllocationRequest) -> int:
+    """What the request takes from the fleet, in hundredths of a GPU (whole numbers, so that
+    the driver's sums come back to exactly 0): a share counts its compute percent."""
+    if request.shared:
+        return request.gpus * (request.gpu_cores_percent or 0)
+    return request.gpus * UNITS_PER_GPU
+
+
 @dataclass(frozen=True, slots=True)
 class Workload:
     sizes: tuple[tuple[int, float], ...] = ((1, 0.30), (2, 0.20), (4, 0.25), (8, 0.25))
@@ -98,9 +126,13 @@ class Workload:
     gpu_only: float = 0.20  # rdma == 0; the rest asks half as many NICs (shared)
     required: float = 0.20  # policy=required, scope from REQUIRED_SCOPES
     pinned: float = 0.0  # node_selector kubernetes.io/hostname=<a random node>
+    shares: float = 0.0  # a share of one GPU (SHARED_CLASS, one of SHARE_SIZES) instead
 
     def mean_gpus(self) -> float:
-        return sum(size * share for size, share in self.sizes) / sum(share for _, share in self.sizes)
+        """GPUs a request takes on average (a share its compute percent / 100)."""
+        whole = sum(size * share for size, share in self.sizes) / sum(share for _, share in self.sizes)
+        shared = sum(cores for _, cores in SHARE_SIZES) / len(SHARE_SIZES) / UNITS_PER_GPU
+        return (1 - self.shares) * whole + self.shares * shared
 
     def draw(self, rng: random.Random) -> tuple[int, int]:
         """GPUs and NICs of the next request (two draws from ``rng``; the core benchmark,
@@ -127,6 +159,8 @@ class RequestStream:
     def next(self) -> AllocationRequest:
         rng = self.rng
         self.n += 1
+        if self.w.shares and rng.random() < self.w.shares:
+            return self._share(rng)
         g, r = self.w.draw(rng)
         scope = rng.choice(REQUIRED_SCOPES) if rng.random() < self.w.required else None
         selector = {}
@@ -142,6 +176,22 @@ class RequestStream:
             policy="required" if scope else None,
             node_selector=selector,
         )
+
+    def _share(self, rng: random.Random) -> AllocationRequest:
+        return _share_request(f"{self.run}-{self.n:07d}", rng)
+
+
+def _share_request(rid: str, rng: random.Random) -> AllocationRequest:
+    mem, cores = rng.choice(SHARE_SIZES)
+    return AllocationRequest(
+        request_id=rid,
+        pod=PodRef(namespace=NAMESPACE, name=rid, uid=rid),
+        gpus=1,
+        rdma=1 if rng.random() < 0.3 else 0,
+        device_class=SHARED_CLASS,
+        gpu_memory_mib=mem,
+        gpu_cores_percent=cores,
+    )
 
 
 def probe_request(*, run: str, node: str) -> AllocationRequest:

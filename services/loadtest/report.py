@@ -65,6 +65,9 @@ class Report(msgspec.Struct, kw_only=True):
     ready_s: float | None
     # beyond the issue's keys
     double_placed: int = 0  # requests held on two nodes (KV records, or assigned twice)
+    overcommitted: int = 0  # GPUs whose shares take more than the GPU has (KV records)
+    shares: float = 0.0  # the share of requests that ask a share of a GPU (--shares)
+    shares_assigned: int = 0  # of those, assigned
     released: int = 0
     freed: int = 0
     rejected: int = 0  # AllocationFailed(retrying=False): never to be placed
@@ -118,11 +121,16 @@ def _cpu(c: CpuFigures, unit: str) -> str:
     return ", ".join(f"{name} {_num(v, unit)}" for name, v in parts)
 
 
+def violations(r: Report) -> int:
+    """How many invariant violations the run found (0: they held)."""
+    return r.lost + r.double_held + r.double_placed + r.overcommitted
+
+
 def summary(r: Report) -> str:
     """A few lines for a person; the JSON line follows it."""
     load = f"{r.rate:g}/s" if r.rate is not None else "open loop"
     rss = r.rss_mb
-    ok = "OK" if r.lost == 0 and r.double_held == 0 and r.double_placed == 0 else "VIOLATED"
+    ok = "OK" if violations(r) == 0 else "VIOLATED"
     lines = [
         f"{r.nodes} nodes, {r.replicas} allocator(s), {r.requests} requests ({load}), "
         f"ready after {_num(r.ready_s, ' s')}",
@@ -134,7 +142,8 @@ def summary(r: Report) -> str:
         f"  submit→assigned {_ms(r.submit_to_assigned_ms)}",
         f"  submit→applied  {_ms(r.submit_to_applied_ms)}",
         f"  invariants {ok}: lost {r.lost}, double-held devices {r.double_held}, requests on two "
-        f"nodes {r.double_placed} ({r.snapshots} KV snapshots){'' if r.drained else '; NOT drained'}",
+        f"nodes {r.double_placed}, overcommitted GPUs {r.overcommitted} ({r.snapshots} KV "
+        f"snapshots){'' if r.drained else '; NOT drained'}",
         f"  JetStream ceiling on this server: publish {_num(r.jetstream_ceiling.publish_per_s, '/s')}, "
         f"pull+ack {_num(r.jetstream_ceiling.pull_ack_per_s, '/s')}",
         f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "

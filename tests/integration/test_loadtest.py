@@ -25,7 +25,18 @@ import pytest
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
 from services.loadtest import checker, harness, invariants
-from services.loadtest.mix import FLEET_MIX, RequestStream, fleet_gpus, fleet_plan, node_topology
+from services.loadtest.mix import (
+    FLEET_MIX,
+    SHARE_SIZES,
+    SHARED_CLASS,
+    RequestStream,
+    Workload,
+    fleet_gpus,
+    fleet_plan,
+    gpu_memory,
+    node_topology,
+    weight,
+)
 from services.loadtest.report import percentiles
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
@@ -95,6 +106,26 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
 
 
 @pytest.mark.integration
+@pytest.mark.integration
+def test_a_small_run_with_gpu_shares_places_them_and_keeps_the_invariants() -> None:
+    """Half the requests ask a share of one GPU, two replicas: shares are placed, and no GPU
+    is held whole and shared, nor shared past its memory, compute or share count."""
+    code, out, err = loadtest(
+        *("--nodes", "20", "--requests", "300", "--replicas", "2", "--shares", "0.5"),
+        *("--json", "--ceiling-msgs", "2000", "--drain", "30"),
+    )
+    assert code == 0, err[-3000:]
+    result = one_json_line(out)
+    assert result["shares"] == 0.5 and result["shares_assigned"] > 50
+    assert (result["lost"], result["double_held"], result["double_placed"], result["overcommitted"]) == (
+        0,
+        0,
+        0,
+        0,
+    )
+    assert result["assigned"] + result["unschedulable"] == 300 and result["drained"] is True
+
+
 def test_unreachable_nats_is_one_line_not_a_hang() -> None:
     code, out, err = loadtest("--nats", "nats://127.0.0.1:1", "--json", "-q", timeout=60)
     assert (code, out) == (2, ""), err
@@ -107,6 +138,8 @@ def test_bad_input_is_one_line() -> None:
     assert (code, out, err.strip()) == (2, "", "tandem: --util must be in (0, 1], got 1.5")
     code, out, err = loadtest("--no-services")
     assert (code, out, err.strip()) == (2, "", "tandem: --no-services needs --nats URL")
+    code, out, err = loadtest("--shares", "2")
+    assert (code, out, err.strip()) == (2, "", "tandem: --shares must be in [0, 1], got 2.0")
 
 
 # -- pure pieces ---------------------------------------------------------------------------------
@@ -135,6 +168,19 @@ def test_request_stream_is_seeded_and_mixed() -> None:
     assert any(r.rdma == 0 for r in reqs) and any(r.rdma == r.gpus for r in reqs)
     assert {r.scope for r in reqs if r.policy == "required"} == {"pcie-switch", "numa"}
     assert not any(r.node_selector for r in reqs)  # pinned defaults to 0
+    assert not any(r.shared for r in reqs)  # shares default to 0
+
+
+def test_share_requests_ask_one_gpu_of_the_share_class_and_weigh_their_compute() -> None:
+    stream = RequestStream(seed=7, run="r", nodes=[], workload=Workload(shares=0.3))
+    reqs = [stream.next() for _ in range(2000)]
+    shares = [r for r in reqs if r.shared]
+    assert 0.25 < len(shares) / len(reqs) < 0.35
+    assert {(r.gpus, r.device_class) for r in shares} == {(1, SHARED_CLASS)}
+    assert {(r.gpu_memory_mib, r.gpu_cores_percent) for r in shares} == set(SHARE_SIZES)
+    assert {weight(r) for r in shares} == {cores for _, cores in SHARE_SIZES}
+    assert all(weight(r) == 100 * r.gpus for r in reqs if not r.shared)
+    assert gpu_memory("dgx-h100-00001", "gpu3") == 81559 and gpu_memory("other-1", "gpu0") is None
 
 
 def test_percentiles_nearest_rank() -> None:
@@ -176,6 +222,32 @@ def test_invariant_check_finds_double_held_devices_and_double_placements() -> No
     clean = invariants.Violations()
     invariants.check({"n1": NodeAllocations(node="n1", allocations={"a": _alloc("a", "n1", [0], [])})}, clean)
     assert not clean.double_held and not clean.double_placed and clean.snapshots == 1
+
+
+def _share(rid: str, gpu: int, mem: int, cores: int) -> AllocRecord:
+    gpus = [AssignedGpu(index=gpu, uuid=f"GPU-{gpu}", memory_mib=mem, cores_percent=cores)]
+    return AllocRecord(assignment=Assignment(request_id=rid, pod=PodRef("ns", rid), node="n1", gpus=gpus))
+
+
+def test_invariant_check_lets_shares_share_a_gpu_up_to_what_it_has() -> None:
+    limits = invariants.ShareLimits(gpu_memory=lambda node, dev: 80_000, max_shares=3)
+
+    def found_in(**allocs: AllocRecord) -> invariants.Violations:
+        found = invariants.Violations()
+        invariants.check({"n1": NodeAllocations(node="n1", allocations=allocs)}, found, shares=limits)
+        return found
+
+    fine = found_in(a=_share("a", 0, 40_000, 50), b=_share("b", 0, 40_000, 50))
+    assert not fine.double_held and not fine.overcommitted
+    assert found_in(a=_alloc("a", "n1", [0], []), b=_share("b", 0, 1_000, 10)).double_held == {("n1", "gpu0")}
+    assert found_in(a=_share("a", 0, 50_000, 10), b=_share("b", 0, 40_000, 10)).overcommitted == {
+        ("n1", "gpu0")
+    }
+    assert found_in(a=_share("a", 1, 1_000, 60), b=_share("b", 1, 1_000, 50)).overcommitted == {
+        ("n1", "gpu1")
+    }
+    four = {r: _share(r, 0, 1_000, 10) for r in "abcd"}
+    assert found_in(**four).overcommitted == {("n1", "gpu0")}  # 4 shares, at most 3
 
 
 def _start_checker(nats_url: str) -> tuple[asyncio.StreamReader, asyncio.Task[None]]:
