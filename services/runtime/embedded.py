@@ -12,6 +12,7 @@ and without ``-a`` the server binds 0.0.0.0).
 from __future__ import annotations
 
 import json
+import random
 import re
 import shutil
 import socket
@@ -125,18 +126,45 @@ class EmbeddedNats:
         self.stop()
 
 
-def free_ports(count: int) -> list[int]:
-    """``count`` distinct free TCP ports on 127.0.0.1 (all bound at once, so none repeats)."""
-    socks: list[socket.socket] = []
+# Ports free_ports handed out in this process: never the same one twice.
+_HANDED_OUT: set[int] = set()
+_LOWEST_PORT = 10_000
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux; the usual 32768 elsewhere)."""
     try:
-        for _ in range(count):
-            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            sock.bind(("127.0.0.1", 0))
-            socks.append(sock)
-        return [sock.getsockname()[1] for sock in socks]
-    finally:
-        for sock in socks:
-            sock.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int) -> list[int]:
+    """``count`` distinct TCP ports free now on every address, for processes started next.
+
+    Drawn below the kernel's ephemeral range: a port picked with ``bind(0)`` comes from that
+    range, and between the pick and the child's own bind an outgoing connection of any
+    process may take it as its source port ("address already in use" in a child, seen in the
+    image test); below the range only a listener can take a port. Never the same port twice
+    in one process."""
+    low = _ephemeral_low()
+    ports: list[int] = []
+    for _ in range(count * 1000):
+        if len(ports) == count:
+            return ports
+        port = random.randrange(_LOWEST_PORT, low)
+        if port in _HANDED_OUT:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind(("0.0.0.0", port))
+        except OSError:
+            continue  # a listener has it
+        _HANDED_OUT.add(port)
+        ports.append(port)
+    if len(ports) == count:
+        return ports
+    raise EmbeddedServerError(f"no {count} free ports found in {_LOWEST_PORT}-{low - 1}")
 
 
 # Health probes go straight to 127.0.0.1, never through an http_proxy from the environment.

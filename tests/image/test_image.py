@@ -27,7 +27,6 @@ import contextlib
 import functools
 import json
 import secrets
-import socket
 import ssl
 import time
 import uuid
@@ -45,6 +44,7 @@ from aiohttp.test_utils import RawTestServer
 from schemas import codec, messages, permissions
 from services.admission import names
 from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA
+from services.runtime.embedded import free_ports
 from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.image import host
 from tests.image.conftest import VERSION, BuiltImage
@@ -63,28 +63,8 @@ READY_TIMEOUT = 120.0  # 9 containers starting on a 2-core machine
 LAYERS_BUDGET = 125 * 1_000_000
 
 
-# Ports handed out by free_port in this session: never the same one twice.
-_HANDED_OUT: set[int] = set()
-
-
 def free_port() -> int:
-    """A port free now, below the kernel's ephemeral range. A port picked with bind(0) comes
-    from that range, and between the pick and the container's own bind an outgoing connection
-    of any process may take it as its source port (seen: an admission replica's ops port,
-    "address already in use"); below the range only a listener can take it."""
-    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    for _ in range(1000):
-        port = secrets.choice(range(10_000, low))
-        if port in _HANDED_OUT:
-            continue
-        try:
-            with socket.socket() as s:
-                s.bind(("0.0.0.0", port))
-        except OSError:
-            continue  # a listener has it
-        _HANDED_OUT.add(port)
-        return port
-    raise RuntimeError(f"no free port found in 10000-{low - 1}")
+    return free_ports(1)[0]
 
 
 async def podman(*args: str, check: bool = True, timeout: float = 120, stderr: bool = False) -> str:
