@@ -23,7 +23,8 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
         fabric_tiers=settings.fabric_tiers,
         fault_job_prepare_pause=settings.fault_job_prepare_pause,
     )
-    register_state(AllocatorState(allocator))  # its gauges, computed at each scrape
+    # Its gauges, computed at each scrape.
+    register_state(AllocatorState(allocator, node_metrics_max=settings.node_metrics_max))
     return allocator
 
 
