@@ -457,6 +457,11 @@ def test_rendered_config_loads_into_settings(tmp_path: Path) -> None:
     assert (s.backend, s.topology_file) == ("simulated", "dgx-h100")
 
 
+def test_node_metrics_max_reaches_the_allocators_config(tmp_path: Path) -> None:
+    assert settings_from(render(), tmp_path).node_metrics_max == 1000
+    assert settings_from(render({"metrics": {"nodeMetricsMax": 0}}), tmp_path).node_metrics_max == 0
+
+
 def test_gpu_share_replicas_reach_the_node_agents_config(tmp_path: Path) -> None:
     """Off by default (no share resource); a value turns the device plugin's share resource on,
     and the host agent's own config check accepts what the chart writes."""
