@@ -318,16 +318,20 @@ async def test_the_final_check_waits_for_a_mid_run_check_still_reading(
     )
     clean = invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)
 
+    answered = asyncio.Event()  # the checker's answer, given only once the final check waits
+
     async def slow_check() -> None:
-        await asyncio.sleep(0.3)
+        await answered.wait()
         run.violations.add(clean)
 
     run._checks.append(run.tasks.spawn("snapshot-1", slow_check, restart=False))
+    asyncio.get_running_loop().call_soon(answered.set)  # runs once _finish_checks yields
     await run._finish_checks()
     assert run.violations.snapshots == 1 and not said
 
     monkeypatch.setattr(harness, "SNAPSHOT_TIMEOUT_S", 0.2)
-    run._checks.append(run.tasks.spawn("snapshot-2", lambda: asyncio.sleep(60), restart=False))
+    never = asyncio.Event()  # a check whose answer never comes
+    run._checks.append(run.tasks.spawn("snapshot-2", never.wait, restart=False))
     await run._finish_checks()
     assert said == ["warning: 1 mid-run check(s) unanswered after 0.2s"]
     await run.tasks.aclose()
