@@ -148,9 +148,9 @@ async def read_paced(
     An ephemeral pull consumer delivering the last value of each key (in stream order), read
     until it has delivered the stream's last sequence as it was before it started, or a later
     one (every key's last value then is at or before it, or was rewritten since; the same end
-    as :func:`services.runtime.kvread.last_raw_values`), or has nothing more to deliver. The keys are
-    read over some time, not at one moment: each value is whole, the set of them is not one
-    instant's. Under load the server hands over less than a batch per fetch, and 5,000 keys
+    as :func:`services.runtime.kvread.last_raw_values`), or has nothing more to deliver. The
+    keys are read over some time, not at one moment: each value is whole, the set of them is
+    not one instant's. Under load the server hands over less than a batch per fetch, and 5,000 keys
     took up to 4 s."""
     stream = subjects.kv_stream(bucket)
     prefix = subjects.kv_subject(bucket, "")
