@@ -363,3 +363,31 @@ async def test_the_checker_answers_an_error_when_it_cannot_read_the_records(
     assert _checker_answers(capsysbinary) == [
         invariants.Found(double_held=[], double_placed=[], undecodable=[], snapshots=1)
     ]
+
+
+_PRIORITY_PROBE = (
+    "from services.loadtest import checker; checker.lower_priority(); "
+    "print(open('/proc/self/autogroup').read().split()[-1] if checker.os.path.exists(checker.AUTOGROUP) "
+    "else '-', checker.os.nice(0))"
+)
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_the_checker_lowers_its_scheduling_group_only_when_the_session_is_its_own(own_session: bool) -> None:
+    """The harness starts the checker in a session of its own; with autogroups on, only the
+    group's nice value ranks it against the services measured. Run by hand from a shell, the
+    group is the shell's, which the checker must leave alone (only its own nice changes)."""
+    if not Path(checker.AUTOGROUP).exists():
+        pytest.skip("this kernel has no scheduler autogroups (/proc/self/autogroup)")
+    before = Path(checker.AUTOGROUP).read_text().split()[-1]
+    out = subprocess.run(
+        [sys.executable, "-c", _PRIORITY_PROBE],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        start_new_session=own_session,
+        check=True,
+    ).stdout.split()
+    assert out[1] == "19"  # the process's own nice, in every case
+    assert out[0] == ("19" if own_session else before)
+    assert Path(checker.AUTOGROUP).read_text().split()[-1] == before  # this session untouched
