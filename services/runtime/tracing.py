@@ -9,6 +9,7 @@ install an in-memory exporter through :func:`setup_tracing`'s ``exporter`` argum
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -60,13 +61,47 @@ def shutdown_tracing() -> None:
         _provider.force_flush()
 
 
+class _WhenExported(trace.Tracer):
+    """A tracer that records spans only while something exports them.
+
+    With no exporter (the chart's default: ``otlp.endpoint`` empty) every span was still built,
+    timed, given its attributes and dropped: ~5 % of the allocator's CPU at ``--rate 500``
+    (docs/benchmarks.md). Then a span with a parent is the API's no-op span, which is the
+    parent's context itself: nothing is recorded, and the ``traceparent`` a service passes on
+    (and the ``trace_id`` its log lines carry) is the one it received, so logs still join up by
+    trace id and a trace still joins up across the components that do export. A span without a
+    parent (the CLI's submit, the demo's pod) is still made: it is what gives the request its
+    trace id. Chosen per span, not once, because the module-level tracers are made at import,
+    before :func:`setup_tracing` (or a test) adds an exporter."""
+
+    def __init__(self, recording: trace.Tracer) -> None:
+        self._recording = recording
+        self._noop = trace.NoOpTracer()
+
+    def _for(self, context: otel_context.Context | None) -> trace.Tracer:
+        if _processors or not trace.get_current_span(context).get_span_context().is_valid:
+            return self._recording
+        return self._noop
+
+    def start_span(
+        self, name: str, context: otel_context.Context | None = None, *args: Any, **kwargs: Any
+    ) -> trace.Span:
+        return self._for(context).start_span(name, context, *args, **kwargs)
+
+    def start_as_current_span(
+        self, name: str, context: otel_context.Context | None = None, *args: Any, **kwargs: Any
+    ) -> Any:
+        return self._for(context).start_as_current_span(name, context, *args, **kwargs)
+
+
 def tracer(
     name: str, *, service: str | None = None, instance: str = "", attributes: Mapping[str, str] | None = None
 ) -> trace.Tracer:
     """A tracer; with ``service``, one whose spans say that ``service.name`` (and
-    ``service.instance.id`` = ``instance``, plus ``attributes`` such as ``k8s.node.name``)."""
+    ``service.instance.id`` = ``instance``, plus ``attributes`` such as ``k8s.node.name``).
+    Its spans are recorded only while an exporter is installed (:class:`_WhenExported`)."""
     if service is None:
-        return trace.get_tracer(name)
+        return _WhenExported(trace.get_tracer(name))
     key = (service, instance)
     provider = _service_providers.get(key)
     if provider is None:
@@ -77,7 +112,7 @@ def tracer(
         for processor in _processors:
             provider.add_span_processor(processor)
         _service_providers[key] = provider
-    return provider.get_tracer(name)
+    return _WhenExported(provider.get_tracer(name))
 
 
 def messaging(subject: str, operation: str) -> dict[str, str]:
