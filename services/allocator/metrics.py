@@ -16,7 +16,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from schemas.messages import NodeAllocations, NodeRecord
-from schemas.topology import NodeTopology
+from services.runtime.metrics import DEVICE_STATES, device_states
 
 if TYPE_CHECKING:
     from services.allocator.service import Allocator
@@ -50,35 +50,13 @@ COMMIT_CONFLICTS = Counter(
 for _outcome in ("assigned", "unschedulable", "rejected"):
     DECISIONS.labels(_outcome)  # shown from 0: rate() over a fresh replica is 0, not absent
 
-# Device states, per node and cluster-wide: held by an allocation, out of service (a failed
-# device is "unhealthy" even when also cordoned), or free to allocate.
-DEVICE_STATES = ("free", "allocated", "unhealthy", "cordoned")
 NODE_STATUSES = ("ready", "lost")
 
 
 def node_device_states(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
-    """``(kind, state) → count`` of one node's GPUs and NICs (physical functions; a NIC whose
-    function or any of its VFs is held counts as allocated, and so does a GPU in MIG mode any
-    of whose instances is held)."""
-    used = allocs.used() if allocs is not None else set()
-    counts = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES}
-    topo: NodeTopology = record.topology
-    devices: list[tuple[str, str, set[str]]] = [
-        ("gpu", g.id, {g.id, *(d for d, _ in g.mig_ids())}) for g in topo.gpus()
-    ]
-    devices += [("nic", n.id, {n.id, *(vf.name for vf in n.vfs)}) for n in topo.nics()]
-    for kind, device, names in devices:
-        health = record.health.get(device)
-        if health is not None and not health.healthy:
-            state = "unhealthy"
-        elif health is not None and health.cordoned:
-            state = "cordoned"
-        elif names & used:
-            state = "allocated"
-        else:
-            state = "free"
-        counts[kind, state] += 1
-    return counts
+    """``(kind, state) → count`` of one node's GPUs and NICs, from its inventory record and its
+    allocations record (:func:`services.runtime.metrics.device_states`)."""
+    return device_states(record.topology, record.health, allocs)
 
 
 class AllocatorState(Collector):

@@ -62,10 +62,11 @@ from services.nodeagent.cleanup import (
 )
 from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.nodeagent.health import HealthTracker, recover_due
-from services.nodeagent.metrics import SUBMIT_TO_APPLIED_SECONDS
+from services.nodeagent.metrics import AGENT_DEVICES, SUBMIT_TO_APPLIED_SECONDS
 from services.nodeagent.netns import NetnsNotReady
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.logging import get_logger
+from services.runtime.metrics import device_states
 from services.runtime.tasks import Service, Supervisor
 from services.runtime.tracing import context_from_traceparent, messaging, tracer
 
@@ -136,6 +137,7 @@ class NodeAgent(Service):
         self.topology: NodeTopology | None = None
         self.generation = 0
         self.assignments: dict[str, Assignment] = {}  # applied, by request id
+        self.record: NodeAllocations | None = None  # the allocation record last handled
         self.cleaning: set[str] = set()  # releases handled (cleaned or reported unverified)
         self.unverified: dict[str, Unverified] = {}  # failed cleanups to try again, by request id
         self.cleanup_retry_first = cleanup_retry_first
@@ -166,14 +168,23 @@ class NodeAgent(Service):
         self._tasks.spawn("recovery", self._recovery_loop)
         self._tasks.spawn("cleanup-retry", self._cleanup_retry_loop)
         await self.follower.start()
+        AGENT_DEVICES.track(self.node, self.device_counts)
         log.info("nodeagent_started", node=self.node, backend=self.backend.name)
 
     async def stop(self) -> None:
+        AGENT_DEVICES.untrack(self.node, self.device_counts)
         await self.follower.stop()
         await self._tasks.aclose()
         await self.backend.close()
         CLEANUPS_UNVERIFIED.dec(len(self.unverified))
         self.unverified.clear()
+
+    def device_counts(self) -> dict[tuple[str, str], int] | None:
+        """This node's GPUs and NICs by state (``tandem_nodeagent_devices``); None before
+        its devices are discovered."""
+        if self.topology is None:
+            return None
+        return device_states(self.topology, self.health.state, self.record)
 
     # -- inventory and health ---------------------------------------------------------------
 
@@ -285,6 +296,7 @@ class NodeAgent(Service):
     async def _on_record(self, node: str, record: NodeAllocations | None, _revision: int) -> None:
         """Make the node match its record (calls never overlap; see AllocationsFollower)."""
         async with self._work:
+            self.record = record
             actions = node_actions(record, applied=self.assignments, cleaning=self.cleaning)
             for rid in actions.gone:  # freed: nothing of it is left to do
                 self.assignments.pop(rid, None)

@@ -23,7 +23,7 @@ and each service is served on its own port (:class:`services.runtime.ops.OpsServ
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from nats.js.errors import NotFoundError
@@ -31,6 +31,8 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from schemas.messages import DeviceHealth, NodeAllocations
+from schemas.topology import NodeTopology
 from services.runtime.logging import get_logger
 
 if TYPE_CHECKING:
@@ -58,6 +60,38 @@ SERVICE_PREFIXES: dict[str, tuple[str, ...]] = {
     "authcallout": ("tandem_authcallout_",),
 }
 _OWNED = tuple(p for prefixes in SERVICE_PREFIXES.values() for p in prefixes)
+
+
+# Device states, per node and cluster-wide: held by an allocation, out of service (a failed
+# device is "unhealthy" even when also cordoned), or free to allocate. The allocator counts
+# them from the records it reads, each node agent from what it knows itself.
+DEVICE_STATES = ("free", "allocated", "unhealthy", "cordoned")
+
+
+def device_states(
+    topology: NodeTopology, health: Mapping[str, DeviceHealth], allocs: NodeAllocations | None
+) -> dict[tuple[str, str], int]:
+    """``(kind, state) → count`` of one node's GPUs and NICs (physical functions; a NIC whose
+    function or any of its VFs is held counts as allocated, and so does a GPU in MIG mode any
+    of whose instances is held)."""
+    used = allocs.used() if allocs is not None else set()
+    counts = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES}
+    devices: list[tuple[str, str, set[str]]] = [
+        ("gpu", g.id, {g.id, *(d for d, _ in g.mig_ids())}) for g in topology.gpus()
+    ]
+    devices += [("nic", n.id, {n.id, *(vf.name for vf in n.vfs)}) for n in topology.nics()]
+    for kind, device, names in devices:
+        h = health.get(device)
+        if h is not None and not h.healthy:
+            state = "unhealthy"
+        elif h is not None and h.cordoned:
+            state = "cordoned"
+        elif names & used:
+            state = "allocated"
+        else:
+            state = "free"
+        counts[kind, state] += 1
+    return counts
 
 
 class ServiceView(Collector):

@@ -211,6 +211,7 @@ def loaded(up: tuple[str, dict[str, int]], prometheus: str) -> str:
         # The agent's own count of the change, scraped from the agent (the gauges above come
         # from the inventory, which can be scraped first).
         'sum(tandem_nodeagent_health_changes_total{healthy="false"}) >= 1',
+        'sum(tandem_nodeagent_devices{node="pcie-0",kind="gpu",state="cordoned"}) == 1',
         "tandem_consumer_pending_messages",  # polled every 5 s by the services
     )
     wait_for(
@@ -246,6 +247,13 @@ def test_state_gauges_match_what_was_done(loaded: str) -> None:
     assert value('sum(tandem_node_devices{node="pcie-0",kind="gpu",state="unhealthy"})') == 1
     assert value('sum(tandem_node_devices{node="pcie-0",kind="gpu",state="cordoned"})') == 1
     assert value('sum(tandem_node_devices{node="h100-0",kind="gpu",state="allocated"})') == 8
+    # The same states as each node's agent knows them, scraped from the agents' port.
+    assert value('sum(tandem_nodeagent_devices{node="pcie-0",kind="gpu",state="unhealthy"})') == 1
+    assert value('sum(tandem_nodeagent_devices{node="pcie-0",kind="gpu",state="cordoned"})') == 1
+    assert value('sum(tandem_nodeagent_devices{node="h100-0",kind="gpu",state="allocated"})') == 8
+    assert value('sum(tandem_nodeagent_devices{node="h100-0",kind="nic"})') == value(
+        'sum(tandem_node_devices{node="h100-0",kind="nic"})'
+    )
     assert value("sum(tandem_allocator_pending_age_at_placement_seconds_count)") == 1
     assert value("sum(tandem_nodeagent_submit_to_applied_seconds_count)") >= 3
     assert value('sum(tandem_dead_letters_total{service="allocator"})') >= 1
