@@ -15,8 +15,8 @@ the system, the requests answered meanwhile pay for. Measured with ``tandem load
 
 So this process reads at a pace instead (:func:`~services.runtime.kvwatch.read_paced`:
 ``PACE_BATCH`` records, then ``PACE_PAUSE_S`` to breathe — 5,000 records over 1-4 s under
-load), at the lowest CPU priority. It is started once, with the fleet: started per check, its imports
-alone cost more CPU than the check.
+load), at the lowest CPU priority (:func:`lower_priority`). It is started once, with the
+fleet: started per check, its imports alone cost more CPU than the check.
 
 Protocol, one line each way: the harness writes ``snapshot`` on stdin; the checker reads the
 bucket, checks it (:func:`services.loadtest.invariants.check`) and answers one JSON line on

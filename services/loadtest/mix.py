@@ -159,14 +159,14 @@ class RequestStream:
     def next(self) -> AllocationRequest:
         rng = self.rng
         self.n += 1
+        rid = f"{self.run}-{self.n:07d}"
         if self.w.shares and rng.random() < self.w.shares:
-            return self._share(rng)
+            return _share_request(rid, rng)
         g, r = self.w.draw(rng)
         scope = rng.choice(REQUIRED_SCOPES) if rng.random() < self.w.required else None
         selector = {}
         if self.nodes and rng.random() < self.w.pinned:
             selector = {HOSTNAME_LABEL: rng.choice(self.nodes)}
-        rid = f"{self.run}-{self.n:07d}"
         return AllocationRequest(
             request_id=rid,
             pod=PodRef(namespace=NAMESPACE, name=rid, uid=rid),
@@ -176,9 +176,6 @@ class RequestStream:
             policy="required" if scope else None,
             node_selector=selector,
         )
-
-    def _share(self, rng: random.Random) -> AllocationRequest:
-        return _share_request(f"{self.run}-{self.n:07d}", rng)
 
 
 def _share_request(rid: str, rng: random.Random) -> AllocationRequest:

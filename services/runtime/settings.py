@@ -95,12 +95,12 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     state_dir: str = "/var/lib/tandem"
     node_policy: str = "binpack"
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)
-    # The inter-node fabric's tiers, finest first: a node's block at tier T is its label
-    # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".
     # The allocator exports tandem_node_devices (8 series per node) while it knows at most this
     # many nodes, the cluster totals always: a scrape renders every series on the event loop,
     # ~0.23 s for the 40,000 of 5,000 nodes (docs/metrics.md).
     node_metrics_max: Annotated[int, msgspec.Meta(ge=0)] = 1000
+    # The inter-node fabric's tiers, finest first: a node's block at tier T is its label
+    # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".
     fabric_tiers: Annotated[
         list[Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9]([a-z0-9-]{0,38}[a-z0-9])?$")]],
         msgspec.Meta(max_length=limits.MAX_FABRIC_TIERS),
