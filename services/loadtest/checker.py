@@ -52,6 +52,19 @@ READ_ATTEMPTS_S = 20.0
 READ_RETRY_S = 0.5
 
 
+def autogroup_nice() -> int | None:
+    """The nice value of this process's scheduling autogroup, or None where no autogroup
+    ranks it: a kernel without autogroups (no file), or a process in a cgroup of its own
+    for the CPU controller (a container, a systemd unit with CPU accounting), where the
+    kernel leaves the file empty because the cgroup, not the session, is what is scheduled."""
+    try:
+        with open(AUTOGROUP) as f:
+            fields = f.read().split()
+    except OSError:
+        return None
+    return int(fields[-1]) if len(fields) == 3 and fields[1] == "nice" else None
+
+
 def lower_priority() -> None:
     """The lowest CPU priority, so that the checks wait for idle CPU rather than take it from
     the system measured. ``nice`` alone does not do it on Linux: the harness starts every child

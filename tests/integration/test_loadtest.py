@@ -365,29 +365,51 @@ async def test_the_checker_answers_an_error_when_it_cannot_read_the_records(
     ]
 
 
-_PRIORITY_PROBE = (
-    "from services.loadtest import checker; checker.lower_priority(); "
-    "print(open('/proc/self/autogroup').read().split()[-1] if checker.os.path.exists(checker.AUTOGROUP) "
-    "else '-', checker.os.nice(0))"
+@pytest.mark.parametrize(
+    ("content", "nice"),
+    [("/autogroup-12 nice 7\n", 7), ("/autogroup-3 nice -5\n", -5), ("", None), (None, None)],
 )
+def test_the_autogroup_file_is_read_as_the_kernel_writes_it(
+    content: str | None, nice: int | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process in the kernel's default group (one started without a session, as on some CI
+    runners) reads an empty file; a kernel without autogroups has none at all."""
+    path = tmp_path / "autogroup"
+    if content is not None:
+        path.write_text(content)
+    monkeypatch.setattr(checker, "AUTOGROUP", str(path))
+    assert checker.autogroup_nice() == nice
 
 
-@pytest.mark.parametrize("own_session", [True, False])
-def test_the_checker_lowers_its_scheduling_group_only_when_the_session_is_its_own(own_session: bool) -> None:
-    """The harness starts the checker in a session of its own; with autogroups on, only the
-    group's nice value ranks it against the services measured. Run by hand from a shell, the
-    group is the shell's, which the checker must leave alone (only its own nice changes)."""
-    if not Path(checker.AUTOGROUP).exists():
-        pytest.skip("this kernel has no scheduler autogroups (/proc/self/autogroup)")
-    before = Path(checker.AUTOGROUP).read_text().split()[-1]
-    out = subprocess.run(
-        [sys.executable, "-c", _PRIORITY_PROBE],
+def _probe(code: str, *, own_session: bool) -> list[str]:
+    return subprocess.run(
+        [sys.executable, "-c", f"from services.loadtest import checker; {code}"],
         capture_output=True,
         text=True,
         timeout=60,
         start_new_session=own_session,
         check=True,
     ).stdout.split()
+
+
+@pytest.mark.parametrize("own_session", [True, False])
+def test_the_checker_lowers_its_scheduling_group_only_when_the_session_is_its_own(own_session: bool) -> None:
+    """The harness starts the checker in a session of its own; with autogroups on, only the
+    group's nice value ranks it against the services measured. Run by hand from a shell, the
+    group is the shell's, which the checker must leave alone (only its own nice changes).
+    Where this process sits in no autogroup of its own (a CI runner started without a session,
+    whose file reads empty) it must stay so; a new session gets a group where the kernel makes
+    one, which the probe without the checker shows first."""
+    before = checker.autogroup_nice()
+    fresh = _probe("print(checker.autogroup_nice())", own_session=own_session)[0]
+    lowered = "checker.lower_priority(); print(checker.autogroup_nice(), checker.os.nice(0))"
+    out = _probe(lowered, own_session=own_session)
     assert out[1] == "19"  # the process's own nice, in every case
-    assert out[0] == ("19" if own_session else before)
-    assert Path(checker.AUTOGROUP).read_text().split()[-1] == before  # this session untouched
+    assert checker.autogroup_nice() == before  # this session's group untouched, in every case
+    if not own_session:
+        assert out[0] == fresh == str(before)  # the shell's group, as it was
+    elif fresh == "None":
+        assert out[0] == "None"
+        pytest.skip("this kernel gives a new session no scheduler autogroup: only the nice value was checked")
+    else:
+        assert out[0] == "19"
