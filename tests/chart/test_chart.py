@@ -527,8 +527,27 @@ def test_bundled_nats_is_a_clustered_jetstream_statefulset(tmp_path: Path) -> No
     assert s.stream_replicas == 3  # R3 streams on the 3-server cluster
     assert sts["spec"]["volumeClaimTemplates"][0]["spec"]["resources"]["requests"]["storage"] == "10Gi"
     assert one(docs, "PodDisruptionBudget", sts["metadata"]["name"])["spec"]["maxUnavailable"] == 1
-    monitor = one(render(VARIANTS["metrics"]), "ServiceMonitor")
+
+
+def test_the_service_monitor_scrapes_every_component_node_agents_included() -> None:
+    """Each metrics Service selects one workload's pods and its ``ops`` port: the node agents'
+    too, on their host port, or ``tandem_nodeagent_*`` and TandemCleanupNotVerified go dark."""
+    docs = render(VARIANTS["metrics"])
+    monitor = one(docs, "ServiceMonitor")
     assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    services = [d for d in find(docs, "Service") if wanted.items() <= d["metadata"]["labels"].items()]
+    scraped = {}
+    for service in services:
+        selector = service["spec"]["selector"].items()
+        pods = [(w, w["spec"]["template"]["metadata"]["labels"]) for w in workloads(docs)]
+        (workload,) = [w for w, labels in pods if selector <= labels.items()]
+        (container,) = workload["spec"]["template"]["spec"]["containers"]
+        ops = {p["name"]: p["containerPort"] for p in container["ports"]}["ops"]
+        assert service["spec"]["ports"] == [{"name": "metrics", "port": ops, "targetPort": "ops"}]
+        scraped[component(workload)] = ops
+    assert scraped == {"allocator": 9090, "inventory": 9090, "admission": 9090, "nodeagent": 9465}
+    assert find(render(), "ServiceMonitor") == []  # off by default
 
 
 def test_every_service_is_probed_on_its_ops_port(tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ def test_dashboard_configmap_carries_the_sidecar_label_and_the_chart_file() -> N
         "tandem_allocator_oldest_pending_seconds",
         "tandem_allocator_pairs_total",
         "tandem_node_devices",
+        "tandem_nodeagent_devices",
         "tandem_dead_letters_total",
         "tandem_consumer_pending_messages",
         "tandem_nats_reconnects_total",
