@@ -2,11 +2,13 @@
 
 The driver plays the pod bridge's part on the bus: ``AllocationRequest`` on
 ``tandem.alloc.request`` and ``Release`` on ``tandem.alloc.release.<node>``, with the bridge's
-``Nats-Msg-Id`` s. It watches outcomes with plain core subscriptions (a JetStream publish is an
-ordinary NATS message too, so no consumer is created): ``Assignment``, ``AllocationFailed``,
-``Freed`` and the nodes' ``Applied``. Every time is taken on one monotonic clock in this
-process: *submit* just before the publish is queued, an outcome when its message is handled
-here.
+``Nats-Msg-Id`` s and, as the bridge does, the ``traceparent`` of the pod's trace (made up per
+request here; in a cluster the admission webhook starts it and annotates the pod), so the
+allocator handles each request inside its caller's trace, as it does behind the bridge. It
+watches outcomes with plain core subscriptions (a JetStream publish is an ordinary NATS
+message too, so no consumer is created): ``Assignment``, ``AllocationFailed``, ``Freed`` and
+the nodes' ``Applied``. Every time is taken on one monotonic clock in this process: *submit*
+just before the publish is queued, an outcome when its message is handled here.
 
 Utilisation: ``target = util * fleet GPUs``. The *demand* is the GPUs of every request held
 (assigned, not released), pending (answered unschedulable, to be placed when capacity frees)
@@ -81,6 +83,7 @@ STALL_S = 30.0
 class Req:
     gpus: int  # in hundredths of a GPU (mix.weight)
     submitted: float
+    traceparent: str  # the pod's trace, on its request and its release
     shared: bool = False  # asks a share of a GPU
     measured: bool = True  # False: the readiness probe, outside every figure
     first: float | None = None
@@ -123,6 +126,7 @@ class LoadDriver:
         self.max_in_flight = max_in_flight
         self.give_up = give_up
         self.rng = random.Random(seed ^ 0x5EED)
+        self._trace_ids = random.Random(seed ^ 0x7ACE)  # apart: the load's own draws stay as they were
         self.reqs: dict[str, Req] = {}  # the measured requests
         self.extra_placements: set[str] = set()  # assignments of one request to two nodes
         self.held_gpus = 0
@@ -273,7 +277,11 @@ class LoadDriver:
         """Publish ``request``; ``measured=False`` tracks it outside the load (the probe)."""
         rid = request.request_id
         req = Req(
-            gpus=weight(request), shared=request.shared, submitted=time.perf_counter(), measured=measured
+            gpus=weight(request),
+            shared=request.shared,
+            submitted=time.perf_counter(),
+            traceparent=self._traceparent(),
+            measured=measured,
         )
         if measured:
             self.reqs[rid] = req
@@ -281,9 +289,19 @@ class LoadDriver:
         else:
             self._probes[rid] = req
         self.publisher.submit(
-            subjects.ALLOC_REQUEST, codec.encode(request), msg_id=subjects.msg_id("request", rid)
+            subjects.ALLOC_REQUEST,
+            codec.encode(request),
+            msg_id=subjects.msg_id("request", rid),
+            headers={"traceparent": req.traceparent},
         )
         return req
+
+    def _traceparent(self) -> str:
+        """A W3C ``traceparent`` for a new pod's trace: version 00, random non-zero trace and
+        parent ids, sampled."""
+        trace_id = self._trace_ids.getrandbits(128) or 1
+        span_id = self._trace_ids.getrandbits(64) or 1
+        return f"00-{trace_id:032x}-{span_id:016x}-01"
 
     def release(self, rid: str) -> None:
         """Release a placed request on its node's subject, or cancel a pending one on the
@@ -302,7 +320,12 @@ class LoadDriver:
         subject = subjects.alloc_release(req.node)
         pod = PodRef(namespace=NAMESPACE, name=rid, uid=rid)
         msg = Release(request_id=rid, pod=pod, node=req.node)
-        self.publisher.submit(subject, codec.encode(msg), msg_id=subjects.msg_id("release", rid, subject))
+        self.publisher.submit(
+            subject,
+            codec.encode(msg),
+            msg_id=subjects.msg_id("release", rid, subject),
+            headers={"traceparent": req.traceparent},
+        )
 
     async def _wait_progress(self, alive: Callable[[], None] | None) -> None:
         self._progress.clear()

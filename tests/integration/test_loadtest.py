@@ -21,10 +21,12 @@ from typing import Any
 
 import msgspec
 import pytest
+from opentelemetry import trace
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
 from services.loadtest import checker, harness, invariants
+from services.loadtest.driver import LoadDriver
 from services.loadtest.mix import (
     FLEET_MIX,
     SHARE_SIZES,
@@ -37,7 +39,9 @@ from services.loadtest.mix import (
     node_topology,
     weight,
 )
+from services.loadtest.publisher import AsyncPublisher
 from services.loadtest.report import percentiles
+from services.runtime.tracing import context_from_traceparent
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
 
@@ -181,6 +185,51 @@ def test_share_requests_ask_one_gpu_of_the_share_class_and_weigh_their_compute()
     assert {weight(r) for r in shares} == {cores for _, cores in SHARE_SIZES}
     assert all(weight(r) == 100 * r.gpus for r in reqs if not r.shared)
     assert gpu_memory("dgx-h100-00001", "gpu3") == 81559 and gpu_memory("other-1", "gpu0") is None
+
+
+async def test_the_driver_sends_each_request_and_its_release_in_one_pod_trace(
+    bus_factory: BusFactory,
+) -> None:
+    """As the bridge does (its ``bridge.request`` span under the pod's annotated trace), every
+    request goes out with a ``traceparent``, its release with the same one: behind a real
+    bridge the allocator never handles a request outside its caller's trace."""
+    bus = await bus_factory("loadtest")
+    seen: list[Any] = []
+
+    async def see(msg: Any) -> None:
+        seen.append(msg)
+
+    for subject in (subjects.ALLOC_REQUEST, subjects.alloc_release("node-a")):
+        await bus.nc.subscribe(subject, cb=see)
+    publisher = AsyncPublisher(bus.acks, window=16)
+    publishing = asyncio.create_task(publisher.run())
+    stream = RequestStream(seed=3, run="t", nodes=["node-a"])
+    driver = LoadDriver(
+        bus.nc,
+        publisher,
+        stream=stream,
+        fleet_gpus=8,
+        util=0.85,
+        requests=2,
+        rate=None,
+        max_in_flight=2,
+        seed=3,
+    )
+    try:
+        first, second = stream.next(), stream.next()
+        placed = driver.submit(first)
+        driver.submit(second)
+        placed.node = "node-a"  # as its Assignment would have said
+        driver.release(first.request_id)
+        await wait_until(lambda: len(seen) == 3, timeout=10, what="two requests and one release")
+    finally:
+        publishing.cancel()
+    traces = [msg.headers["traceparent"] for msg in seen]
+    contexts = [trace.get_current_span(context_from_traceparent(t)).get_span_context() for t in traces]
+    assert all(c.is_valid and c.trace_flags.sampled for c in contexts), traces
+    assert [msg.subject for msg in seen] == [subjects.ALLOC_REQUEST] * 2 + [subjects.alloc_release("node-a")]
+    assert traces[0] != traces[1]  # one trace per pod
+    assert traces[2] == traces[0] == placed.traceparent  # the release rides in its request's trace
 
 
 def test_percentiles_nearest_rank() -> None:
