@@ -52,6 +52,7 @@ from prometheus_client import Counter
 
 from schemas import codec, limits, permissions, routing, subjects
 from schemas.messages import DeadLetter
+from services.runtime.jsack import position
 from services.runtime.logging import get_logger
 from services.runtime.metrics import RECONNECTS
 from services.runtime.natsauth import credentials, server_list, tls_context
@@ -723,12 +724,13 @@ class Bus:
         if refused is not None:
             await self._park(msg, error=refused, headers=headers, why=why)
             return
+        where = position(msg.reply)
         delivery = Delivery(
             subject=msg.subject,
             headers=headers,
-            num_delivered=msg.metadata.num_delivered,
+            num_delivered=where.delivered,
             context=extract(headers),
-            stream_seq=msg.metadata.sequence.stream,
+            stream_seq=where.stream_seq,
         )
         try:
             await self._handle_through_outage(msg, body, delivery, handler)

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext, api
 
 from schemas import codec, subjects
+from services.runtime.jsack import position
 from services.runtime.kvread import last_raw_values
 from services.runtime.logging import get_logger
 
@@ -86,15 +87,15 @@ async def watch_raw(
     async def deliver(msg: Msg) -> None:
         if failed.done():
             return
-        meta = msg.metadata
+        where = position(msg.reply)
         change = kv_change(msg, prefix)
         if change is not None:
             try:
-                on_change(change[0], change[1], meta.sequence.stream)
+                on_change(change[0], change[1], where.stream_seq)
             except Exception as exc:
                 failed.set_exception(exc)
                 return
-        if ready is not None and meta.num_pending == 0:
+        if ready is not None and where.pending == 0:
             ready.set()  # the initial values are in (and every later change with nothing behind)
 
     sub = await js.subscribe(
@@ -182,7 +183,7 @@ async def read_paced(
                         out.pop(key, None)
                     else:
                         out[key] = value
-                seen = msg.metadata.sequence.stream
+                seen = position(msg.reply).stream_seq
             if seen >= last:
                 return out
             await asyncio.sleep(pause)
