@@ -106,6 +106,14 @@ REQUEST_CONCURRENCY = 512
 # free path fell behind under load (cleanup reports piled up, freed devices came back seconds
 # late and arrivals were refused meanwhile).
 EVENT_CONCURRENCY = REQUEST_CONCURRENCY
+# Messages one pull asks for (topped up at half). Replicas share each consumer and the server
+# hands a message to a waiting pull, so a replica whose pulls ask for many takes a long run of
+# them into its own queue even while it falls behind, and the other waits idle: at 512, one of
+# two replicas held four of every five requests in flight (p50 1 s on its shard, 0.19 s on the
+# other's). At 64 the deliveries interleave finely: with two replicas at 5,000 nodes p99
+# submit -> assigned 0.74-0.81 s against 1.26-1.38 s, max 1.4 s against 2.5-2.9 s; one replica
+# the same (docs/benchmarks.md).
+PULL_BATCH = 64
 
 
 def _pod_attributes(req: AllocationRequest) -> dict[str, str | int]:
@@ -311,7 +319,7 @@ class Allocator(Service):
                         filter_subject=f,
                         decoder=dec,
                         handler=h,
-                        batch=max(64, c),
+                        batch=PULL_BATCH,
                         concurrency=c,
                         # Every handler is idempotent: a lost ack costs a redelivery.
                         confirm_acks=False,

@@ -610,7 +610,8 @@ class Bus:
             durable_name=durable,
             ack_policy=api.AckPolicy.EXPLICIT,
             ack_wait=self.settings.ack_wait,
-            max_ack_pending=max(1000, batch * 4),
+            # Room for every message handed over or running on each of a few replicas.
+            max_ack_pending=max(1000, (batch + concurrency) * 4),
             deliver_policy=api.DeliverPolicy.NEW if deliver_new else api.DeliverPolicy.ALL,
             **({"filter_subject": filters[0]} if len(filters) == 1 else {"filter_subjects": filters}),
         )

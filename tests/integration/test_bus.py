@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
 from nats.aio.msg import Msg
+from nats.js.errors import NotFoundError
 
 from schemas import codec, limits, subjects
 from schemas.messages import (
@@ -21,10 +22,11 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.runtime.bus import Delivery, Handler, Refuse, Retry, _Budget, provision
+from services.runtime.bus import Bus, Delivery, Handler, Refuse, Retry, _Budget, provision
 from services.runtime.records import RecordStore, RecordTooLarge
 from services.runtime.tracing import setup_tracing, tracer
 from tests.conftest import BusFactory
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -305,3 +307,66 @@ def test_the_dead_letter_budget_is_per_source() -> None:
     flood, other = asyncio.run(run())
     assert flood == [True] * 3 + [False] * 7
     assert other == [True] * 3  # a flood from a does not use up b's budget
+
+
+async def test_a_replica_that_stops_handling_holds_no_more_than_one_pull_batch(
+    bus_factory: BusFactory,
+) -> None:
+    """Allocator replicas share each durable consumer, and the server hands a message to a
+    waiting pull. A replica that falls behind (blocked here) must not have taken more than one
+    pull batch of messages into its own queue: the rest go to the replica that keeps up."""
+    from services.allocator.service import PULL_BATCH
+
+    slow, quick = await bus_factory("allocator"), await bus_factory("allocator")
+    unblock = asyncio.Event()
+    held: list[str] = []
+    handled: list[str] = []
+
+    async def blocked(msg: AllocationRequest, d: Delivery) -> None:
+        held.append(msg.request_id)
+        await unblock.wait()
+
+    async def keeping_up(msg: AllocationRequest, d: Delivery) -> None:
+        handled.append(msg.request_id)
+
+    async def waiting_pulls() -> int:
+        try:
+            return (await slow.js.consumer_info(subjects.ALLOC_STREAM, "shared")).num_waiting or 0
+        except NotFoundError:  # not created yet
+            return 0
+
+    def consume(bus: Bus, handler: Handler[AllocationRequest]) -> asyncio.Task[None]:
+        return asyncio.create_task(
+            bus.consume(
+                stream=subjects.ALLOC_STREAM,
+                durable="shared",
+                filter_subject=subjects.ALLOC_REQUEST,
+                decoder=codec.ALLOC_EVENT,
+                handler=handler,
+                batch=PULL_BATCH,
+            )
+        )
+
+    # The slow replica's pull is the first one waiting at the server.
+    tasks = [consume(slow, blocked)]
+    await wait_until(lambda: _at_least(waiting_pulls, 1), what="the slow replica's pull")
+    tasks.append(consume(quick, keeping_up))
+    await wait_until(lambda: _at_least(waiting_pulls, 2), what="both replicas' pulls")
+    total = 4 * PULL_BATCH
+    try:
+        for i in range(total):
+            req = AllocationRequest(request_id=f"r{i}", pod=PodRef("ns", f"p{i}", f"u{i}"), gpus=1)
+            await slow.publish(subjects.ALLOC_REQUEST, req, msg_id=req.request_id)
+        await wait_until(lambda: len(handled) >= total - PULL_BATCH, what="the quick replica's share")
+        assert held == ["r0"]  # the slow one is still in its first handler
+        unblock.set()
+        await wait_until(lambda: len(held) + len(handled) == total, what="every message handled once")
+        assert sorted(held + handled) == sorted(f"r{i}" for i in range(total))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _at_least(count: Callable[[], Awaitable[int]], n: int) -> bool:
+    return await count() >= n
