@@ -53,10 +53,10 @@ READ_RETRY_S = 0.5
 
 
 def autogroup_nice() -> int | None:
-    """The nice value of this process's scheduling autogroup, or None where no autogroup
-    ranks it: a kernel without autogroups (no file), or a process in a cgroup of its own
-    for the CPU controller (a container, a systemd unit with CPU accounting), where the
-    kernel leaves the file empty because the cgroup, not the session, is what is scheduled."""
+    """The nice value of this process's scheduling autogroup, or None where it has none of
+    its own: a kernel without autogroups (no file), or a process still in the kernel's
+    default group, whose file reads empty (a descendant of PID 1 that never started a session
+    of its own, as a CI runner's may be)."""
     try:
         with open(AUTOGROUP) as f:
             fields = f.read().split()

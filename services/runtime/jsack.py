@@ -2,7 +2,7 @@
 
 A message handed over by a JetStream consumer carries its position in the reply (ack)
 subject: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``,
-or from nats-server 2.10 on with a domain and an account hash in front (and a random token
+or, in the newer form, with a domain and an account hash in front (and a random token
 behind). nats-py's ``Msg.metadata`` parses all of it into frozen dataclasses and a datetime:
 ~3 µs per message, 2.7-3.9 % of the allocator's CPU under ``tandem loadtest``, where every
 consumed message and every watched KV change needs only its stream sequence, delivery count

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import pytest
@@ -29,6 +30,22 @@ from tests.conftest import BusFactory
 from tests.waiting import wait_until
 
 pytestmark = pytest.mark.integration
+
+
+def _consume_requests(
+    bus: Bus, durable: str, handler: Handler[AllocationRequest], **options: Any
+) -> asyncio.Task[None]:
+    """``bus.consume`` of the request subject under ``durable``, as a task."""
+    return asyncio.create_task(
+        bus.consume(
+            stream=subjects.ALLOC_STREAM,
+            durable=durable,
+            filter_subject=subjects.ALLOC_REQUEST,
+            decoder=codec.ALLOC_EVENT,
+            handler=handler,
+            **options,
+        )
+    )
 
 
 async def test_provision_is_idempotent(bus_factory: BusFactory) -> None:
@@ -57,16 +74,7 @@ async def test_consume_decodes_acks_and_dead_letters_garbage(bus_factory: BusFac
         await bus.publish(subjects.ALLOC_REQUEST, req, msg_id="u1.1")  # deduplicated by the server
 
     dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
-    task = asyncio.create_task(
-        bus.consume(
-            stream=subjects.ALLOC_STREAM,
-            durable="t",
-            filter_subject=subjects.ALLOC_REQUEST,
-            decoder=codec.ALLOC_EVENT,
-            handler=handler,
-            stop=stop,
-        )
-    )
+    task = _consume_requests(bus, "t", handler, stop=stop)
     await asyncio.wait_for(stop.wait(), 10)
     letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=5)).data)
     await asyncio.wait_for(task, 5)
@@ -104,16 +112,7 @@ async def test_message_that_keeps_breaking_its_handler_is_parked_on_the_dlq(
     dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
     req = AllocationRequest(request_id="p.1", pod=PodRef("ns", "p", "p"), gpus=1)
     await bus.publish(subjects.ALLOC_REQUEST, req, msg_id="p.1")
-    task = asyncio.create_task(
-        bus.consume(
-            stream=subjects.ALLOC_STREAM,
-            durable="poison",
-            filter_subject=subjects.ALLOC_REQUEST,
-            decoder=codec.ALLOC_EVENT,
-            handler=broken,
-            stop=stop,
-        )
-    )
+    task = _consume_requests(bus, "poison", broken, stop=stop)
     letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=15)).data)
     stop.set()
     await asyncio.wait_for(task, 5)
@@ -131,16 +130,7 @@ async def test_dead_letter_keeps_a_small_sample_with_size_and_digest(bus_factory
     await bus.js.publish(subjects.ALLOC_REQUEST, junk)
     dlq = await bus.js.subscribe(subjects.dlq("allocator"), stream=subjects.DLQ_STREAM)
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        bus.consume(
-            stream=subjects.ALLOC_STREAM,
-            durable="junk",
-            filter_subject=subjects.ALLOC_REQUEST,
-            decoder=codec.ALLOC_EVENT,
-            handler=_never,
-            stop=stop,
-        )
-    )
+    task = _consume_requests(bus, "junk", _never, stop=stop)
     raw = await dlq.next_msg(timeout=10)
     stop.set()
     await bus.js.publish(subjects.ALLOC_REQUEST, b"\xc1wake")  # let the consumer see stop
@@ -164,16 +154,7 @@ async def _consume_until_parked(
     req = AllocationRequest(request_id=f"{durable}.1", pod=PodRef("ns", "p", "p"), gpus=1)
     await bus.publish(subjects.ALLOC_REQUEST, req, msg_id=req.request_id)
     stop = asyncio.Event()
-    task = asyncio.create_task(
-        bus.consume(
-            stream=subjects.ALLOC_STREAM,
-            durable=durable,
-            filter_subject=subjects.ALLOC_REQUEST,
-            decoder=codec.ALLOC_EVENT,
-            handler=handler,
-            stop=stop,
-        )
-    )
+    task = _consume_requests(bus, durable, handler, stop=stop)
     letter = codec.DEAD_LETTER.decode((await dlq.next_msg(timeout=15)).data)
     stop.set()
     await asyncio.wait_for(task, 15)
@@ -335,22 +316,10 @@ async def test_a_replica_that_stops_handling_holds_no_more_than_one_pull_batch(
         except NotFoundError:  # not created yet
             return 0
 
-    def consume(bus: Bus, handler: Handler[AllocationRequest]) -> asyncio.Task[None]:
-        return asyncio.create_task(
-            bus.consume(
-                stream=subjects.ALLOC_STREAM,
-                durable="shared",
-                filter_subject=subjects.ALLOC_REQUEST,
-                decoder=codec.ALLOC_EVENT,
-                handler=handler,
-                batch=PULL_BATCH,
-            )
-        )
-
     # The slow replica's pull is the first one waiting at the server.
-    tasks = [consume(slow, blocked)]
+    tasks = [_consume_requests(slow, "shared", blocked, batch=PULL_BATCH)]
     await wait_until(lambda: _at_least(waiting_pulls, 1), what="the slow replica's pull")
-    tasks.append(consume(quick, keeping_up))
+    tasks.append(_consume_requests(quick, "shared", keeping_up, batch=PULL_BATCH))
     await wait_until(lambda: _at_least(waiting_pulls, 2), what="both replicas' pulls")
     total = 4 * PULL_BATCH
     try:

@@ -224,6 +224,7 @@ async def test_the_driver_sends_each_request_and_its_release_in_one_pod_trace(
         await wait_until(lambda: len(seen) == 3, timeout=10, what="two requests and one release")
     finally:
         publishing.cancel()
+        await asyncio.gather(publishing, return_exceptions=True)
     traces = [msg.headers["traceparent"] for msg in seen]
     contexts = [trace.get_current_span(context_from_traceparent(t)).get_span_context() for t in traces]
     assert all(c.is_valid and c.trace_flags.sampled for c in contexts), traces
