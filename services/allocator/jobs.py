@@ -196,6 +196,7 @@ class Jobs:
                     await self._roll_forward(known.job, known.epoch, known.nodes)
                 return "duplicate"
             try:
+                self.model.catch_up()  # a job spans the whole fleet
                 decision = place_job(self.model.cluster, job, tiers=self.tiers)
             except InvalidRequest as exc:
                 await self._finish(job, "rejected", str(exc))

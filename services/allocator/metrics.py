@@ -130,6 +130,7 @@ class AllocatorState(Collector):
                     per_node.add_metric([name, kind, state], n)
                 if record.status == "ready" and state != "free":
                     cluster[kind, state] += n
+        a.model.catch_up()  # the totals count every node's holds
         totals = a.cluster.totals()
         devices = GaugeMetricFamily(
             "tandem_cluster_devices",

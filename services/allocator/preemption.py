@@ -145,6 +145,7 @@ class Preemptions:
             if republish:
                 await self._publish_recorded(req)
             return "pending"
+        self.model.catch_up()  # victims may be on any node
         plan = preempt.plan(self.model.cluster, req)
         if plan is None:
             return None

@@ -22,6 +22,16 @@ Every node carries two labels of the allocator's own besides its own ones: its n
 ``kubernetes.io/hostname`` (as kubelet sets it, for pinned pods) and its *shard*
 (``tandem.io/allocator-shard``: a hash of the name modulo the number of live replicas), which
 lets each replica try its own share of the nodes first (services.allocator.service).
+
+With several replicas, the holds of another shard's nodes are applied to the core lazily:
+each replica sees every write of the others, and applying them (the core's index updates)
+was the larger part of what a second replica cost (docs/benchmarks.md). A decision inside the
+replica's own shard never looks at another shard's nodes, so their latest records wait in
+``_deferred`` until something does look — a decision outside the shard, a pinned request,
+preemption, a job, the metrics, a change of shards: each calls :meth:`ReadModel.catch_up`
+first. Everything else about the records (``placed``, prepared job pods, the capacity event)
+is kept at once, and a node with a decision of this replica in flight (tentative holds, a
+reservation) is always applied at once.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ class ReadModel:
         self.placed: dict[str, str] = {}  # request id → node, from the allocation records
         self.capacity = asyncio.Event()
         self.shards = 1
+        self.shard: str | None = None  # this replica's shard while there are several
+        # node of another shard → its latest allocation record, not applied to the core yet
+        self._deferred: dict[str, NodeAllocations | None] = {}
         self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
         # node → (job, epoch) of the job pods its record holds ``prepared`` (services.allocator.jobs)
         self.prepared: dict[str, set[tuple[str, int]]] = {}
@@ -109,8 +122,13 @@ class ReadModel:
             self._set_node(node, known)
             self.capacity.set()  # a job waiting for a fabric block may fit now
 
-    def set_shards(self, shards: int) -> None:
-        """Split the nodes into ``shards`` (the live replicas): relabels every ready node."""
+    def set_shards(self, shards: int, shard: str | None = None) -> None:
+        """Split the nodes into ``shards`` (the live replicas), ``shard`` being this replica's:
+        relabels every ready node when their number changed."""
+        if shards == self.shards and shard == self.shard:
+            return
+        self.catch_up()  # what was another shard's may be this one's now
+        self.shard = shard if shards > 1 else None
         if shards == self.shards:
             return
         self.shards = shards
@@ -135,9 +153,34 @@ class ReadModel:
             self.prepared[node] = attempts
         else:
             self.prepared.pop(node, None)
-        self._sync_holds(node, record)
+        if self._elsewhere(node):
+            self._deferred[node] = record
+        else:
+            self._deferred.pop(node, None)
+            self._sync_holds(node, record)
         if old - new:
             self.capacity.set()
+
+    def _elsewhere(self, node: str) -> bool:
+        """Another replica's node, with nothing of this replica's own in flight on it."""
+        return (
+            self.shard is not None
+            and node not in self._tentative
+            and node not in self._reserved
+            and shard_of(node, self.shards) != self.shard
+        )
+
+    def catch_up(self) -> None:
+        """Apply the deferred records of other shards' nodes: call before anything reads the
+        core beyond this replica's own shard."""
+        if self._deferred:
+            deferred, self._deferred = self._deferred, {}
+            for node, record in deferred.items():
+                self._sync_holds(node, record)
+
+    def _catch_up_node(self, node: str) -> None:
+        if node in self._deferred:
+            self._sync_holds(node, self._deferred.pop(node))
 
     def _sync_holds(self, node: str, record: NodeAllocations | None) -> None:
         allocations = record.allocations if record is not None else {}
@@ -181,6 +224,7 @@ class ReadModel:
         shares: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """``shares``: the GPUs held as shares (:meth:`Assignment.shares`), the rest whole."""
+        self._catch_up_node(node)
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
         self.cluster.hold(node, request_id, devs, shares=shares)
@@ -188,6 +232,7 @@ class ReadModel:
     def reserve(self, node: str, key: str, devices: list[str]) -> None:
         """Keep ``devices`` from every decision under ``key`` (not a request id) until
         :meth:`unreserve`: a preempting request's devices while its victims are evicted."""
+        self._catch_up_node(node)
         devs = tuple(devices)
         self._reserved.setdefault(node, {})[key] = devs
         self.cluster.hold(node, key, devs)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -38,16 +39,27 @@ MEMBER_INTERVAL_S = 1.0
 MEMBER_LOST_S = 3.5
 
 
-def decide_in_shard(cluster: Cluster, req: AllocationRequest, shard: str | None) -> Placement | Unschedulable:
+def decide_in_shard(
+    cluster: Cluster,
+    req: AllocationRequest,
+    shard: str | None,
+    *,
+    catch_up: Callable[[], None] | None = None,
+) -> Placement | Unschedulable:
     """The core's decision, on the nodes of ``shard`` first; all nodes when the shard has no
     room (so a request is unschedulable only when no node at all can take it). A pinned
-    request goes straight to its node."""
+    request goes straight to its node. ``catch_up`` brings the other shards' nodes up to date
+    before a decision looks at them (:meth:`ReadModel.catch_up`)."""
     if shard is None or HOSTNAME_LABEL in req.node_selector or SHARD_LABEL in req.node_selector:
+        if catch_up is not None:
+            catch_up()
         return cluster.decide(req)
     mine = msgspec.structs.replace(req, node_selector={**req.node_selector, SHARD_LABEL: shard})
     decision = cluster.decide(mine)
     if isinstance(decision, Placement):
         return decision
+    if catch_up is not None:
+        catch_up()
     # Outside its shard a replica takes the last of equally good nodes: their owner takes the
     # first, and both taking the same one made every such decision a compare-and-set conflict.
     return cluster.decide(req, last_of_equals=True)
@@ -74,7 +86,7 @@ class Replicas:
                 await self._sub.unsubscribe()
 
     def decide(self, req: AllocationRequest) -> Placement | Unschedulable:
-        return decide_in_shard(self.model.cluster, req, self.shard)
+        return decide_in_shard(self.model.cluster, req, self.shard, catch_up=self.model.catch_up)
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:
@@ -105,7 +117,7 @@ class Replicas:
         shard = str(live.index(self.instance)) if len(live) > 1 else None
         if len(live) != self.model.shards or shard != self.shard:
             log.info("replicas_changed", live=live, shard=shard)
-        self.model.set_shards(len(live))
+        self.model.set_shards(len(live), shard)
         self.shard = shard
 
     async def _loop(self) -> None:

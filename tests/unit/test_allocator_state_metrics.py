@@ -29,7 +29,7 @@ def allocator(n: int) -> Any:
     allocs = {"n0": (NodeAllocations(node="n0", allocations={"r": held}), 1)}
     totals = {"gpus": 8 * n, "free_gpus": 8 * n - 1, "nics": 8 * n, "free_nics": 8 * n}
     return SimpleNamespace(
-        model=SimpleNamespace(nodes=nodes),
+        model=SimpleNamespace(nodes=nodes, catch_up=lambda: None),
         allocs=allocs,
         book=SimpleNamespace(pending={}),
         cluster=SimpleNamespace(totals=lambda: totals),

@@ -13,6 +13,7 @@ import pytest
 
 from schemas import codec
 from schemas.messages import (
+    AllocationRequest,
     AllocRecord,
     AssignedGpu,
     AssignedNic,
@@ -22,8 +23,9 @@ from schemas.messages import (
     PodRef,
 )
 from services.allocator import commits
-from services.allocator.core import Cluster
-from services.allocator.readmodel import ReadModel
+from services.allocator.core import Cluster, Unschedulable
+from services.allocator.readmodel import ReadModel, shard_of
+from services.allocator.replicas import decide_in_shard
 from services.topology import load_topology
 
 
@@ -190,3 +192,61 @@ def test_a_reservation_survives_writes_that_do_not_hold_it() -> None:
     model.on_allocs("n1", record(alloc("r1", [0])), 1)
     model.on_allocs("n1", NodeAllocations(node="n1"), 2)
     assert set(held(model)) == {"reservation:p1"}
+
+
+def two_replica_model(shard: str) -> tuple[ReadModel, str, str]:
+    """A model of replica ``shard`` of two, with one node in each shard: (model, own, other)."""
+    model = ReadModel(Cluster())
+    model.set_shards(2, shard)
+    names = [f"n{i}" for i in range(1, 40)]
+    own = next(n for n in names if shard_of(n, 2) == shard)
+    other = next(n for n in names if shard_of(n, 2) != shard)
+    for name in (own, other):
+        model.on_node_record(name, NodeRecord(node=name, topology=load_topology("dgx-h100")))
+    return model, own, other
+
+
+def test_another_shards_holds_wait_until_something_looks_beyond_the_own_shard() -> None:
+    model, own, other = two_replica_model("0")
+    model.on_allocs(own, record(alloc("mine", [0], node=own), node=own), 1)
+    model.on_allocs(other, record(alloc("theirs", [1], node=other), node=other), 2)
+    # Its own shard at once; the other's record is known (placed) but not held in the core yet.
+    assert set(model.cluster.holds(own)) == {"mine"}
+    assert model.cluster.holds(other) == {}
+    assert model.placed == {"mine": own, "theirs": other}
+    # A later write of the other node supersedes the deferred one; its drop still says capacity.
+    model.capacity.clear()
+    model.on_allocs(other, record(alloc("later", [2], node=other), node=other), 3)
+    assert model.capacity.is_set() and model.placed == {"mine": own, "later": other}
+
+    # A decision outside the shard catches up first, and sees the other node as it is.
+    calls: list[str] = []
+
+    def catch_up() -> None:
+        calls.append("catch_up")
+        model.catch_up()
+
+    full = AllocationRequest(request_id="big", pod=PodRef("ns", "big"), gpus=8, rdma=8)
+    model.hold_tentative(own, "filler", [f"gpu{g}" for g in range(1, 8)])  # own shard full
+    decision = decide_in_shard(model.cluster, full, "0", catch_up=catch_up)
+    assert calls == ["catch_up"]
+    assert set(model.cluster.holds(other)) == {"later"}
+    # Seen as it was (empty), the other node would have taken it; gpu2 is held there.
+    assert isinstance(decision, Unschedulable), decision
+
+    # A node with a decision of this replica in flight is applied at once.
+    model.hold_tentative(other, "guest", ["gpu5"])
+    model.on_allocs(
+        other, record(alloc("later", [2], node=other), alloc("x", [3], node=other), node=other), 4
+    )
+    assert set(model.cluster.holds(other)) == {"later", "x", "guest"}
+
+
+def test_a_change_of_shards_applies_what_was_deferred() -> None:
+    model, _, other = two_replica_model("0")
+    model.on_allocs(other, record(alloc("theirs", [1], node=other), node=other), 1)
+    assert model.cluster.holds(other) == {}
+    model.set_shards(1)  # the other replica is gone: every node is this one's now
+    assert set(model.cluster.holds(other)) == {"theirs"}
+    model.on_allocs(other, record(node=other), 2)
+    assert model.cluster.holds(other) == {}
