@@ -70,7 +70,6 @@ class Replicas:
         self.bus = bus
         self.instance = instance
         self.model = model
-        self.shard: str | None = None  # this replica's shard while there are several
         self._others: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
         self._started: dict[str, float] = {}  # other live replicas → when they started
         self._beat = AllocatorHeartbeat(instance=instance, started=time.time())
@@ -84,6 +83,12 @@ class Replicas:
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
+
+    @property
+    def shard(self) -> str | None:
+        """This replica's shard while there are several (kept by the read model, which defers
+        the other shards' records by it)."""
+        return self.model.shard
 
     def decide(self, req: AllocationRequest) -> Placement | Unschedulable:
         return decide_in_shard(self.model.cluster, req, self.shard, catch_up=self.model.catch_up)
@@ -118,7 +123,6 @@ class Replicas:
         if len(live) != self.model.shards or shard != self.shard:
             log.info("replicas_changed", live=live, shard=shard)
         self.model.set_shards(len(live), shard)
-        self.shard = shard
 
     async def _loop(self) -> None:
         while True:
