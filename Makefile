@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test cluster-bins cluster-test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -88,6 +88,16 @@ image:
 	$(BUILDER) $(if $(filter buildah,$(BUILDER)),bud,build) --file Dockerfile --tag $(IMAGE):$(VERSION) \
 		--build-arg BASE=$(BASE) --build-arg VERSION=$(VERSION) --build-arg REVISION=$(REVISION) \
 		$(IMAGE_BUILD_FLAGS) .
+
+# The real platform (tests/cluster, docs/kubernetes.md "Tested for real"): kube-apiserver,
+# kube-scheduler, kube-controller-manager, etcd, kwok and Jaeger built with Go from the versions
+# pinned under tests/cluster/tools and cached in .cache/cluster (TANDEM_CLUSTER_CACHE); the
+# chart installed into it with the Helm SDK, the services run as local processes. Needs root.
+cluster-bins: $(STAMP)
+	$(BIN)/python -m tests.cluster.build
+
+cluster-test: cluster-bins
+	$(BIN)/pytest -q -m cluster tests/cluster
 
 # Builds the image on a locally bootstrapped Debian base and runs the rendered chart's
 # workloads from it under podman (tests/image; needs root, installs podman & co. with apt-get).

@@ -22,8 +22,11 @@ class Pair:
     key: Path
 
 
-def _name(cn: str) -> x509.Name:
-    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+def _name(cn: str, org: str | None = None) -> x509.Name:
+    attrs = [x509.NameAttribute(NameOID.COMMON_NAME, cn)]
+    if org:  # Kubernetes reads a client certificate's O as the user's group
+        attrs.append(x509.NameAttribute(NameOID.ORGANIZATION_NAME, org))
+    return x509.Name(attrs)
 
 
 def _write_key(key: ec.EllipticCurvePrivateKey, path: Path) -> None:
@@ -70,12 +73,21 @@ class Authority:
         self.ca_file = directory / f"{name}.pem"
         self.ca_file.write_bytes(self.cert.public_bytes(serialization.Encoding.PEM))
 
-    def issue(self, cn: str, *, server: bool) -> Pair:
+    def issue(
+        self,
+        cn: str,
+        *,
+        server: bool,
+        ips: tuple[str, ...] = ("127.0.0.1",),
+        dns: tuple[str, ...] = ("localhost",),
+        org: str | None = None,
+    ) -> Pair:
+        """A certificate for ``cn``: a server's names ``ips`` and ``dns``; ``org`` as subject O."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = dt.datetime.now(dt.UTC)
         builder = (
             x509.CertificateBuilder()
-            .subject_name(_name(cn))
+            .subject_name(_name(cn, org))
             .issuer_name(self.cert.subject)
             .public_key(key.public_key())
             .serial_number(x509.random_serial_number())
@@ -91,7 +103,7 @@ class Authority:
         if server:
             builder = builder.add_extension(
                 x509.SubjectAlternativeName(
-                    [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+                    [*(x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips), *map(x509.DNSName, dns)]
                 ),
                 critical=False,
             )

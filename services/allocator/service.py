@@ -56,6 +56,7 @@ import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
@@ -368,11 +369,13 @@ class Allocator(Service):
             # names the node of an earlier attempt): make it match the node record, or it
             # would be "recovered" again and again.
             await self.book.mark_assigned(claimed, node=node)
-        await self.bus.publish(
-            subjects.alloc_assigned(node),
-            rec.assignment,
-            msg_id=subjects.msg_id(request_id, "assigned"),
-        )
+        # In the request's trace, like the first announcement: the bridge's bind joins it.
+        with tracing.within(context_from_traceparent(self.book.traceparent(request_id))):
+            await self.bus.publish(
+                subjects.alloc_assigned(node),
+                rec.assignment,
+                msg_id=subjects.msg_id(request_id, "assigned"),
+            )
 
     async def handle_request(
         self,
@@ -448,6 +451,7 @@ class Allocator(Service):
                     if preempting is not None:
                         return preempting
                     return await self._unschedulable(req, decision, traceparent=trace)
+                decided = trace_api.set_span_in_context(span, context)
                 span.set_attributes(
                     {
                         "tandem.candidates": decision.candidates,
@@ -501,10 +505,12 @@ class Allocator(Service):
             self.book.placed_now(rid)
             # The claim said "assigned" to this node and the node record now holds it. The
             # event is published before the request is acked, so a lost event means a
-            # redelivery, which republishes it (step 1), not a pod that never hears back.
-            await self.bus.publish(
-                subjects.alloc_assigned(node), assignment, msg_id=subjects.msg_id(rid, "assigned")
-            )
+            # redelivery, which republishes it (step 1), not a pod that never hears back. It
+            # is announced as a child of the decision, so the bridge's bind joins the trace.
+            with tracing.within(decided):
+                await self.bus.publish(
+                    subjects.alloc_assigned(node), assignment, msg_id=subjects.msg_id(rid, "assigned")
+                )
             log.debug("assigned", request_id=rid, node=node, scope=decision.scope)
             return "assigned"
         raise Retry(f"request {rid}: lost the commit race {MAX_COMMIT_ATTEMPTS} times")

@@ -54,8 +54,11 @@ class EmbeddedNats:
         store_dir: str | None = None,
         startup_timeout: float = 15.0,
         config_file: str | None = None,
+        host: str = "127.0.0.1",
     ) -> None:
         self.requested_port = port
+        # The one address it listens on: loopback, or a test network's own (tests/cluster).
+        self.host = host
         # A nats-server config file (users and permissions, for example); the command-line
         # flags below still win for address, port and store dir.
         self.config_file = config_file
@@ -71,7 +74,7 @@ class EmbeddedNats:
     def url(self) -> str:
         if self.port is None:
             raise EmbeddedServerError("embedded nats-server is not running")
-        return f"nats://127.0.0.1:{self.port}"
+        return f"nats://{self.host}:{self.port}"
 
     @property
     def log_lines(self) -> list[str]:
@@ -91,7 +94,7 @@ class EmbeddedNats:
 
     def start(self) -> EmbeddedNats:
         port = str(self.requested_port) if self.requested_port else "-1"
-        cmd = [server_binary(), "-a", "127.0.0.1", "-p", port, "-js", "-sd", self.store_dir]
+        cmd = [server_binary(), "-a", self.host, "-p", port, "-js", "-sd", self.store_dir]
         if self.config_file:
             cmd += ["-c", self.config_file]
         self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

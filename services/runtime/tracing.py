@@ -8,7 +8,8 @@ install an in-memory exporter through :func:`setup_tracing`'s ``exporter`` argum
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -135,6 +136,20 @@ def inject(headers: dict[str, str] | None = None) -> dict[str, str]:
 def extract(headers: Mapping[str, str] | None) -> otel_context.Context:
     """The context a received message's headers carry (empty context when none)."""
     return _propagator.extract(dict(headers or {}))
+
+
+@contextmanager
+def within(context: otel_context.Context | None) -> Iterator[None]:
+    """``context`` current for the block: what is published there joins its trace even when
+    the span that made the context has ended (an event announced after its decision)."""
+    if context is None:
+        yield
+        return
+    token = otel_context.attach(context)
+    try:
+        yield
+    finally:
+        otel_context.detach(token)
 
 
 def context_from_traceparent(traceparent: str | None) -> otel_context.Context:

@@ -28,6 +28,7 @@ from schemas.messages import (
 from services.allocator.core import Placement
 from services.client import TandemClient
 from services.localstack import FleetEntry, LocalStack
+from services.runtime import tracing
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
 
@@ -352,3 +353,17 @@ async def test_request_that_can_never_be_valid_is_rejected_once_not_redelivered(
     await asyncio.sleep(0.3)
     info = await stack.buses[0].js.consumer_info(subjects.ALLOC_STREAM, subjects.CONSUMER_ALLOCATOR_REQUESTS)
     assert info.num_pending == 0 and info.num_ack_pending == 0 and info.num_redelivered == 0
+
+
+async def test_the_assigned_event_is_in_the_requests_trace(stack_factory) -> None:  # type: ignore[no-untyped-def]
+    """The bridge's bind is a child of what the assigned event carries: without the request's
+    trace on it, every pod's bind was a root span of a trace of its own (seen in the real
+    Jaeger, tests/cluster/test_traces.py)."""
+    _, client = await stack_factory([FleetEntry("dgx-h100", 1, "h100")])
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    req = request("traced", 1, 1)
+    with tracing.within(tracing.context_from_traceparent(f"00-{trace_id}-00f067aa0ba902b7-01")):
+        await client.submit(req)
+    assert isinstance(await client.wait_for(req.request_id), Assignment)
+    traceparent = client.headers_of(req.request_id, Assignment).get("traceparent", "")
+    assert traceparent.split("-")[1:2] == [trace_id], traceparent

@@ -1,0 +1,80 @@
+"""The control plane itself: the pinned release answers, kwok plays a node with Tandem's
+extended resources, and the real scheduler places a pod by them (and refuses one that does not
+fit, with the scheduler's own reason)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from tests.cluster.build import KUBERNETES_VERSION
+from tests.cluster.controlplane import ControlPlane, node_body
+
+
+def eventually(fn: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.2)
+    raise AssertionError(f"{what} not reached in {timeout:.0f} s (last: {last!r})")
+
+
+def test_the_pinned_release_answers(control_plane: ControlPlane) -> None:
+    assert control_plane.request("GET", "/version")["gitVersion"] == KUBERNETES_VERSION
+
+
+def test_the_scheduler_places_by_extended_resources_on_a_kwok_node(control_plane: ControlPlane) -> None:
+    cp = control_plane
+    node = f"smoke-{uuid.uuid4().hex[:6]}"
+    cp.request("POST", "/api/v1/nodes", node_body(node, gpus=8, nics=8, labels={"smoke": node}))
+    ready = eventually(
+        lambda: any(
+            c["type"] == "Ready" and c["status"] == "True"
+            for c in cp.request("GET", f"/api/v1/nodes/{node}").get("status", {}).get("conditions", [])
+        ),
+        what="kwok node Ready",
+    )
+    assert ready
+
+    def pod(name: str, gpus: int) -> dict[str, Any]:
+        limits = {"tandem.io/gpu": str(gpus)}
+        return {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": name, "namespace": "default"},
+            "spec": {
+                "nodeSelector": {"smoke": node},
+                "containers": [{"name": "c", "image": "busybox", "resources": {"limits": limits}}],
+            },
+        }
+
+    cp.request("POST", "/api/v1/namespaces/default/pods", pod(f"{node}-fits", 8))
+    cp.request("POST", "/api/v1/namespaces/default/pods", pod(f"{node}-too-big", 9))
+    placed = eventually(
+        lambda: (
+            (p := cp.request("GET", f"/api/v1/namespaces/default/pods/{node}-fits"))["status"].get("phase")
+            == "Running"
+            and p
+        ),
+        what="pod running",
+    )
+    assert placed["spec"]["nodeName"] == node
+    assert placed["status"]["podIP"]
+
+    def unschedulable() -> str:
+        status = cp.request("GET", f"/api/v1/namespaces/default/pods/{node}-too-big")["status"]
+        for c in status.get("conditions", []):
+            if c["type"] == "PodScheduled" and c.get("reason") == "Unschedulable":
+                return str(c.get("message", ""))
+        return ""
+
+    message = eventually(unschedulable, what="too-big pod unschedulable")
+    assert "Insufficient tandem.io/gpu" in message
+    for name in (f"{node}-fits", f"{node}-too-big"):
+        cp.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
+    cp.request("DELETE", f"/api/v1/nodes/{node}")
