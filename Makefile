@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test cluster-bins cluster-test lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test cluster-bins cluster-test jaeger lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -94,10 +94,14 @@ image:
 # pinned under tests/cluster/tools and cached in .cache/cluster (TANDEM_CLUSTER_CACHE); the
 # chart installed into it with the Helm SDK, the services run as local processes. Needs root.
 cluster-bins: $(STAMP)
-	$(BIN)/python -m tests.cluster.build
+	$(BIN)/python -m tests.cluster.build etcd kube-apiserver kube-controller-manager kube-scheduler kwok jaeger
 
 cluster-test: cluster-bins
 	$(BIN)/pytest -q -m cluster tests/cluster
+
+# Jaeger v2 all-in-one for `tandem up --jaeger` (built from its Go module like the above).
+jaeger: $(STAMP)
+	$(BIN)/python -m tests.cluster.build jaeger
 
 # Builds the image on a locally bootstrapped Debian base and runs the rendered chart's
 # workloads from it under podman (tests/image; needs root, installs podman & co. with apt-get).

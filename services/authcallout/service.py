@@ -96,6 +96,15 @@ class Reviewer:
         status = review.get("status") or {}
         if not status.get("authenticated"):
             raise Denied(f"token not accepted: {status.get('error') or 'not authenticated'}")
+        # "authenticated" alone is not enough: an authenticator that ignores audiences answers
+        # for a token of any audience (a token meant for the API server, or for another
+        # service). The API server lists the audiences the token is valid for; one must be ours.
+        granted = set(status.get("audiences") or [])
+        if not granted & set(self.audiences):
+            raise Denied(
+                f"token not issued for audience {', '.join(self.audiences)} "
+                f"(valid for: {', '.join(sorted(granted)) or 'no audience named'})"
+            )
         user = status.get("user") or {}
         username = str(user.get("username", ""))
         prefix = f"{SA_PREFIX}{self.namespace}:"

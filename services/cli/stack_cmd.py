@@ -164,6 +164,16 @@ def register(sub: Any) -> None:
         "inventory, allocator-0.., nodeagents (default 9470; 0: any free ones; a taken one: any "
         "free one); printed at start",
     )
+    up.add_argument(
+        "--jaeger",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="BINARY",
+        help="also start a Jaeger all-in-one (in memory) on 127.0.0.1, send every service's traces "
+        "to it and print its UI address; BINARY: the jaeger program (default: the one `make jaeger` "
+        "built in this checkout, else `jaeger` on PATH)",
+    )
     up.set_defaults(func=_up)
 
     s = sub.add_parser(

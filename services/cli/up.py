@@ -8,9 +8,15 @@ import argparse
 import asyncio
 import re
 import socket
+from typing import TYPE_CHECKING
 
 from services.cli.errors import CliError
 from services.cli.ops import cli_settings
+
+if TYPE_CHECKING:
+    from services.localstack import LocalStack
+    from services.runtime.embedded import EmbeddedNats
+    from services.runtime.jaeger import Jaeger
 
 MAX_NODES = 10_000
 # schemas.messages.NodeName: node names become subject tokens and KV keys.
@@ -66,25 +72,44 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 async def _up(args: argparse.Namespace) -> int:
+    import msgspec
+
     from services.localstack import DEFAULT_FLEET, LocalStack, parse_fleet
     from services.runtime.embedded import EmbeddedNats
+    from services.runtime.jaeger import Jaeger
     from services.runtime.lifecycle import install_signal_handlers
     from services.runtime.logging import setup_logging
-    from services.runtime.tracing import setup_tracing
+    from services.runtime.tracing import setup_tracing, shutdown_tracing
 
     fleet = parse_fleet(args.node) if args.node else list(DEFAULT_FLEET)
-    server = EmbeddedNats(port=args.port if _port_free(args.port) else None).start()
-    settings = cli_settings("tandem-up", nats_url=server.url, log_json=False)
-    setup_logging(level=settings.log_level, json=False)
-    setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)
-    stack = LocalStack(settings, fleet=fleet, allocators=args.allocators)
+    # Everything that can be refused is checked before anything starts, so a refusal leaves
+    # no process behind.
+    settings = cli_settings("tandem-up", log_json=False)
+    jaeger_binary = _jaeger_binary(args.jaeger) if args.jaeger is not None else None
+    jaeger: Jaeger | None = None
+    server: EmbeddedNats | None = None
+    stack: LocalStack | None = None
     try:
+        if jaeger_binary is not None:
+            jaeger = Jaeger(jaeger_binary).start()
+            settings = msgspec.structs.replace(settings, otlp_endpoint=jaeger.otlp_endpoint)
+        server = EmbeddedNats(port=args.port if _port_free(args.port) else None).start()
+        settings = msgspec.structs.replace(settings, nats_url=server.url)
+        setup_logging(level=settings.log_level, json=False)
+        setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)
+        stack = LocalStack(settings, fleet=fleet, allocators=args.allocators)
         await stack.start()
         await stack.wait_ready()
         ops = await stack.serve_ops(port=args.ops_port)
         print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {server.url}", flush=True)
         for name, server_ops in ops.items():
             print(f"  {name}: http://127.0.0.1:{server_ops.port}/metrics  (/healthz, /readyz)", flush=True)
+        if jaeger is not None:
+            print(f"  Jaeger UI and query API: {jaeger.ui_url}  (traces of every service)", flush=True)
+            print(
+                f"  export OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}  (the CLI's spans too)",
+                flush=True,
+            )
         print(
             f"  export TANDEM_NATS_URL={server.url}; tandem status; tandem submit --gpus 4 --rdma 4",
             flush=True,
@@ -93,6 +118,21 @@ async def _up(args: argparse.Namespace) -> int:
         install_signal_handlers(stop)
         await stop.wait()
     finally:
-        await stack.stop()
-        server.stop()
+        if stack is not None:
+            await stack.stop()
+        shutdown_tracing()  # the last spans reach Jaeger before it stops
+        if server is not None:
+            server.stop()
+        if jaeger is not None:
+            jaeger.stop()
     return 0
+
+
+def _jaeger_binary(explicit: str) -> str:
+    from services.runtime.errors import EmbeddedServerError
+    from services.runtime.jaeger import find_jaeger
+
+    try:
+        return find_jaeger(explicit or None)
+    except EmbeddedServerError as exc:
+        raise CliError(str(exc)) from None

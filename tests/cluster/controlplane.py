@@ -203,6 +203,26 @@ class ControlPlane:
         with self._opener().open(req, timeout=30) as resp:
             return json.loads(resp.read() or b"null")
 
+    def request_as(self, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        """One call with a bearer ``token`` (a component's identity): ``(status, JSON body)``,
+        refusals included, so a test can assert what the real authorisation answered."""
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"Bearer {token}")
+        req.add_header("Accept", "application/json")
+        if body is not None:
+            ctype = "application/merge-patch+json" if method == "PATCH" else "application/json"
+            req.add_header("Content-Type", ctype)
+        ctx = ssl.create_default_context(cafile=str(self.ca_file))
+        opener = urllib.request.build_opener(
+            urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
+        )
+        try:
+            with opener.open(req, timeout=30) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
     def token(
         self,
         namespace: str,

@@ -8,7 +8,7 @@ takes that object and starts its container the way kubelet would, on this machin
   name, namespace, uid, node, host IP; ``status.podIP`` is the pod's real address here),
   ``configMapKeyRef``/``secretKeyRef`` read from the API, and ``KUBERNETES_SERVICE_HOST/PORT``
   (the API server's own address: no kube-proxy routes the ``kubernetes`` Service here).
-  ``python`` is this interpreter, so the checkout's code runs.
+  ``python`` and ``tandem`` are this checkout's, so its code runs.
 * **volumes** filled from the API, each bound at its ``mountPath`` inside a private mount
   namespace (``unshare -m``): ConfigMaps and Secrets with their ``items``; projected volumes
   (the service-account token from the real TokenRequest API, bound to this pod with the
@@ -51,6 +51,9 @@ ROOT = Path(__file__).resolve().parents[2]
 # Provided to every container on this machine as they are: the kernel's, and scratch space.
 MACHINE_PATHS = ("/sys", "/dev", "/tmp", "/var/run/netns")
 _VAR = re.compile(r"\$\((\w+)\)")
+# The image's programs, as this checkout provides them.
+PROGRAMS = {"python": sys.executable, "tandem": str(Path(sys.executable).parent / "tandem")}
+EXIT_CODE = "tandem-tests.local/exit-code"  # read by kwok-stages.yaml's tandem-job-pod-done
 
 
 class UnsupportedSpec(ValueError):
@@ -162,8 +165,8 @@ class LocalKubelet:
                 raise UnsupportedSpec(
                     f"pod {meta['name']}: no command (the image's entrypoint is unknown here)"
                 )
-            if argv[0] == "python":
-                argv[0] = sys.executable
+            if argv[0] in PROGRAMS:
+                argv[0] = PROGRAMS[argv[0]]
             created = [Path(target) for _, target, _ in mounts if not Path(target).exists()]
             script = "".join(
                 f"mkdir -p {shlex.quote(t)} && mount --bind {shlex.quote(s)} {shlex.quote(t)} && "
@@ -194,6 +197,27 @@ class LocalKubelet:
             raise
         running = RunningPod(pod=pod, popen=popen, log=log, ip=ip, net=net, created_dirs=_parents(created))
         self.running.append(running)
+        return running
+
+    def run_to_completion(self, pod: dict[str, Any], *, timeout: float = 60.0) -> RunningPod:
+        """Run a Job's pod until its container exits, then report the exit code on the pod, from
+        which kwok sets its phase (Succeeded or Failed) and the Job controller takes over."""
+        running = self.run(pod)
+        try:
+            running.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            running.stop()
+            raise AssertionError(
+                f"pod {running.name} still running after {timeout:.0f} s:\n{running.tail()}"
+            ) from None
+        meta = pod["metadata"]
+        self.cp.request(
+            "PATCH",
+            f"/api/v1/namespaces/{meta['namespace']}/pods/{meta['name']}",
+            {"metadata": {"annotations": {EXIT_CODE: str(running.popen.returncode)}}},
+            content_type="application/merge-patch+json",
+        )
+        running.stop()
         return running
 
     def stop_all(self) -> None:
