@@ -93,7 +93,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "admission": {"podPatchPolicy": {"enabled": False}},
     },
 }
-COMPONENTS = ("allocator", "inventory", "admission", "nodeagent")  # every NATS client but the callout
+COMPONENTS = ("allocator", "inventory", "admission", "nodeagent")
+PATCH_POLICY, GUARD_POLICY = (
+    f"{RELEASE}-admission-pods",
+    f"{RELEASE}-admission-guard",
+)  # every NATS client but the callout
 
 
 def render(values: dict[str, Any] | None = None, *, release: str = RELEASE) -> list[dict[str, Any]]:
@@ -829,7 +833,7 @@ def test_network_policies_admit_only_tandem_to_nats() -> None:
 
 def test_admission_may_change_only_gated_tandem_pods() -> None:
     docs = render()
-    policy = one(docs, "ValidatingAdmissionPolicy")
+    policy = one(docs, "ValidatingAdmissionPolicy", PATCH_POLICY)
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
     assert spec["matchConstraints"]["resourceRules"] == [
@@ -846,7 +850,7 @@ def test_admission_may_change_only_gated_tandem_pods() -> None:
     assert f"oldObject.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
     assert f"object.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
     assert f"g.name == '{admission_names.GATE}'" in checks
-    binding = one(docs, "ValidatingAdmissionPolicyBinding")["spec"]
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", PATCH_POLICY)["spec"]
     assert binding == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
 
 
@@ -869,7 +873,7 @@ def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
     from tests.unit.test_admission_helpers import deployment_pod, merge_patch
     from tests.unit.test_admission_policy import assignment, persisted
 
-    spec = one(render(), "ValidatingAdmissionPolicy")["spec"]
+    spec = one(render(), "ValidatingAdmissionPolicy", PATCH_POLICY)["spec"]
     env = celpy.Environment()
     (condition,) = spec["matchConditions"]
     applies = env.program(env.compile(condition["expression"]))
@@ -908,6 +912,78 @@ def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
     swapped["spec"]["containers"][0]["image"] = "evil.example/miner:latest"
     assert any("images" in m for m in denied(gated, swapped))
     assert denied(stranger, swapped, user="system:serviceaccount:kube-system:replicaset-controller") == []
+
+
+def test_guard_policy_keeps_tandems_fields_tandems_and_device_pods_behind_the_webhook() -> None:
+    """The guard policy's CEL, evaluated (cel-python, its variables in order) on the pods the
+    webhook, the bridge and others really create and change. The real API server runs it in
+    tests/cluster/test_bypass.py."""
+    import celpy
+
+    from tests.unit.test_admission_helpers import deployment_pod, merge_patch
+    from tests.unit.test_admission_policy import assignment, persisted
+
+    docs = render()
+    spec = one(docs, "ValidatingAdmissionPolicy", GUARD_POLICY)["spec"]
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", GUARD_POLICY)["spec"]
+    assert binding == {"policyName": GUARD_POLICY, "validationActions": ["Deny"]}
+    assert spec["failurePolicy"] == "Fail"
+    env = celpy.Environment()
+    bridge = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-admission"
+
+    def denied(old: dict[str, Any] | None, new: dict[str, Any], user: str = "alice") -> list[str]:
+        act: dict[str, Any] = {
+            "request": celpy.json_to_cel(
+                {
+                    "userInfo": {"username": user},
+                    "operation": "UPDATE" if old else "CREATE",
+                    "namespace": "ml",
+                }
+            ),
+            "oldObject": celpy.json_to_cel(old or {}),
+            "object": celpy.json_to_cel(new),
+        }
+        variables: dict[str, Any] = {}
+        for v in spec["variables"]:  # each may use the ones before it
+            act["variables"] = celpy.celtypes.MapType(
+                {celpy.celtypes.StringType(k): val for k, val in variables.items()}
+            )
+            variables[v["name"]] = env.program(env.compile(v["expression"])).evaluate(act)
+        act["variables"] = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+        )
+        out = []
+        for v in spec["validations"]:
+            result = env.program(env.compile(v["expression"])).evaluate(act)
+            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
+            if not result:
+                out.append(v.get("message") or v["messageExpression"])
+        return out
+
+    gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
+    assert denied(None, gated) == []  # created through the webhook
+    ungated = copy.deepcopy(gated)
+    ungated["spec"]["schedulingGates"] = []
+    assert any("did not pass" in m for m in denied(None, ungated))  # a namespace the webhook skips
+    assert denied(None, deployment_pod(gpu=None, rdma=None)) == []  # no devices asked: not Tandem's
+    bound = merge_patch(gated, admission_policy.bind_patch(gated, assignment("gpu-7")))
+    assert denied(gated, bound, user=bridge) == []  # the bridge's own bind
+    assert any(
+        "scheduling gate" in m for m in denied(gated, merge_patch(gated, {"spec": {"schedulingGates": []}}))
+    )
+    assert any(
+        "tandem.io/assignment" in m
+        for m in denied(
+            bound, merge_patch(bound, {"metadata": {"annotations": {admission_names.ASSIGNMENT: "{}"}}})
+        )
+    )
+    assert any(
+        "tandem.io/managed" in m
+        for m in denied(gated, merge_patch(gated, {"metadata": {"labels": {admission_names.MANAGED: None}}}))
+    )
+    assert (
+        denied(bound, merge_patch(bound, {"metadata": {"annotations": {"team": "ml"}}})) == []
+    )  # anything else
 
 
 def test_webhook_match_condition_selects_pods_that_ask_for_tandem_devices() -> None:

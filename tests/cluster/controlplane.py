@@ -370,7 +370,7 @@ class ControlPlane:
 
     def _spawn(self, name: str, cmd: list[str]) -> Proc:
         log = self.workdir / f"{name}.log"
-        with log.open("wb") as out:
+        with log.open("ab") as out:  # a restarted component goes on in the same log
             popen = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         proc = Proc(name, popen, log)
         self.procs.append(proc)
@@ -394,6 +394,41 @@ class ControlPlane:
             ],
         )
         self._wait(proc, lambda: _get(f"{client}/health").get("health") == "true", timeout=30)
+
+    def restart_apiserver(self, *, down_s: float = 2.0) -> None:
+        """Stop the API server (SIGTERM, as a rolling update does), keep it down ``down_s``,
+        start it again on the same etcd, address and port; every client must reconnect."""
+        (old,) = [p for p in self.procs if p.name == "kube-apiserver"]
+        old.popen.terminate()
+        try:
+            old.popen.wait(30)
+        except subprocess.TimeoutExpired:
+            old.popen.kill()
+            old.popen.wait()
+        self.procs.remove(old)
+        time.sleep(down_s)
+        self._start_apiserver()
+
+    def etcd_revision(self) -> int:
+        """etcd's current revision (its v3 JSON gateway)."""
+        body = json.dumps({"key": base64.b64encode(b"/").decode()}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.etcd_port}/v3/kv/range", data=body, method="POST"
+        )
+        with _DIRECT.open(req, timeout=10) as resp:
+            return int(json.loads(resp.read())["header"]["revision"])
+
+    def compact_etcd(self) -> int:
+        """Compact etcd's history up to now, as the API server does every 5 minutes: a watch
+        or list from an older resourceVersion is then answered 410 Gone. The revision."""
+        revision = self.etcd_revision()
+        body = json.dumps({"revision": str(revision), "physical": True}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.etcd_port}/v3/kv/compaction", data=body, method="POST"
+        )
+        with _DIRECT.open(req, timeout=30) as resp:
+            resp.read()
+        return revision
 
     def _start_apiserver(self) -> None:
         proc = self._spawn(
@@ -436,7 +471,8 @@ class ControlPlane:
                 return bool(self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default"))
             return False
 
-        self._wait(self.procs[-3], ok, timeout=60)
+        (kcm,) = [p for p in self.procs if p.name == "kube-controller-manager"]
+        self._wait(kcm, ok, timeout=60)
 
     def _wait(self, proc: Proc, ok: Any, *, timeout: float) -> None:
         deadline = time.monotonic() + timeout

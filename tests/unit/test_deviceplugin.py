@@ -162,7 +162,14 @@ async def test_kubelet_conversation(tmp_path: Path, node: tuple[NodeTopology, Sy
                 ("/dev/infiniband/rdma_cm", "/dev/infiniband/rdma_cm", "rw"),
             ]
             assert [d.name for d in c.cdi_devices] == ["tandem.io/rdma=mlx5_4", "tandem.io/rdma=mlx5_5"]
-            for bad, why in (([], "no device ids"), (["GPU-nope"], "unknown device ids")):
+            # Only what the allocator assigned: a free GPU no assignment names, or GPUs of two
+            # different assignments, are refused (a pod that bypassed the scheduling gate).
+            for bad, why in (
+                ([], "no device ids"),
+                (["GPU-nope"], "unknown device ids"),
+                ([uuids[6]], "no Tandem assignment on this node names"),
+                ([uuids[4], uuids[0]], "no Tandem assignment on this node names"),
+            ):
                 with pytest.raises(grpc.aio.AioRpcError) as err:
                     await gpu.Allocate(
                         pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=bad)])
@@ -173,6 +180,13 @@ async def test_kubelet_conversation(tmp_path: Path, node: tuple[NodeTopology, Sy
 
             assert await applier.cleanup(a) == []
             assert "pod-a" not in plugins.state.pending
+            with pytest.raises(grpc.aio.AioRpcError) as err:  # cleaned up: not handed out again
+                await gpu.Allocate(
+                    pb.AllocateRequest(
+                        container_requests=[pb.ContainerAllocateRequest(devices_ids=[uuids[4], uuids[5]])]
+                    )
+                )
+            assert "no Tandem assignment" in (err.value.details() or "")
 
         spec = json.loads((tmp_path / "cdi" / "tandem-rdma.json").read_text())
         assert spec["kind"] == "tandem.io/rdma"

@@ -35,6 +35,7 @@ from services.nodeagent.deviceplugin.logic import (
     RDMA_RESOURCE,
     AllocateError,
     allocate,
+    check_assigned,
     match_share,
     plugin_devices,
     preferred,
@@ -132,18 +133,21 @@ class _Servicer(pb_grpc.DevicePluginServicer):
         state = self.plugin.state
         for creq in request.container_requests:
             share = None
-            if self.plugin.resource == GPU_SHARE_RESOURCE:
-                share = match_share(state.pending.values(), list(creq.devices_ids), taken=state.share_taken)
+            ids = list(creq.devices_ids)
             try:
+                if self.plugin.resource == GPU_SHARE_RESOURCE:
+                    share = match_share(state.pending.values(), ids, taken=state.share_taken)
                 ans = await asyncio.to_thread(
                     allocate,
                     self.plugin.resource,
-                    list(creq.devices_ids),
+                    ids,
                     known=known,
                     uverbs=self.plugin.uverbs,
                     cdi=self.plugin.cdi,
                     share=share,
                 )
+                if share is None:  # a share was matched to its assignment above
+                    check_assigned(state.pending.values(), self.plugin.resource, ids)
             except AllocateError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 raise  # abort raises; this line only satisfies the type checker
