@@ -25,6 +25,10 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(HERE):
             item.add_marker(pytest.mark.cluster)
+            # A pod's life through real controllers takes seconds, back-offs more: not the
+            # unit tests' 120 s.
+            if item.get_closest_marker("timeout") is None:
+                item.add_marker(pytest.mark.timeout(300))
 
 
 @pytest.fixture(scope="session")

@@ -497,7 +497,13 @@ def _get(url: str) -> Any:
 
 
 def node_body(
-    name: str, *, gpus: int, nics: int, ip: str | None = None, labels: dict[str, str] | None = None
+    name: str,
+    *,
+    gpus: int,
+    nics: int,
+    ip: str | None = None,
+    labels: dict[str, str] | None = None,
+    extra: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A Node that kwok plays, with Tandem's extended resources as the device plugin would
     advertise them (kubelet puts a plugin's devices into capacity and allocatable).
@@ -510,6 +516,7 @@ def node_body(
         resources["tandem.io/gpu"] = str(gpus)
     if nics:
         resources["tandem.io/rdma"] = str(nics)
+    resources.update(extra or {})
     return {
         "apiVersion": "v1",
         "kind": "Node",

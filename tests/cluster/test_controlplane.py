@@ -1,6 +1,7 @@
-"""The control plane itself: the pinned release answers, kwok plays a node with Tandem's
-extended resources, and the real scheduler places a pod by them (and refuses one that does not
-fit, with the scheduler's own reason)."""
+"""The control plane itself: the pinned release answers, kwok plays a node with extended
+resources, and the real scheduler places a pod by them (and refuses one that does not fit, with
+the scheduler's own reason). The resource is not Tandem's: Tandem's webhook and policies, when a
+release is installed, would (rightly) take a pod asking for tandem.io/* devices in hand."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from typing import Any
 
 from tests.cluster.build import KUBERNETES_VERSION
 from tests.cluster.controlplane import ControlPlane, node_body
+
+WIDGET = "example.com/widget"  # an extended resource as any device plugin advertises one
 
 
 def eventually(fn: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
@@ -31,7 +34,9 @@ def test_the_pinned_release_answers(control_plane: ControlPlane) -> None:
 def test_the_scheduler_places_by_extended_resources_on_a_kwok_node(control_plane: ControlPlane) -> None:
     cp = control_plane
     node = f"smoke-{uuid.uuid4().hex[:6]}"
-    cp.request("POST", "/api/v1/nodes", node_body(node, gpus=8, nics=8, labels={"smoke": node}))
+    cp.request(
+        "POST", "/api/v1/nodes", node_body(node, gpus=0, nics=0, labels={"smoke": node}, extra={WIDGET: "8"})
+    )
     ready = eventually(
         lambda: any(
             c["type"] == "Ready" and c["status"] == "True"
@@ -42,7 +47,7 @@ def test_the_scheduler_places_by_extended_resources_on_a_kwok_node(control_plane
     assert ready
 
     def pod(name: str, gpus: int) -> dict[str, Any]:
-        limits = {"tandem.io/gpu": str(gpus)}
+        limits = {WIDGET: str(gpus)}
         return {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -74,7 +79,7 @@ def test_the_scheduler_places_by_extended_resources_on_a_kwok_node(control_plane
         return ""
 
     message = eventually(unschedulable, what="too-big pod unschedulable")
-    assert "Insufficient tandem.io/gpu" in message
+    assert f"Insufficient {WIDGET}" in message
     for name in (f"{node}-fits", f"{node}-too-big"):
         cp.request("DELETE", f"/api/v1/namespaces/default/pods/{name}")
     cp.request("DELETE", f"/api/v1/nodes/{node}")
