@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test cluster-bins cluster-test jaeger lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test cluster-bins cluster-test bench-kube jaeger lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -98,6 +98,13 @@ cluster-bins: $(STAMP)
 
 cluster-test: cluster-bins
 	$(BIN)/pytest -q -m cluster tests/cluster
+
+# Pods create -> bound through the real API server: Tandem's path beside kube-scheduler alone
+# at 1,000 and 5,000 kwok nodes (docs/benchmarks.md, "Through the real API"); one JSON line per
+# configuration. Needs root, like cluster-test. BENCH_KUBE_ARGS="--config NODES:PODS" for others.
+BENCH_KUBE_ARGS ?=
+bench-kube: cluster-bins
+	$(BIN)/python -m bench.kube $(BENCH_KUBE_ARGS)
 
 # Jaeger v2 all-in-one for `tandem up --jaeger` (built from its Go module like the above).
 jaeger: $(STAMP)

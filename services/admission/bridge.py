@@ -68,6 +68,8 @@ from services.runtime.tracing import context_from_traceparent, tracer
 log = get_logger(__name__)
 
 ACTIVE_STATES = frozenset({"pending", "deciding", "assigned"})
+# Assignments bound at once (docs/benchmarks.md, "Through the real API").
+BIND_CONCURRENCY = 32
 
 
 class Bridge:
@@ -104,6 +106,10 @@ class Bridge:
         self._tracer = tracer("tandem.bridge")
         self._requested: set[str] = set()
         self._released: set[str] = set()
+        # The latest object of each managed pod as the list and the watch delivered it, by
+        # (namespace, name): a bind patches from it instead of reading the pod again (one
+        # round trip to the API server instead of two); a stale one costs a 409 and a read.
+        self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._events: dict[tuple[str, str], policy.EventState] = {}
         self.synced = asyncio.Event()
         """Set after the first resync finished (tests and readiness wait on it)."""
@@ -126,22 +132,33 @@ class Bridge:
         sup.spawn("claims", lambda: self.claims.watch(stop, records=self.request_records))
         sup.spawn("claim-expiry", lambda: self.claims.expire(stop))
         sup.spawn("pods", lambda: self.watch_pods(stop))
-        # Outcomes of the allocator, one durable consumer each.
+        # Outcomes of the allocator, one durable consumer each. Binds of different pods are
+        # independent and each is a round trip or two to the API server, so many run at once
+        # (one at a time, they capped a fleet's placements at the API server's latency); a
+        # bind is idempotent (a bound pod is left alone), so its ack needs no confirmation.
         consumers = [
-            ("assigned", subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL, self.on_outcome),
-            ("failed", subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED, self.on_outcome),
-            ("preempt", subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT, self.on_preemption),
+            (
+                "assigned",
+                subjects.CONSUMER_BRIDGE,
+                subjects.ALLOC_ASSIGNED_ALL,
+                self.on_outcome,
+                BIND_CONCURRENCY,
+            ),
+            ("failed", subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED, self.on_outcome, 1),
+            ("preempt", subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT, self.on_preemption, 1),
         ]
-        for task, durable, subject, handler in consumers:
+        for task, durable, subject, handler, concurrency in consumers:
             sup.spawn(
                 task,
-                lambda d=durable, f=subject, h=handler: self.bus.consume(  # type: ignore[misc]
+                lambda d=durable, f=subject, h=handler, c=concurrency: self.bus.consume(  # type: ignore[misc]
                     stream=subjects.ALLOC_STREAM,
                     durable=d,
                     filter_subject=f,
                     decoder=codec.ALLOC_EVENT,
                     handler=h,
                     stop=stop,
+                    concurrency=c,
+                    confirm_acks=c == 1,
                 ),
             )
         sup.spawn("events", lambda: self.flush_events(stop))
@@ -244,6 +261,7 @@ class Bridge:
 
     async def resync(self, pods: list[dict[str, Any]], records: dict[str, RequestRecord]) -> None:
         live: set[str] = set()
+        self._pods = {_key_of(raw): raw for raw in pods}
         for raw in pods:
             try:
                 pod = policy.read_pod(raw)
@@ -323,6 +341,10 @@ class Bridge:
             await self.claims.on_pod_event(kind, pod, raw)
             return
         rid = policy.request_id_for(pod.metadata.uid)
+        if kind == "DELETED":
+            self._pods.pop(_key_of(raw), None)
+        else:
+            self._pods[_key_of(raw)] = raw
         if kind == "DELETED":
             await self.release(pod, reason="pod deleted")
             self._released.discard(rid)
@@ -455,7 +477,7 @@ class Bridge:
                 _pod_attributes(span, msg.pod)
                 span.set_attribute("k8s.node.name", msg.node)
                 span.set_attribute("tandem.request_id", msg.request_id)
-                await self._bind(msg, raw=None)
+                await self._bind(msg, raw=self._seen(msg.pod))
         elif isinstance(msg, AllocationFailed):
             await self.on_failed(msg)
         # Other kinds on these subjects are not the bridge's business; ack them.
@@ -463,6 +485,13 @@ class Bridge:
     async def on_preemption(self, msg: Any, delivery: Delivery) -> None:
         if isinstance(msg, PreemptionPlan):
             await evictions.evict_victims(self, msg, delivery)
+
+    def _seen(self, ref: PodRef) -> dict[str, Any] | None:
+        """The pod as the watch last delivered it, if it is still that pod (same uid)."""
+        raw = self._pods.get((ref.namespace, ref.name))
+        if raw is None or (raw.get("metadata") or {}).get("uid") != ref.uid:
+            return None
+        return raw
 
     async def _bind(self, a: Assignment, *, raw: dict[str, Any] | None) -> None:
         if raw is None:
@@ -488,6 +517,9 @@ class Bridge:
         try:
             await self.kube.patch_pod(a.pod.namespace, a.pod.name, policy.bind_patch(raw, a))
         except Conflict as exc:
+            # Changed since this version (or the watch is behind): read it again next time.
+            if self._pods.get((a.pod.namespace, a.pod.name)) is raw:
+                del self._pods[(a.pod.namespace, a.pod.name)]
             raise Retry(f"pod changed while binding: {exc}", delay=0.2) from None
         except NotFound:
             await self._publish_release(
@@ -567,3 +599,8 @@ def _pod_attributes(span: Any, ref: PodRef) -> None:
     span.set_attribute("k8s.pod.name", ref.name)
     if ref.uid:
         span.set_attribute("k8s.pod.uid", ref.uid)
+
+
+def _key_of(raw: dict[str, Any]) -> tuple[str, str]:
+    meta = raw.get("metadata") or {}
+    return str(meta.get("namespace") or ""), str(meta.get("name") or "")

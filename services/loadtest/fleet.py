@@ -39,7 +39,7 @@ from typing import Any
 from schemas import codec, subjects
 from schemas.messages import Applied, Cleaned, DeviceHealth, Heartbeat, NodeAllocations, NodeInventory
 from schemas.topology import Gpu, Nic, locate
-from services.loadtest.mix import NodeSpec, fleet_plan, node_topology
+from services.loadtest.mix import FLEET_MIX, NodeSpec, fleet_plan, node_topology
 from services.loadtest.publisher import AsyncPublisher
 from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.runtime.bus import Bus
@@ -203,9 +203,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="YAML/JSON settings file (nats_url, heartbeat_interval)")
     parser.add_argument("--nodes", type=int, required=True, help="how many nodes to simulate")
     parser.add_argument("--apply-ms", type=float, default=0.0, help="simulated apply time per allocation")
+    parser.add_argument(
+        "--kind",
+        choices=sorted(k for k, _ in FLEET_MIX),
+        help="every node of this kind (default: the mixed fleet)",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
+    plan = fleet_plan(args.nodes, mix=((args.kind, 1.0),)) if args.kind else fleet_plan(args.nodes)
     try:
         settings: Settings = load_settings("loadtest-fleet", config=args.config)
     except SettingsError as exc:
@@ -217,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             fleet = Fleet(
                 bus,
-                plan=fleet_plan(args.nodes),
+                plan=plan,
                 heartbeat_interval=settings.heartbeat_interval,
                 apply_delay=args.apply_ms / 1000,
             )

@@ -154,6 +154,15 @@ class ControlPlane:
     net: PodNetwork | None = None
     api_port: int = 0
     etcd_port: int = 0
+    # kwok's node heartbeat (kubelet's nodeStatusUpdateFrequency); thousands of nodes in a
+    # benchmark use a longer one, with the node lifecycle's grace period to match.
+    heartbeat_s: int = 20
+    # The scheduler's and controllers' client rate limits (their defaults, 50 and 20 QPS, are
+    # what a default install has; a benchmark raises them for both sides of a comparison).
+    client_qps: int | None = None
+    # Host-network pods of several simulated nodes share this machine: each node gets an
+    # address of its own in a loopback /24 drawn per control plane (node_ip).
+    node_net: str = field(default_factory=lambda: f"127.{random.randrange(2, 250)}.{random.randrange(256)}")
     _admin_opener: urllib.request.OpenerDirector | None = None
 
     # --- access -----------------------------------------------------------------------------
@@ -174,6 +183,10 @@ class ControlPlane:
     def ca_pem(self) -> bytes:
         return self.ca.ca_file.read_bytes()
 
+    def node_ip(self, i: int) -> str:
+        """The InternalIP of the ``i``-th simulated node (0-based, at most 253)."""
+        return f"{self.node_net}.{i + 1}"
+
     def kubeconfig_for_token(self, token: str, name: str) -> Path:
         return _write_kubeconfig(
             self.workdir / f"kubeconfig-{name}", server=self.url, ca=self.ca_file, user={"token": token}
@@ -193,14 +206,20 @@ class ControlPlane:
         return self._admin_opener
 
     def request(
-        self, method: str, path: str, body: Any = None, *, content_type: str = "application/json"
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
     ) -> Any:
         """One call as the cluster admin (system:masters); JSON in and out."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", content_type)
         req.add_header("Accept", "application/json")
-        with self._opener().open(req, timeout=30) as resp:
+        with self._opener().open(req, timeout=timeout) as resp:
             return json.loads(resp.read() or b"null")
 
     def request_as(self, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
@@ -289,6 +308,8 @@ class ControlPlane:
                 "-endpointslice-mirroring-controller,-service-lb-controller,-node-ipam-controller,"
                 "-cloud-node-lifecycle-controller,-persistentvolume-binder-controller",
                 "--concurrent-gc-syncs=5",
+                f"--node-monitor-grace-period={max(50, 3 * self.heartbeat_s)}s",
+                *self._qps_flags(),
             ],
         )
         self._spawn(
@@ -301,6 +322,7 @@ class ControlPlane:
                 "--bind-address=127.0.0.1",
                 f"--secure-port={free_ports(1)[0]}",
                 "--leader-elect=false",
+                *self._qps_flags(),
             ],
         )
         self._spawn(
@@ -308,7 +330,7 @@ class ControlPlane:
             [
                 str(self.bins["kwok"]),
                 f"--kubeconfig={admin}",
-                f"--config={HERE / 'kwok-stages.yaml'}",
+                f"--config={self._kwok_stages()}",
                 "--manage-all-nodes=false",
                 "--manage-nodes-with-label-selector=type=kwok",
                 f"--cidr={POD_CIDR}",
@@ -367,6 +389,24 @@ class ControlPlane:
                 serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
             )
         )
+
+    def _qps_flags(self) -> list[str]:
+        if self.client_qps is None:
+            return []
+        return [f"--kube-api-qps={self.client_qps}", f"--kube-api-burst={2 * self.client_qps}"]
+
+    def _kwok_stages(self) -> Path:
+        text = (HERE / "kwok-stages.yaml").read_text()
+        if self.heartbeat_s != 20:
+            old = "delay: {durationMilliseconds: 20000, jitterDurationMilliseconds: 5000}"
+            assert old in text, "kwok-stages.yaml: the heartbeat stage's delay changed"
+            ms = self.heartbeat_s * 1000
+            text = text.replace(
+                old, f"delay: {{durationMilliseconds: {ms}, jitterDurationMilliseconds: {ms // 4}}}"
+            )
+        path = self.workdir / "kwok-stages.yaml"
+        path.write_text(text)
+        return path
 
     def _spawn(self, name: str, cmd: list[str]) -> Proc:
         log = self.workdir / f"{name}.log"
@@ -509,7 +549,7 @@ def node_body(
     advertise them (kubelet puts a plugin's devices into capacity and allocatable).
 
     ``ip`` is its InternalIP, the address its host-network pods bind: several nodes share this
-    machine, so each gets its own loopback address (127.0.1.N) and their node agents' ports
+    machine, so each gets its own loopback address (ControlPlane.node_ip) and their node agents' ports
     do not collide."""
     resources = {"cpu": "64", "memory": "512Gi", "pods": "110"}
     if gpus:

@@ -83,7 +83,7 @@ class Release:
             i = len(self.nodes)
             node = f"gpu-{i}"
             body = node_body(
-                node, gpus=topology_gpus, nics=topology_nics, ip=f"127.0.1.{i + 1}", labels=GPU_LABEL
+                node, gpus=topology_gpus, nics=topology_nics, ip=self.cp.node_ip(i), labels=GPU_LABEL
             )
             self.cp.request("POST", "/api/v1/nodes", body)
             self.nodes.append(node)

@@ -69,6 +69,9 @@ async def test_pod_changed_between_read_and_bind_is_reread_and_bound(running: tu
     async def someone_else_writes() -> None:
         kube._patch("pod", "ml", "p", {"metadata": {"annotations": {"example.com/owner": "team-b"}}})
 
+    # Changed after the bridge's list (its copy is stale: the watch has not delivered the
+    # change yet), and changed again right after the bridge reads it back.
+    await someone_else_writes()
     kube.after_get.append(someone_else_writes)
     a = Assignment(request_id=RID, pod=REF, node="n1", gpus=[AssignedGpu(index=0, uuid="GPU-0")])
     await allocator.publish(subjects.alloc_assigned("n1"), a, msg_id="assigned-1")
@@ -83,9 +86,9 @@ async def test_pod_changed_between_read_and_bind_is_reread_and_bound(running: tu
     pod = kube.objects[("pod", "ml", "p")]
     assert pod["metadata"]["annotations"]["example.com/owner"] == "team-b"  # not overwritten
     assert json.loads(pod["metadata"]["annotations"][names.ASSIGNMENT])["node"] == "n1"
-    assert [c for c in kube.calls if c[:2] == ("patch", "pod")] == [
-        ("patch", "pod", "p")
-    ] * 3  # theirs, ours (409), ours
+    # theirs, ours from the watch's copy (409), theirs after our read, ours (409), ours
+    assert [c for c in kube.calls if c[:2] == ("patch", "pod")] == [("patch", "pod", "p")] * 5
+    assert [c for c in kube.calls if c[:2] == ("get", "pod")] == [("get", "pod", "p")] * 2
 
 
 async def test_event_left_by_an_earlier_bridge_keeps_counting(running: tuple[FakeKube, Any]) -> None:
