@@ -295,12 +295,7 @@ class ControlPlane:
             "kube-controller-manager",
             [
                 str(self.bins["kube-controller-manager"]),
-                f"--kubeconfig={admin}",
-                f"--authentication-kubeconfig={admin}",
-                f"--authorization-kubeconfig={admin}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_ports(1)[0]}",
-                "--leader-elect=false",
+                *self._client_flags(admin),
                 "--use-service-account-credentials=true",
                 f"--service-account-private-key-file={self.workdir / 'sa.key'}",
                 f"--root-ca-file={self.ca_file}",
@@ -309,20 +304,13 @@ class ControlPlane:
                 "-cloud-node-lifecycle-controller,-persistentvolume-binder-controller",
                 "--concurrent-gc-syncs=5",
                 f"--node-monitor-grace-period={max(50, 3 * self.heartbeat_s)}s",
-                *self._qps_flags(),
             ],
         )
         self._spawn(
             "kube-scheduler",
             [
                 str(self.bins["kube-scheduler"]),
-                f"--kubeconfig={admin}",
-                f"--authentication-kubeconfig={admin}",
-                f"--authorization-kubeconfig={admin}",
-                "--bind-address=127.0.0.1",
-                f"--secure-port={free_ports(1)[0]}",
-                "--leader-elect=false",
-                *self._qps_flags(),
+                *self._client_flags(admin),
             ],
         )
         self._spawn(
@@ -390,10 +378,20 @@ class ControlPlane:
             )
         )
 
-    def _qps_flags(self) -> list[str]:
-        if self.client_qps is None:
-            return []
-        return [f"--kube-api-qps={self.client_qps}", f"--kube-api-burst={2 * self.client_qps}"]
+    def _client_flags(self, kubeconfig: Path) -> list[str]:
+        """What the controller-manager and the scheduler share: the admin's kubeconfig, their
+        own serving on a free loopback port, no leader election, the client rate limits."""
+        flags = [
+            f"--kubeconfig={kubeconfig}",
+            f"--authentication-kubeconfig={kubeconfig}",
+            f"--authorization-kubeconfig={kubeconfig}",
+            "--bind-address=127.0.0.1",
+            f"--secure-port={free_ports(1)[0]}",
+            "--leader-elect=false",
+        ]
+        if self.client_qps is not None:
+            flags += [f"--kube-api-qps={self.client_qps}", f"--kube-api-burst={2 * self.client_qps}"]
+        return flags
 
     def _kwok_stages(self) -> Path:
         text = (HERE / "kwok-stages.yaml").read_text()
