@@ -25,6 +25,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from services.runtime.errors import EmbeddedServerError
 
@@ -110,13 +111,8 @@ class EmbeddedNats:
         return self
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            terminate(self._proc, timeout=5)
         if self._own_dir:
             shutil.rmtree(self.store_dir, ignore_errors=True)
 
@@ -127,6 +123,18 @@ class EmbeddedNats:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def terminate(proc: subprocess.Popen[Any], *, timeout: float) -> int:
+    """SIGTERM a child we started, SIGKILL it after ``timeout`` seconds; its exit code."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return int(proc.returncode)
 
 
 # Ports free_ports handed out in this process: never the same one twice.

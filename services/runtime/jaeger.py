@@ -22,7 +22,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from services.runtime.embedded import free_ports
+from services.runtime.embedded import free_ports, terminate
 from services.runtime.errors import EmbeddedServerError
 
 # Health checks and queries go straight to our address, never through an http_proxy.
@@ -161,13 +161,8 @@ class Jaeger:
         return dict(data[0]) if data else None
 
     def stop(self) -> None:
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        if self._proc is not None:
+            terminate(self._proc, timeout=10)
         shutil.rmtree(self._dir, ignore_errors=True)
 
     def __enter__(self) -> Jaeger:

@@ -46,7 +46,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from services.runtime.embedded import free_ports
+from services.runtime.embedded import free_ports, terminate
 from tests.pki import Authority, Pair
 
 HERE = Path(__file__).resolve().parent
@@ -329,15 +329,11 @@ class ControlPlane:
         self._wait_default_service_account()
 
     def stop(self) -> None:
-        for proc in reversed(self.procs):
+        for proc in reversed(self.procs):  # all told first, so they stop together
             if proc.popen.poll() is None:
                 proc.popen.terminate()
         for proc in reversed(self.procs):
-            try:
-                proc.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                proc.popen.kill()
-                proc.popen.wait()
+            terminate(proc.popen, timeout=10)
         self.procs.clear()
         if self.net is not None:
             self.net.delete()
@@ -437,12 +433,7 @@ class ControlPlane:
         """Stop the API server (SIGTERM, as a rolling update does), keep it down ``down_s``,
         start it again on the same etcd, address and port; every client must reconnect."""
         (old,) = [p for p in self.procs if p.name == "kube-apiserver"]
-        old.popen.terminate()
-        try:
-            old.popen.wait(30)
-        except subprocess.TimeoutExpired:
-            old.popen.kill()
-            old.popen.wait()
+        terminate(old.popen, timeout=30)
         self.procs.remove(old)
         time.sleep(down_s)
         self._start_apiserver()

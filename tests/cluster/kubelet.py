@@ -34,7 +34,6 @@ import json
 import os
 import re
 import shlex
-import signal
 import ssl
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from services.runtime.embedded import terminate
 from tests.cluster.controlplane import ControlPlane, PodNetwork
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -112,13 +112,7 @@ class RunningPod:
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, as kubelet stops a container; SIGKILL after ``timeout``. The exit code."""
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
+        terminate(self.popen, timeout=timeout)
         if self.net is not None:
             self.net.delete()
             self.net = None

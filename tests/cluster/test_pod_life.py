@@ -52,6 +52,18 @@ def pod_of(cp: ControlPlane, ns: str, name: str) -> dict[str, Any]:
     return dict(cp.request("GET", f"/api/v1/namespaces/{ns}/pods/{name}"))
 
 
+def fill_every_node(release: Release, ns: str) -> None:
+    """Pods ``fill-0``... holding every GPU of every node, running."""
+    cp = release.cp
+    for i in range(len(release.nodes)):
+        cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod(f"fill-{i}", gpus=8, nics=8))
+    for i in range(len(release.nodes)):
+        eventually(
+            lambda i=i: pod_of(cp, ns, f"fill-{i}")["status"].get("phase") == "Running",
+            what=f"fill-{i} running",
+        )
+
+
 def test_the_api_server_accepted_every_object_of_the_release(release: Release) -> None:
     cp = release.cp
     hook = cp.request(
@@ -117,14 +129,7 @@ def test_a_pod_is_admitted_placed_bound_run_and_freed(release: Release) -> None:
 def test_a_pod_that_cannot_be_placed_waits_and_is_placed_when_room_appears(release: Release) -> None:
     cp = release.cp
     ns = make_namespace(cp)
-    nodes = len(release.nodes)
-    for i in range(nodes):  # every GPU of every node
-        cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod(f"big-{i}", gpus=8, nics=8))
-    for i in range(nodes):
-        eventually(
-            lambda i=i: pod_of(cp, ns, f"big-{i}")["status"].get("phase") == "Running",
-            what=f"big-{i} running",
-        )
+    fill_every_node(release, ns)
     cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod("waiter", gpus=4, nics=4))
 
     def failed_event() -> dict[str, Any] | None:
@@ -137,7 +142,7 @@ def test_a_pod_that_cannot_be_placed_waits_and_is_placed_when_room_appears(relea
     assert {"name": names.GATE} in waiting["spec"]["schedulingGates"]  # never reached the scheduler
     assert not waiting["spec"].get("nodeName")
 
-    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/big-0")
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/fill-0")
     pod = eventually(
         lambda: (p := pod_of(cp, ns, "waiter"))["status"].get("phase") == "Running" and p,
         what="the waiting pod placed once room appeared",

@@ -16,7 +16,7 @@ from typing import Any
 
 from services.admission import names
 from tests.cluster.release import Release, eventually
-from tests.cluster.test_pod_life import make_namespace, pod_of, training_pod
+from tests.cluster.test_pod_life import fill_every_node, make_namespace, pod_of, training_pod
 
 LIFE = {
     "admission.admit": "admission",
@@ -98,10 +98,7 @@ def test_a_pods_life_is_one_trace_in_jaeger(release: Release) -> None:
 def test_a_pod_that_waited_is_still_one_trace(release: Release) -> None:
     cp = release.cp
     ns = make_namespace(cp)
-    for i in range(len(release.nodes)):
-        cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod(f"fill-{i}", gpus=8, nics=8))
-    for i in range(len(release.nodes)):
-        eventually(lambda i=i: pod_of(cp, ns, f"fill-{i}")["status"].get("phase") == "Running", what="filled")
+    fill_every_node(release, ns)
     created = cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod("patient", gpus=2, nics=2))
     eventually(
         lambda: any(r.state == "pending" for r in release.requests_of(ns, "patient")), what="patient pending"

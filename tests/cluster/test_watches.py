@@ -18,7 +18,7 @@ from services.admission.errors import KubeError
 from services.admission.kube import KubeClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.release import Release, eventually
-from tests.cluster.test_pod_life import make_namespace, pod_of, training_pod
+from tests.cluster.test_pod_life import fill_every_node, make_namespace, pod_of, training_pod
 
 
 def running(cp: ControlPlane, ns: str, name: str) -> dict[str, object] | None:
@@ -29,10 +29,7 @@ def running(cp: ControlPlane, ns: str, name: str) -> dict[str, object] | None:
 def test_a_restart_and_a_compaction_lose_nothing_and_do_nothing_twice(release: Release) -> None:
     cp = release.cp
     ns = make_namespace(cp)
-    for i in range(len(release.nodes)):
-        cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod(f"fill-{i}", gpus=8, nics=8))
-    for i in range(len(release.nodes)):
-        eventually(lambda i=i: running(cp, ns, f"fill-{i}"), what=f"fill-{i} running")
+    fill_every_node(release, ns)
     cp.request("POST", f"/api/v1/namespaces/{ns}/pods", training_pod("waiter", gpus=4, nics=4))
     eventually(
         lambda: any(r.state == "pending" for r in release.requests_of(ns, "waiter")), what="waiter pending"
