@@ -438,7 +438,9 @@ def _republish(bucket: str) -> api.RePublish | None:
     """Node allocation records are republished on ``tandem.allocs.<node>`` (schemas.subjects)."""
     if bucket != subjects.KV_ALLOCS:
         return None
-    return api.RePublish(src=subjects.kv_subject(bucket), dest=subjects.NODE_ALLOCS_ALL, headers_only=False)
+    return api.RePublish(
+        src=subjects.kv_subject(bucket), dest=subjects.NODE_ALLOCS_ALL, headers_only=False
+    )
 
 
 class Bus:
