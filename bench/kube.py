@@ -259,7 +259,13 @@ def run_phase(
 
 def clear(cp: ControlPlane, namespace: str) -> None:
     """Every pod of the namespace deleted and gone (kwok removes them at once)."""
-    cp.request("DELETE", f"/api/v1/namespaces/{namespace}/pods", timeout=300)
+    # One by one, in parallel: a delete-collection of thousands of pods outlasts the API
+    # server's own one-minute request timeout on this machine.
+    doomed = [
+        p["metadata"]["name"] for p in cp.request("GET", f"/api/v1/namespaces/{namespace}/pods")["items"]
+    ]
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        list(pool.map(lambda n: cp.request("DELETE", f"/api/v1/namespaces/{namespace}/pods/{n}"), doomed))
     deadline = time.monotonic() + 300
     while cp.request("GET", f"/api/v1/namespaces/{namespace}/pods?limit=1")["items"]:
         if time.monotonic() > deadline:
