@@ -12,10 +12,12 @@ import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 import pytest
 
 POLL_S = 0.02
+T = TypeVar("T")
 
 
 async def wait_until(
@@ -42,18 +44,20 @@ async def wait_until(
 
 
 def wait_until_sync(
-    predicate: Callable[[], object],
+    predicate: Callable[[], T],
     *,
     timeout: float = 10.0,
     what: str = "condition",
     poll: float = 0.1,
     details: Callable[[], object] | None = None,
-) -> None:
+) -> T:
     """:func:`wait_until` without an event loop; ``details`` adds to the failure message
-    (e.g. the logs of the processes waited for)."""
+    (e.g. the logs of the processes waited for). Returns what the predicate returned when it
+    held (the pod, the record waited for)."""
     deadline = time.monotonic() + timeout
-    while not predicate():
+    while not (value := predicate()):
         if time.monotonic() >= deadline:
             extra = f": {details()}" if details is not None else ""
             pytest.fail(f"timed out after {timeout}s waiting for {what}{extra}")
         time.sleep(poll)
+    return value

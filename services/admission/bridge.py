@@ -343,12 +343,10 @@ class Bridge:
         rid = policy.request_id_for(pod.metadata.uid)
         if kind == "DELETED":
             self._pods.pop(_key_of(raw), None)
-        else:
-            self._pods[_key_of(raw)] = raw
-        if kind == "DELETED":
             await self.release(pod, reason="pod deleted")
             self._released.discard(rid)
             return
+        self._pods[_key_of(raw)] = raw
         if pod.terminal:
             phase = pod.status.phase if pod.status else ""
             await self.release(pod, reason=f"pod {phase}")

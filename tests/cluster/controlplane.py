@@ -34,7 +34,6 @@ import random
 import shutil
 import ssl
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -48,6 +47,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from services.runtime.embedded import free_ports, terminate
 from tests.pki import Authority, Pair
+from tests.waiting import wait_until_sync
 
 HERE = Path(__file__).resolve().parent
 SERVICE_CIDR = "10.96.0.0/16"
@@ -429,13 +429,13 @@ class ControlPlane:
         )
         self._wait(proc, lambda: _get(f"{client}/health").get("health") == "true", timeout=30)
 
-    def restart_apiserver(self, *, down_s: float = 2.0) -> None:
-        """Stop the API server (SIGTERM, as a rolling update does), keep it down ``down_s``,
-        start it again on the same etcd, address and port; every client must reconnect."""
+    def restart_apiserver(self) -> None:
+        """Stop the API server (SIGTERM, as a rolling update does) and start it again on the
+        same etcd, address and port once it has exited: every client's connection and watch
+        ends, each must reconnect, and the new server's watch cache starts from now."""
         (old,) = [p for p in self.procs if p.name == "kube-apiserver"]
         terminate(old.popen, timeout=30)
         self.procs.remove(old)
-        time.sleep(down_s)
         self._start_apiserver()
 
     def etcd_revision(self) -> int:
@@ -504,17 +504,15 @@ class ControlPlane:
         self._wait(kcm, ok, timeout=60)
 
     def _wait(self, proc: Proc, ok: Any, *, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if proc.popen.poll() is not None:
                 raise ControlPlaneError(f"{proc.name} exited with {proc.popen.returncode}:\n{proc.tail()}")
             try:
-                if ok():
-                    return
+                return bool(ok())
             except (urllib.error.URLError, OSError, ValueError):
-                pass
-            time.sleep(0.2)
-        raise ControlPlaneError(f"{proc.name} not ready after {timeout:.0f} s:\n{proc.tail()}")
+                return False
+
+        wait_until_sync(ready, timeout=timeout, what=f"{proc.name} ready", poll=0.2, details=proc.tail)
 
 
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))

@@ -37,7 +37,6 @@ import shlex
 import ssl
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ from typing import Any
 
 from services.runtime.embedded import terminate
 from tests.cluster.controlplane import ControlPlane, PodNetwork
+from tests.waiting import wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
 # Provided to every container on this machine as they are: the kernel's, and scratch space.
@@ -100,15 +100,15 @@ class RunningPod:
         opener = urllib.request.build_opener(
             urllib.request.ProxyHandler({}), urllib.request.HTTPSHandler(context=ctx)
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+
+        def ready() -> bool:
             if self.popen.poll() is not None:
                 raise AssertionError(f"pod {self.name} exited with {self.popen.returncode}:\n{self.tail()}")
             with contextlib.suppress(urllib.error.URLError, OSError), opener.open(url, timeout=3) as resp:
-                if resp.status == 200:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"pod {self.name} not ready at {url} after {timeout:.0f} s:\n{self.tail()}")
+                return bool(resp.status == 200)
+            return False
+
+        wait_until_sync(ready, timeout=timeout, what=f"pod {self.name} ready at {url}", details=self.tail)
 
     def stop(self, timeout: float = 20.0) -> int:
         """SIGTERM, as kubelet stops a container; SIGKILL after ``timeout``. The exit code."""

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import urllib.error
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import helm_python as helm
 
@@ -30,27 +29,30 @@ from services.runtime.embedded import EmbeddedNats
 from services.runtime.jaeger import Jaeger
 from tests.cluster.controlplane import ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints
+from tests.waiting import wait_until_sync
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
 RELEASE, NAMESPACE = "tandem", "tandem-system"
 GPU_LABEL = {"nvidia.com/gpu.present": "true"}
 DONE = ("freed", "cancelled", "rejected")
+T = TypeVar("T")
 
 
 def eventually(fn: Callable[[], Any], *, timeout: float = 60.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
+    """:func:`~tests.waiting.wait_until_sync` for the API: what ``fn`` returned once truthy; a
+    404 on the way counts as not yet (the object waited for does not exist yet)."""
+    last: list[Any] = [None]
+
+    def check() -> Any:
         try:
-            last = fn()
+            last[0] = fn()
         except urllib.error.HTTPError as exc:
             if exc.code != 404:
                 raise
-            last = None
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"{what}: not reached in {timeout:.0f} s (last: {str(last)[:2000]})")
+            last[0] = None
+        return last[0]
+
+    return wait_until_sync(check, timeout=timeout, what=what, poll=0.2, details=lambda: str(last[0])[:2000])
 
 
 def install(
@@ -123,28 +125,23 @@ class Release:
         )
 
     # --- Tandem's own records, read over NATS as the CLI reads them ---------------------------
-    def requests_of(self, namespace: str, name: str) -> list[RequestRecord]:
-        async def read() -> list[RequestRecord]:
+    def _read(self, read: Callable[[TandemClient], Awaitable[T]]) -> T:
+        async def go() -> T:
             conn = await CliConnection.open(self.nats.url)
             try:
-                return await TandemClient(conn).requests_of_pod(PodRef(namespace=namespace, name=name))
+                return await read(TandemClient(conn))
             finally:
                 await conn.close()
 
-        return asyncio.run(read())
+        return asyncio.run(go())
+
+    def requests_of(self, namespace: str, name: str) -> list[RequestRecord]:
+        return self._read(lambda client: client.requests_of_pod(PodRef(namespace=namespace, name=name)))
 
     def live_requests_in(self, namespace: str) -> list[RequestRecord]:
         """Requests of the namespace's pods that still hold or wait for devices."""
-
-        async def read() -> list[RequestRecord]:
-            conn = await CliConnection.open(self.nats.url)
-            try:
-                records = (await TandemClient(conn).request_records()).values()
-            finally:
-                await conn.close()
-            return [r for r in records if r.request.pod.namespace == namespace and r.state not in DONE]
-
-        return asyncio.run(read())
+        records = self._read(lambda client: client.request_records()).values()
+        return [r for r in records if r.request.pod.namespace == namespace and r.state not in DONE]
 
     def empty_namespace(self, namespace: str) -> None:
         """Delete the namespace's Tandem pods and wait until their devices are freed."""

@@ -5,26 +5,14 @@ release is installed, would (rightly) take a pod asking for tandem.io/* devices 
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from tests.cluster.build import KUBERNETES_VERSION
 from tests.cluster.controlplane import ControlPlane, node_body
+from tests.cluster.release import eventually
 
 WIDGET = "example.com/widget"  # an extended resource as any device plugin advertises one
-
-
-def eventually(fn: Callable[[], Any], *, timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = fn()
-        if last:
-            return last
-        time.sleep(0.2)
-    raise AssertionError(f"{what} not reached in {timeout:.0f} s (last: {last!r})")
 
 
 def test_the_pinned_release_answers(control_plane: ControlPlane) -> None:

@@ -38,7 +38,7 @@ def test_a_restart_and_a_compaction_lose_nothing_and_do_nothing_twice(release: R
         "resourceVersion"
     ]
 
-    cp.restart_apiserver(down_s=3)
+    cp.restart_apiserver()
     cp.compact_etcd()
 
     # The real server answers a watch from before the restart with 410 Gone, which the
