@@ -45,6 +45,7 @@ from typing import Any
 
 import yaml
 
+from bench import cpu
 from schemas import codec, subjects
 from services.admission import names
 from services.cli.conn import CliConnection
@@ -59,6 +60,12 @@ from tests.cluster.release import install, uninstall
 KIND = "dgx-h100"
 SIZES = (1, 2, 4, 8)
 CLIENTS = 16
+# kwok plays each node's kubelet as a kubelet runs by default: a Lease renewed every 10 s
+# (40 s duration), the Node's status patched every 5 min when nothing changed
+# (nodeStatusReportFrequency). A status patch per node every 20 s, 50/s at 1,000 nodes, kept
+# this machine's two cores nearly busy before any pod was created.
+KUBELET_LEASE_S, KUBELET_STATUS_S = 40, 300
+IDLE_S = 8.0  # how long each phase first measures the machine idle
 RELEASE, NAMESPACE = "tandem", "tandem-system"
 VALUES: dict[str, Any] = {
     "nats": {"bundled": False, "auth": {"mode": "none"}, "tls": {"enabled": False}},
@@ -216,9 +223,15 @@ def pod_body(name: str, gpus: int) -> dict[str, Any]:
 
 
 def run_phase(
-    cp: ControlPlane, namespace: str, workload: list[tuple[str, int]], *, timeout: float
+    cp: ControlPlane,
+    namespace: str,
+    workload: list[tuple[str, int]],
+    *,
+    timeout: float,
+    profile: Path | None = None,
 ) -> dict[str, Any]:
-    """Create the pods, wait until every one is bound; the timings."""
+    """Create the pods, wait until every one is bound; the timings. With ``profile``, the API
+    server's CPU profile of the run's steady part is written there (``<namespace>.pprof``)."""
     cp.request(
         "POST",
         "/api/v1/namespaces",
@@ -234,13 +247,22 @@ def run_phase(
         cp.request("POST", f"/api/v1/namespaces/{namespace}/pods", pod_body(name, gpus))
         admitted[name] = time.monotonic()
 
+    # What every program spends with nothing to do (heartbeats, leases, open watches), to tell
+    # the cost of the pods from the background.
+    idle = cpu.measure(IDLE_S)
+    meter = cpu.CpuMeter().start()
     started = time.monotonic()
     with ThreadPoolExecutor(CLIENTS) as pool:
+        if profile is not None:
+            pprof = pool.submit(apiserver_profile, cp, profile / f"{namespace}.pprof")
         list(pool.map(create, workload))
     deadline = time.monotonic() + timeout
     while len(watch.bound) < len(workload) and time.monotonic() < deadline:
         time.sleep(0.1)
+    use = meter.stop()
     watch.stop()
+    if profile is not None:
+        pprof.result()
     bound = {n: t for n, t in watch.bound.items() if n in created}
     latency = [bound[n] - created[n] for n in bound]
     last = max(bound.values(), default=started)
@@ -254,7 +276,23 @@ def run_phase(
         "create_to_bound_ms": ms(latency),
         "wall_s": round(last - started, 2),
         "watch_restarts": len(watch.restarts),
+        # Where the machine's CPU went from the first create to the last bind: the share of
+        # its cores busy, each program's CPU per pod beyond its idle rate, and the idle rates.
+        "cpu": {
+            "busy_share": use.busy_share,
+            "ms_per_pod": round(1000 * sum(use.seconds.values()) / max(1, len(bound)), 1),
+            "beyond_idle_ms_per_pod": use.beyond(idle, per=len(bound)),
+            "idle_cores": {k: v for k, v in idle.cores().items() if v >= 0.005},
+        },
     }
+
+
+def apiserver_profile(cp: ControlPlane, out: Path, *, warmup: float = 2.0, seconds: int = 10) -> None:
+    """The API server's CPU profile (``/debug/pprof/profile``) for ``seconds`` after ``warmup``;
+    read it with ``go tool pprof -top <file>``."""
+    time.sleep(warmup)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_bytes(cp.request_raw("GET", f"/debug/pprof/profile?seconds={seconds}", timeout=seconds + 30))
 
 
 def clear(cp: ControlPlane, namespace: str) -> None:
@@ -412,7 +450,9 @@ def tandem_breakdown(phase: dict[str, Any], times: NatsTimes) -> dict[str, Any]:
     }
 
 
-def configuration(nodes: int, count: int, *, seed: int, workdir: Path) -> dict[str, Any]:
+def configuration(
+    nodes: int, count: int, *, seed: int, workdir: Path, profile: Path | None = None
+) -> dict[str, Any]:
     bins = build_all(CONTROL_PLANE, log=False)
     workload = pods(count, seed)
     demand = sum(g for _, g in workload)
@@ -422,18 +462,24 @@ def configuration(nodes: int, count: int, *, seed: int, workdir: Path) -> dict[s
             f"bench.kube: {count} pods ask {demand} GPUs, over 60 % of {nodes} nodes' {8 * nodes}"
         )
     timeout = max(300.0, count / 5)
-    heartbeat = 20 if nodes <= 1000 else 120  # kwok's node updates cost the API server too
-    with ControlPlane(workdir / "cp", bins, heartbeat_s=heartbeat, client_qps=2000) as cp:
+    with ControlPlane(
+        workdir / "cp",
+        bins,
+        heartbeat_s=KUBELET_STATUS_S,
+        node_lease_s=KUBELET_LEASE_S,
+        client_qps=2000,
+        profiling=profile is not None,
+    ) as cp:
         t0 = time.monotonic()
         add_nodes(cp, nodes)
         nodes_s = round(time.monotonic() - t0, 1)
-        baseline = run_phase(cp, "bench-scheduler", workload, timeout=timeout)
+        baseline = run_phase(cp, "bench-scheduler", workload, timeout=timeout, profile=profile)
         clear(cp, "bench-scheduler")
         with EmbeddedNats(host=cp.host) as server, contextlib.ExitStack() as undo:
             start_tandem(cp, workdir / "tandem", server, nodes, undo)
             times = NatsTimes(server.url).start()
             undo.callback(times.stop)
-            tandem = run_phase(cp, "bench-tandem", workload, timeout=timeout)
+            tandem = run_phase(cp, "bench-tandem", workload, timeout=timeout, profile=profile)
             extra = tandem_breakdown(tandem, times)
     for phase in (baseline, tandem):
         del phase["watch"], phase["created"], phase["admitted"]
@@ -451,6 +497,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.kube", description=__doc__.splitlines()[0])
     p.add_argument("--config", action="append", metavar="NODES:PODS", help="default: 1000:1000 and 5000:2000")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--profile",
+        type=Path,
+        metavar="DIR",
+        help="write the API server's CPU profile of each phase there (go tool pprof -top FILE)",
+    )
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench.kube: needs root (the pod network is a network namespace)", file=sys.stderr)
@@ -463,7 +515,10 @@ def main(argv: list[str] | None = None) -> int:
         n, m = (int(x) for x in spec.split(":"))
         workdir = Path(tempfile.mkdtemp(prefix="tandem-bench-kube-"))
         try:
-            print(json.dumps(configuration(n, m, seed=args.seed, workdir=workdir)), flush=True)
+            print(
+                json.dumps(configuration(n, m, seed=args.seed, workdir=workdir, profile=args.profile)),
+                flush=True,
+            )
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
     return 0

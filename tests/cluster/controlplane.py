@@ -157,9 +157,16 @@ class ControlPlane:
     # kwok's node heartbeat (kubelet's nodeStatusUpdateFrequency); thousands of nodes in a
     # benchmark use a longer one, with the node lifecycle's grace period to match.
     heartbeat_s: int = 20
+    # With a value, kwok also renews each node's Lease (kube-node-lease) as a kubelet does:
+    # every quarter of this duration (kubelet's default: 40 s). A kubelet then patches its
+    # Node's status only every nodeStatusReportFrequency (5 min) when nothing changed, which a
+    # benchmark plays with ``heartbeat_s=300``.
+    node_lease_s: int = 0
     # The scheduler's and controllers' client rate limits (their defaults, 50 and 20 QPS, are
     # what a default install has; a benchmark raises them for both sides of a comparison).
     client_qps: int | None = None
+    # The API server's /debug/pprof (bench-kube --profile reads where its CPU goes).
+    profiling: bool = False
     # Host-network pods of several simulated nodes share this machine: each node gets an
     # address of its own in a loopback /24 drawn per control plane (node_ip).
     node_net: str = field(default_factory=lambda: f"127.{random.randrange(2, 250)}.{random.randrange(256)}")
@@ -215,12 +222,27 @@ class ControlPlane:
         timeout: float = 30.0,
     ) -> Any:
         """One call as the cluster admin (system:masters); JSON in and out."""
+        return json.loads(
+            self.request_raw(method, path, body, content_type=content_type, timeout=timeout) or b"null"
+        )
+
+    def request_raw(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        *,
+        content_type: str = "application/json",
+        timeout: float = 30.0,
+    ) -> bytes:
+        """:meth:`request`'s answer as bytes (a non-JSON endpoint: /debug/pprof, /metrics)."""
         data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", content_type)
         req.add_header("Accept", "application/json")
         with self._opener().open(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
+            body_bytes: bytes = resp.read()
+            return body_bytes
 
     def request_as(self, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """One call with a bearer ``token`` (a component's identity): ``(status, JSON body)``,
@@ -324,6 +346,7 @@ class ControlPlane:
                 f"--cidr={POD_CIDR}",
                 f"--node-ip={self.host}",
                 "--server-address=",
+                *([f"--node-lease-duration-seconds={self.node_lease_s}"] if self.node_lease_s else []),
             ],
         )
         self._wait_default_service_account()
@@ -479,7 +502,7 @@ class ControlPlane:
                 "--authorization-mode=Node,RBAC",
                 "--enable-aggregator-routing=true",
                 "--allow-privileged=true",
-                "--profiling=false",
+                f"--profiling={str(self.profiling).lower()}",
                 "--event-ttl=1h",
             ],
         )
