@@ -473,3 +473,31 @@ async def test_assignment_for_a_pod_deleted_before_binding_is_released(
 async def _gate_removed(emu: Any, name: str) -> bool:
     obj = emu.objects["v1/pods", "ml", name]
     return not obj.deleted and not obj.raw["spec"].get("schedulingGates")
+
+
+async def test_watch_delivers_a_pod_larger_than_128_kib(apiserver: tuple[Any, str]) -> None:
+    """A pod may carry up to 256 KiB of annotations: its event arrives in many reads and is
+    still one event to the project's watch reader (aiohttp's default line limit is 128 KiB)."""
+    emu, url = apiserver
+    kube = KubeClient.for_host(url)
+    try:
+        _, version = await kube.list_pods(label_selector=names.MANAGED_SELECTOR)
+        pod = deployment_pod(gpu="1", rdma="1")
+        pod["metadata"].update(
+            name="big-0",
+            uid=str(uuid.uuid4()),
+            labels={**pod["metadata"].get("labels", {}), names.MANAGED: "true"},
+            annotations={"example.com/notes": "x" * 200_000},
+        )
+        assert (await emu.post("/api/v1/namespaces/ml/pods", json=pod)).status == 200
+        seen: list[tuple[str, dict[str, Any]]] = []
+        async for kind, obj in kube.watch_pods(
+            label_selector=names.MANAGED_SELECTOR, resource_version=version, timeout_s=5
+        ):
+            seen.append((kind, obj))
+            break
+        ((kind, obj),) = seen
+        assert kind == "ADDED" and obj["metadata"]["name"] == "big-0"
+        assert len(obj["metadata"]["annotations"]["example.com/notes"]) == 200_000
+    finally:
+        await kube.close()
