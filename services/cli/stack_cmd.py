@@ -151,7 +151,11 @@ def register(sub: Any) -> None:
         "file, how many (default 1) and the node name prefix; repeatable; default: a mixed fleet",
     )
     up.add_argument(
-        "--port", type=port, default=4222, help="NATS TCP port (default 4222; any free one if taken)"
+        "--port",
+        type=port_or_any,
+        default=4222,
+        help="NATS TCP port on 127.0.0.1 (default 4222; 0: any free one, printed at start); a taken "
+        "port is refused, since commands pointed at it would reach whatever holds it",
     )
     up.add_argument(
         "--allocators", type=positive_int, default=1, help="allocator replicas to run (default 1)"

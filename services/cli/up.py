@@ -65,9 +65,21 @@ def _port_free(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) != 0
 
 
+def check_port(port: int) -> None:
+    """Refuse a NATS port something already listens on: moving to another one quietly would
+    leave ``TANDEM_NATS_URL`` (and every command that follows it) pointed at the other system."""
+    if port and not _port_free(port):
+        raise CliError(
+            f"--port {port}: 127.0.0.1:{port} is already in use (another `tandem up` or nats-server?); "
+            "commands using that address would reach it, not this system",
+            hint="stop it, or choose another port: --port N, or --port 0 for any free one",
+        )
+
+
 def run_up(args: argparse.Namespace) -> int:
     if args.node:
         check_fleet(args.node)
+    check_port(args.port)
     return asyncio.run(_up(args))
 
 
@@ -93,7 +105,7 @@ async def _up(args: argparse.Namespace) -> int:
         if jaeger_binary is not None:
             jaeger = Jaeger(jaeger_binary).start()
             settings = msgspec.structs.replace(settings, otlp_endpoint=jaeger.otlp_endpoint)
-        server = EmbeddedNats(port=args.port if _port_free(args.port) else None).start()
+        server = EmbeddedNats(port=args.port or None).start()
         settings = msgspec.structs.replace(settings, nats_url=server.url)
         setup_logging(level=settings.log_level, json=False)
         setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import signal
 import socket
@@ -27,21 +28,20 @@ def start_up(*fleet: str) -> Iterator[str]:
     """``tandem up`` with ``fleet`` (``--node`` specs) in a process of its own; yields its NATS
     URL and stops it with Ctrl-C (SIGINT) afterwards, which must exit 0. Its output goes to a
     file: a pipe nobody reads would fill up and stall it."""
-    port = free_port()
     nodes = [a for spec in fleet for a in ("--node", spec)]
     with tempfile.TemporaryFile("w+") as log:
-        up = subprocess.Popen(
-            [TANDEM, "up", "--port", str(port), *nodes], stdout=log, stderr=subprocess.STDOUT
-        )
+        # --port 0: any free port, read back from what `tandem up` prints.
+        up = subprocess.Popen([TANDEM, "up", "--port", "0", *nodes], stdout=log, stderr=subprocess.STDOUT)
         try:
             deadline = time.monotonic() + 60
             while True:
                 log.seek(0)
-                if "Tandem is up" in log.read():
+                found = re.search(r"Tandem is up: .* NATS at (nats://127\.0\.0\.1:\d+)\n", log.read())
+                if found:
                     break
                 assert time.monotonic() < deadline and up.poll() is None, "tandem up did not come up"
                 time.sleep(0.1)
-            yield f"nats://127.0.0.1:{port}"
+            yield found.group(1)
         finally:
             up.send_signal(signal.SIGINT)
             rc = up.wait(30)
@@ -118,6 +118,61 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
         up.send_signal(signal.SIGINT)
         rc = up.wait(20)
     assert rc == 0
+
+
+def _processes_naming(text: str) -> list[str]:
+    """Command lines of running processes that contain ``text``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError):
+            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+    return found
+
+
+def _up_refused(*args: str, tmp: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``tandem up ARGS`` expected to refuse at start; its temporary files go under ``tmp``
+    (TMPDIR), which the caller checks for leftovers."""
+    return subprocess.run(
+        [TANDEM, "up", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "TMPDIR": str(tmp), **(env or {})},
+    )
+
+
+def test_up_refuses_a_taken_port_and_starts_nothing(tmp_path: Path) -> None:
+    """Moving NATS to another port quietly would leave TANDEM_NATS_URL pointed at whatever
+    holds the port; `tandem up` says so and stops, leaving nothing behind."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        result = _up_refused("--port", str(port), tmp=tmp)
+    assert result.returncode == 2, result
+    assert f"tandem: --port {port}: 127.0.0.1:{port} is already in use" in result.stderr
+    assert "--port 0 for any free one" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert list(tmp.iterdir()) == []
+    assert _processes_naming(str(tmp)) == []
+
+
+def test_up_with_a_bad_config_names_it_and_leaves_no_nats_server(tmp_path: Path) -> None:
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("device_clases: {}\n")
+    result = _up_refused("--port", "0", tmp=tmp, env={"TANDEM_CONFIG": str(bad)})
+    assert result.returncode == 2, result
+    assert "device_clases" in result.stderr and str(bad) in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    # The NATS server's store would be a directory under TMPDIR, and the server a process
+    # naming it: neither is left.
+    assert list(tmp.iterdir()) == []
+    assert _processes_naming(str(tmp)) == []
 
 
 def test_commands_without_a_running_system_fail_with_one_line() -> None:
