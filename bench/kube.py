@@ -20,7 +20,11 @@ per phase: pods/s from the first create to the last bind, create → bound p50/p
 the API server took to answer a create (admission included); for Tandem also the share of pods
 whose every GPU has its NIC under the same PCIe switch, and where a pod's time goes (p50/p99 of:
 the create's answer, the webhook inside it; answer → request published by the bridge; request
-→ assigned; assigned → gate removed; gate removed → bound). One JSON line per configuration;
+→ assigned; assigned → gate removed; gate removed → bound). Each phase also reports where the
+machine's CPU went (bench/cpu.py): each program's CPU per pod beyond its idle rate (measured for
+8 s before the phase), its idle cores, and the share of all cores busy; ``--profile DIR`` keeps
+the API server's CPU profile of each phase. kwok plays kubelets with their default heartbeats
+(a node Lease every 10 s, the Node's status every 5 minutes). One JSON line per configuration;
 the ratio is Tandem's pods/s over the scheduler's.
 """
 
