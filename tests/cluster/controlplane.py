@@ -5,8 +5,9 @@ What is real: the API server with its authentication (client certificates, servi
 tokens it signs and reviews itself), RBAC and Node authorisation, CRD structural schemas,
 admission webhooks it calls itself, ValidatingAdmissionPolicies whose CEL it compiles, watches
 that end in 410 Gone; the controllers (ReplicaSets, DaemonSets, Jobs, garbage collection,
-namespaces, service-account tokens, disruption budgets); the scheduler that honours scheduling
-gates, node affinity and extended resources.
+namespaces, service-account tokens, disruption budgets, binding claims to the persistent
+volumes a test provisions); the scheduler that honours scheduling gates, node affinity and
+extended resources.
 
 What is played, and by whom:
 
@@ -323,7 +324,7 @@ class ControlPlane:
                 f"--root-ca-file={self.ca_file}",
                 "--controllers=*,-endpoints-controller,-endpointslice-controller,"
                 "-endpointslice-mirroring-controller,-service-lb-controller,-node-ipam-controller,"
-                "-cloud-node-lifecycle-controller,-persistentvolume-binder-controller",
+                "-cloud-node-lifecycle-controller",
                 "--concurrent-gc-syncs=5",
                 f"--node-monitor-grace-period={max(50, 3 * self.heartbeat_s)}s",
             ],

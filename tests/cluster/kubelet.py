@@ -14,8 +14,15 @@ takes that object and starts its container the way kubelet would, on this machin
   (the service-account token from the real TokenRequest API, bound to this pod with the
   audience and lifetime the spec asks, the ``kube-root-ca.crt`` CA, downward-API namespace);
   ``emptyDir``; ``hostPath`` under a directory of the node's own, since several nodes share
-  this machine. Paths the machine provides to every container here (``/sys``, ``/dev``,
+  this machine; a ``persistentVolumeClaim`` once bound (a directory per claim, kept across the
+  pod's restarts). Paths the machine provides to every container here (``/sys``, ``/dev``,
   ``/tmp``, ``/var/run/netns``) are the machine's own.
+* **names**: cluster DNS as a hosts file bound at ``/etc/hosts`` in every pod: a pod with
+  ``hostname`` and ``subdomain`` (a StatefulSet's) is ``<hostname>.<subdomain>.<ns>.svc`` once
+  it runs, as the cluster's DNS answers for a headless Service; a Service name is added with
+  :meth:`LocalKubelet.resolve` (no kube-proxy gives it a virtual address here).
+* **image entrypoints**: a container with ``args`` and no ``command`` runs its image's
+  entrypoint (:data:`ENTRYPOINTS`: the NATS image's ``nats-server`` is the wheel's).
 * **network**: a pod without ``hostNetwork`` gets a network namespace and veth pair of its own
   (:class:`~tests.cluster.controlplane.PodNetwork`), its address published for its Services
   by :func:`publish_endpoints`; a host-network pod binds its node's address.
@@ -43,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.runtime.embedded import terminate
+from services.runtime.embedded import server_binary, terminate
 from tests.cluster.controlplane import ControlPlane, PodNetwork
 from tests.waiting import wait_until_sync
 
@@ -53,6 +60,9 @@ MACHINE_PATHS = ("/sys", "/dev", "/tmp", "/var/run/netns")
 _VAR = re.compile(r"\$\((\w+)\)")
 # The image's programs, as this checkout provides them.
 PROGRAMS = {"python": sys.executable, "tandem": str(Path(sys.executable).parent / "tandem")}
+# Entrypoints of the images the chart runs without a command, by repository.
+ENTRYPOINTS = {"nats": server_binary}
+HOSTS = "/etc/hosts"
 EXIT_CODE = "tandem-tests.local/exit-code"  # read by kwok-stages.yaml's tandem-job-pod-done
 
 
@@ -127,6 +137,23 @@ class LocalKubelet:
         self.cp = cp
         self.workdir = workdir
         self.running: list[RunningPod] = []
+        # The cluster's DNS: name -> address, written to hosts_file, bound into every pod.
+        self.names: dict[str, str] = {}
+        self.hosts_file = workdir / "hosts"
+        self._write_hosts()
+
+    def resolve(self, name: str, ip: str) -> None:
+        """Make ``name`` resolve to ``ip`` in every pod (a Service's DNS name, say)."""
+        self.names[name] = ip
+        self._write_hosts()
+
+    def _write_hosts(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        # The machine's own entries (localhost, its name), then the cluster's.
+        lines = [Path(HOSTS).read_text().rstrip("\n"), *(f"{ip} {n}" for n, ip in sorted(self.names.items()))]
+        # Rewritten in place: the running pods have this very file (inode) bound.
+        with self.hosts_file.open("w") as out:
+            out.write("\n".join(lines) + "\n")
 
     def get(self, path: str) -> Any:
         return self.cp.request("GET", path)
@@ -153,17 +180,27 @@ class LocalKubelet:
         try:
             values = self._env(pod, container, ip=ip, host_ip=host_ip)
             values.update(env or {})
-            mounts = self._mounts(pod, container, pod_dir, node=node)
+            if spec.get("hostname") and spec.get("subdomain"):
+                fqdn = f"{spec['hostname']}.{spec['subdomain']}.{meta['namespace']}.svc"
+                self.names.update({fqdn: ip, f"{fqdn}.cluster.local": ip})
+                self._write_hosts()
+            mounts = [*self._mounts(pod, container, pod_dir, node=node), (str(self.hosts_file), HOSTS, True)]
             argv = [_expand(a, values) for a in [*container.get("command", []), *container.get("args", [])]]
-            if not argv:
-                raise UnsupportedSpec(
-                    f"pod {meta['name']}: no command (the image's entrypoint is unknown here)"
-                )
+            if not container.get("command"):
+                image = container.get("image", "").rsplit("/", 1)[-1].split(":")[0]
+                if image not in ENTRYPOINTS:
+                    raise UnsupportedSpec(
+                        f"pod {meta['name']}: no command, and image {image!r} has no entrypoint known here"
+                    )
+                argv.insert(0, ENTRYPOINTS[image]())
             if argv[0] in PROGRAMS:
                 argv[0] = PROGRAMS[argv[0]]
             created = [Path(target) for _, target, _ in mounts if not Path(target).exists()]
+            # A file (the hosts file) is bound over the file there; a directory needs its
+            # mount point made first.
             script = "".join(
-                f"mkdir -p {shlex.quote(t)} && mount --bind {shlex.quote(s)} {shlex.quote(t)} && "
+                ("" if Path(s).is_file() else f"mkdir -p {shlex.quote(t)} && ")
+                + f"mount --bind {shlex.quote(s)} {shlex.quote(t)} && "
                 + (f"mount -o remount,bind,ro {shlex.quote(t)} && " if ro else "")
                 for s, t, ro in mounts
             )
@@ -300,6 +337,17 @@ class LocalKubelet:
         ns = pod["metadata"]["namespace"]
         if "emptyDir" in vol:
             dest.mkdir(parents=True, exist_ok=True)
+        elif "persistentVolumeClaim" in vol:
+            claim = vol["persistentVolumeClaim"]["claimName"]
+            pvc = self.get(f"/api/v1/namespaces/{ns}/persistentvolumeclaims/{claim}")
+            if pvc.get("status", {}).get("phase") != "Bound":
+                raise UnsupportedSpec(f"volume {vol['name']}: claim {ns}/{claim} is not bound")
+            # The claim's own directory: the data outlives the pod, as a volume's does.
+            real = self.workdir / "claims" / ns / claim
+            real.mkdir(parents=True, exist_ok=True)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if not dest.exists():
+                dest.symlink_to(real)
         elif "hostPath" in vol:
             # The node's own directory: several simulated nodes share this machine.
             real = self.workdir / "nodes" / node / vol["hostPath"]["path"].lstrip("/")

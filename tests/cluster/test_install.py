@@ -5,7 +5,10 @@ pre-install hook, NetworkPolicies, the admission ValidatingAdmissionPolicy, RBAC
 must accept every object; the hook Job's container really runs (with its ServiceAccount's token
 and the Role the hook grants) and writes the callout's Secret before Helm goes on; the callout's
 identity may review tokens and nothing more, and the real TokenReview accepts a node agent's
-token only for the ``tandem-nats`` audience.
+token only for the ``tandem-nats`` audience. And it runs: the three NATS servers of the
+StatefulSet (claims bound to volumes provisioned here) form a JetStream cluster over TLS
+routes, the callout admits a component by the TokenReview of its projected token, the
+component's streams get the chart's replication, and a token for another audience is refused.
 
 The release lives beside the plain one of the other modules (a second namespace and name); its
 webhook would refuse Tandem pods (no endpoints), so this module creates none and uninstalls it.
@@ -15,15 +18,20 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import json
+import ssl
 import threading
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+import nats
 import pytest
 
 from services.admission.kube import KubeClient
 from services.authcallout.service import Denied, Reviewer
 from tests.cluster.controlplane import ControlPlane
+from tests.cluster.kubelet import RunningPod
 from tests.cluster.release import Release, eventually, install, uninstall
 
 NAME, NAMESPACE = "secure", "tandem-secure"
@@ -151,3 +159,138 @@ def _node_agent_pod(cp: ControlPlane) -> dict[str, Any] | None:
     selector = f"app.kubernetes.io/instance={NAME},app.kubernetes.io/component=nodeagent"
     items = cp.request("GET", f"/api/v1/namespaces/{NAMESPACE}/pods?labelSelector={selector}")["items"]
     return next((p for p in items if p["spec"].get("nodeName")), None)
+
+
+# --- the secure default running -------------------------------------------------------------
+NATS = f"{FULL}-nats"
+SERVICE_NAME = f"{NATS}.{NAMESPACE}.svc"  # the name in every component's nats_url
+
+
+def _bind_claims(cp: ControlPlane, count: int) -> None:
+    """A PersistentVolume for each server's claim, bound to it, as an operator provisions
+    volumes statically where no provisioner runs; the controller-manager binds them."""
+    for i in range(count):
+        claim = f"data-{NATS}-{i}"
+        pvc = eventually(
+            lambda c=claim: get(cp, f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims/{c}"),
+            what=f"claim {claim}",
+        )
+        cp.request(
+            "POST",
+            "/api/v1/persistentvolumes",
+            {
+                "apiVersion": "v1",
+                "kind": "PersistentVolume",
+                "metadata": {"name": f"{NAMESPACE}-{claim}"},
+                "spec": {
+                    "capacity": {"storage": pvc["spec"]["resources"]["requests"]["storage"]},
+                    "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain",
+                    "hostPath": {"path": f"/var/lib/tandem-tests/{claim}"},  # the kubelet's own dir here
+                    "claimRef": {"namespace": NAMESPACE, "name": claim},
+                },
+            },
+        )
+    for i in range(count):
+        eventually(
+            lambda i=i: (
+                get(cp, f"/api/v1/namespaces/{NAMESPACE}/persistentvolumeclaims/data-{NATS}-{i}")[
+                    "status"
+                ].get("phase")
+                == "Bound"
+            ),
+            what=f"claim data-{NATS}-{i} bound",
+        )
+
+
+def _monitor(ip: str, path: str) -> dict[str, Any]:
+    with urllib.request.build_opener(urllib.request.ProxyHandler({})).open(
+        f"http://{ip}:8222{path}", timeout=5
+    ) as resp:
+        return dict(json.loads(resp.read()))
+
+
+async def _connect(ip: str, *, token: str, ca: bytes) -> Any:
+    """A NATS client at one server's address, checking its certificate for the Service's
+    name as a pod does (the test process has no cluster DNS)."""
+    ctx = ssl.create_default_context(cadata=ca.decode())
+    return await nats.connect(
+        servers=[f"tls://{ip}:4222"],
+        tls=ctx,
+        tls_hostname=SERVICE_NAME,
+        token=token,
+        allow_reconnect=False,
+        connect_timeout=5,
+    )
+
+
+def test_the_secure_default_runs_a_tls_jetstream_cluster_behind_the_auth_callout(
+    secure: dict[str, Any], release: Release
+) -> None:
+    """The chart's defaults running, not only accepted: three NATS servers form a JetStream
+    cluster over TLS routes (each finds the others by its StatefulSet DNS name), the auth
+    callout admits a component by the real TokenReview of its projected token, the component
+    makes its streams with the chart's replication, and a token for another audience is
+    refused at connect."""
+    cp, kubelet = release.cp, release.kubelet
+    installed = Release(cp=cp, nats=release.nats, kubelet=kubelet, namespace=NAMESPACE, name=NAME)
+    started: list[RunningPod] = []
+    try:
+        _bind_claims(cp, 3)
+        servers = [kubelet.run(p) for p in installed.workload_pods("nats", count=3)]
+        started += servers
+        kubelet.resolve(SERVICE_NAME, servers[0].ip)  # DNS + kube-proxy: one server behind the name
+        for s in servers:
+            s.wait_ready(timeout=60)
+
+        def cluster_formed() -> bool:
+            views = [_monitor(s.ip, "/jsz").get("meta_cluster") or {} for s in servers]
+            return all(v.get("cluster_size") == 3 and v.get("leader") for v in views)
+
+        eventually(cluster_formed, timeout=60, what="a JetStream cluster of 3 with a leader")
+        for s in servers:
+            routes = _monitor(s.ip, "/routez")["routes"]
+            assert len({r["remote_name"] for r in routes}) == 2, routes
+            varz = _monitor(s.ip, "/varz")
+            # Clients and routes only over TLS, routes verifying the other server's certificate.
+            assert varz["tls_required"] and varz["cluster"]["tls_required"] and varz["cluster"]["tls_verify"]
+
+        callouts = installed.start("authcallout", count=2)
+        started += callouts
+        for c in callouts:
+            c.wait_ready(timeout=60)
+        (inventory,) = installed.start("inventory", count=1)
+        started.append(inventory)
+        inventory.wait_ready(timeout=90)  # connected through the callout, streams made
+
+        streams = _monitor(servers[0].ip, "/jsz?accounts=true&streams=true&config=true")
+        configs = [
+            s["config"]
+            for account in streams.get("account_details", [])
+            for s in account.get("stream_detail", [])
+        ]
+        assert configs, streams
+        assert {c["num_replicas"] for c in configs} == {3}, [(c["name"], c["num_replicas"]) for c in configs]
+
+        ca = base64.b64decode(get(cp, f"/api/v1/namespaces/{NAMESPACE}/secrets/{NATS}-tls")["data"]["ca.crt"])
+        pod = (inventory.name, inventory.pod["metadata"]["uid"])
+        good = cp.token(NAMESPACE, f"{FULL}-inventory", audiences=["tandem-nats"], pod=pod)
+        wrong = cp.token(NAMESPACE, f"{FULL}-inventory", pod=pod)  # the API server's audience
+
+        async def connects(token: str) -> str:
+            try:
+                nc = await _connect(servers[0].ip, token=token, ca=ca)
+            except Exception as exc:  # what the server said is the result
+                return f"refused: {exc!r}"
+            await nc.close()
+            return "connected"
+
+        assert asyncio.run(connects(good)) == "connected"
+        refused = asyncio.run(connects(wrong))
+        assert refused.startswith("refused") and "uthorization" in refused, refused
+    except BaseException:
+        print("\n".join(f"--- {p.name} (rc={p.popen.poll()})\n{p.tail()}" for p in started))
+        raise
+    finally:
+        for p in reversed(started):
+            p.stop()
