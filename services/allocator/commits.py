@@ -206,7 +206,8 @@ def claim(
             state="assigned",
             node=node,
             owner=instance,
-            reason=current.reason if current else "",
+            # Why it waited is not why it is placed: a pending reason would read as current.
+            reason="",
             updated_at=now,
             traceparent=(current.traceparent if current else "") or traceparent,
         )

@@ -127,6 +127,10 @@ def age(seconds: float) -> str:
     return f"{s}s"
 
 
+def plural(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
+
+
 def short(text: str, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -190,10 +194,25 @@ def assignment_rows(assignments: list[Assignment]) -> list[list[str]]:
 # which request
 
 
+# Kubernetes' own rules: a namespace is a DNS label, a pod name a DNS subdomain.
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
 def parse_pod(text: str) -> PodRef:
     namespace, sep, name = text.partition("/")
     if not sep or not namespace or not name or "/" in name:
         raise CliError(f"--pod {text!r} is not NAMESPACE/NAME", hint="e.g. --pod team-a/trainer-0")
+    if len(namespace) > 63 or not DNS_LABEL.match(namespace):
+        raise CliError(
+            f"--pod {text!r}: namespace {namespace!r} is not a Kubernetes namespace name",
+            hint="lowercase letters, digits and '-', starting and ending with a letter or digit, at most 63",
+        )
+    if len(name) > 253 or not DNS_SUBDOMAIN.match(name):
+        raise CliError(
+            f"--pod {text!r}: {name!r} is not a Kubernetes pod name",
+            hint="lowercase letters, digits, '-' and '.', starting and ending with a letter or digit",
+        )
     return PodRef(namespace=namespace, name=name)
 
 
@@ -402,6 +421,9 @@ async def requests(client: TandemClient, args: argparse.Namespace) -> int:
         and (args.node is None or r.node == args.node)
         and (args.namespace is None or r.namespace == args.namespace)
     ]
+    if args.node is not None and not rows and args.node not in await client.node_records():
+        # A typo would read as "nothing runs there"; a node that left keeps its history.
+        raise CliFailure(f"no node {args.node!r} is known", hint="`tandem status` lists the nodes")
     now = time.time()
     if args.output in ("json", "yaml"):
         emit([r.as_dict(now) for r in rows], args.output)
@@ -501,11 +523,27 @@ def check_submit(args: argparse.Namespace) -> None:
 
 
 async def submit(client: TandemClient, args: argparse.Namespace) -> int:
+    rid = args.request.request_id
+    submitted: list[str] = []
+    try:
+        return await _submit(client, args, submitted)
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        if submitted:  # Ctrl-C stops the waiting, not the request: say so, and how to go on
+            print(
+                f"tandem: interrupted; request {rid} goes on without this command "
+                f"(`tandem explain {rid}` follows it, `tandem release {rid}` withdraws it)",
+                file=sys.stderr,
+            )
+        raise
+
+
+async def _submit(client: TandemClient, args: argparse.Namespace, submitted: list[str]) -> int:
     req: AllocationRequest = args.request
     rid = req.request_id
     structured = args.output in ("json", "yaml")
     _traced(args.settings)
     submitted_trace = await client.submit(req)
+    submitted.append(rid)
     if not structured:
         trace_note = f", trace {submitted_trace}" if submitted_trace else ""
         print(f"request {rid} (pod {req.pod.namespace}/{req.pod.name}){trace_note}")
@@ -736,12 +774,17 @@ async def explain(client: TandemClient, args: argparse.Namespace) -> int:
     print(f"request  {rid}  pod {row.namespace}/{row.pod}")
     if rec is not None:
         req = rec.request
-        wanted = f"{req.gpus} GPUs + {req.rdma} NICs, class {req.device_class}"
-        print(f"asks     {wanted}, scope {req.scope or 'class default'} ({req.policy or 'class default'})")
+        wanted = f"{plural(req.gpus, 'GPU')} + {plural(req.rdma, 'NIC')}, class {req.device_class}"
+        scope = f"scope {req.scope}" if req.scope else "the class's scope"
+        policy = f"policy {req.policy}" if req.policy else "the class's policy"
+        print(f"asks     {wanted}, {scope}, {policy}")
+    now = time.time()
+    # How long it has waited counts from the submit; the last write may be a later retry.
+    since = f"submitted {age(now - rec.request.created_at)} ago, " if rec is not None else ""
     print(
         f"state    {row.state}"
         + (f" on {row.node}" if row.node else "")
-        + f" (for {age(time.time() - row.updated_at)})"
+        + f" ({since}last update {age(now - row.updated_at)} ago)"
     )
     if row.reason:
         print(f"reason   {row.reason}")
@@ -854,7 +897,7 @@ async def status(client: TandemClient, args: argparse.Namespace) -> int:
             sys.stdout.flush()
             await asyncio.sleep(args.interval)
     except (KeyboardInterrupt, asyncio.CancelledError):
-        return 0
+        return 130  # the shell's code for Ctrl-C, as every other command (README)
 
 
 async def _status_once(client: TandemClient, args: argparse.Namespace, *, compact: bool = False) -> None:
@@ -973,7 +1016,8 @@ async def _device_command(client: TandemClient, args: argparse.Namespace) -> int
             hint=f"node status is {rec.status}; is its node agent running?",
         ) from None
     state = "healthy" if ev.healthy else "unhealthy"
-    print(f"{ev.node}/{ev.device}: {state}{', cordoned' if ev.cordoned else ''} ({ev.reason})")
+    why = f" ({ev.reason})" if ev.reason else ""
+    print(f"{ev.node}/{ev.device}: {state}{', cordoned' if ev.cordoned else ''}{why}")
     return 0
 
 

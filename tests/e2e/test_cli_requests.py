@@ -142,8 +142,40 @@ def test_submit_wait_shows_progress_until_assigned(url: str) -> None:
     out, err = waiter.communicate(timeout=40)
     assert waiter.returncode == 0, (out, err)
     assert "assigned: node box-" in out and ", trace " in out
+    # Placed now: the reason it waited for is gone from its record, and its age counts from
+    # the submit, not from the last write.
+    explained = tandem(url, "explain", "--pod", "wait/w").stdout
+    assert "\nasks     3 GPUs + 0 NICs, class default, the class's scope, the class's policy\n" in explained
+    state = r"\nstate    assigned on box-\d \(submitted \d+s ago, last update \d+s ago\)\n"
+    assert re.search(state, explained), explained
+    assert "\nreason" not in explained, explained
     tandem(url, "release", "--pod", "fill/f1")
     tandem(url, "release", "--pod", "wait/w")
+
+
+def test_ctrl_c_while_waiting_stops_the_command_not_the_request(url: str) -> None:
+    fill = tandem(url, "submit", "--pod", "fill/g0", "--gpus", "4", "--rdma", "2")
+    fill2 = tandem(url, "submit", "--pod", "fill/g1", "--gpus", "4", "--rdma", "2")
+    assert "assigned" in fill.stdout and "assigned" in fill2.stdout
+    waiter = subprocess.Popen(
+        [TANDEM, "submit", "--pod", "wait/c", "--gpus", "1", "--wait", "--nats", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert waiter.stdout is not None
+    rid = waiter.stdout.readline().split()[1]
+    assert waiter.stdout.readline().startswith("pending: "), "the request did not wait"
+    waiter.send_signal(signal.SIGINT)
+    _, err = waiter.communicate(timeout=20)
+    assert waiter.returncode == 130, err
+    assert err == (
+        f"tandem: interrupted; request {rid} goes on without this command "
+        f"(`tandem explain {rid}` follows it, `tandem release {rid}` withdraws it)\n"
+    )
+    assert "\nstate    pending (submitted " in tandem(url, "explain", rid).stdout
+    for pod in ("fill/g0", "fill/g1", "wait/c"):
+        tandem(url, "release", "--pod", pod)
 
 
 def test_read_commands_speak_json_and_yaml(url: str) -> None:
@@ -158,6 +190,8 @@ def test_read_commands_speak_json_and_yaml(url: str) -> None:
     gpu3 = next(d for d in devices if d["device"] == "gpu3")
     assert gpu3["cordoned"] is True and gpu3["reason"] == "fan noise"
     tandem(url, "device", "uncordon", "box-1", "gpu3")
+    # A healthy device recovered: nothing to say why, and no empty "()".
+    assert tandem(url, "device", "recover", "box-1", "gpu2").stdout == "box-1/gpu2: healthy\n"
     topo = json.loads(
         subprocess.run(
             [TANDEM, "topology", "show", "dgx-h100", "-o", "json"], capture_output=True, text=True, check=True
@@ -179,7 +213,7 @@ def test_status_watch_prints_until_ctrl_c(url: str) -> None:
     assert all(len(d["nodes"]) == 2 for d in docs)
     watch.send_signal(signal.SIGINT)
     _, err = watch.communicate(timeout=20)
-    assert watch.returncode == 0 and err == ""
+    assert watch.returncode == 130 and err == ""  # Ctrl-C's code, as the README says
 
 
 def test_version() -> None:

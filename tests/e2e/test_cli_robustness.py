@@ -120,6 +120,10 @@ SYSTEM_CASES = [
     (["submit", "--gpus", "65"], 2, "invalid request"),
     (["submit", "--gpus", "1", "--mtu", "5"], 2, "invalid request"),
     (["submit", "--gpus", "1", "--pod", "noslash"], 2, "is not NAMESPACE/NAME"),
+    (["submit", "--gpus", "1", "--pod", "Team/trainer-1"], 2, "'Team' is not a Kubernetes namespace name"),
+    (["submit", "--gpus", "1", "--pod", "team/Trainer_1"], 2, "'Trainer_1' is not a Kubernetes pod name"),
+    (["release", "--pod", "team/-x"], 2, "'-x' is not a Kubernetes pod name"),
+    (["requests", "--node", "nosuch-9"], 1, "no node 'nosuch-9' is known"),
 ]
 
 
