@@ -80,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         with path.open() as fh:
             return _emit(cluster, fh, str(path), args)
+    except BrokenPipeError:
+        raise  # the reader of our output left (`| head`): not the input file's fault
     except OSError as exc:
         raise CliError(f"{path}: cannot read: {exc.strerror or exc}") from exc
 

@@ -6,6 +6,7 @@ against a running system (``tandem up``), a NATS server without Tandem's streams
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -179,3 +180,26 @@ def test_an_unwritable_directory_is_a_failure_not_a_traceback(tmp_path: Path) ->
     blocker.write_text("")
     out = run("schema", "export", str(blocker / "dir"))
     assert_one_line(out, 1, str(blocker))
+
+
+def test_plan_into_a_closed_pipe_blames_no_input_file(tmp_path: Path) -> None:
+    """`tandem plan … | head -1`: the reader leaves after one line; that is not a fault of
+    the requests file (it was reported as `cannot read: Broken pipe`, exit 2)."""
+    cluster = tmp_path / "cluster.yaml"
+    cluster.write_text("- {topology: dgx-h100, count: 4, prefix: h}\n")
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text(
+        "".join(json.dumps({"kind": "alloc", "id": f"r{i}", "gpus": 1}) + "\n" for i in range(5000))
+    )
+    proc = subprocess.Popen(
+        [TANDEM, "plan", "--cluster", str(cluster), "--requests", str(requests)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    assert json.loads(proc.stdout.readline())["id"] == "r0"
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(60) == 141, err
+    assert err == ""
