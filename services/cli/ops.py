@@ -261,6 +261,13 @@ async def target(
             f"pod {pod.namespace}/{pod.name} has {len(alive)} live requests: {ids}", hint="name one by its id"
         )
     chosen = (alive or records)[0] if live else records[0]
+    if not live and len(alive) > 1:
+        others = ", ".join(r.request.request_id for r in alive if r is not chosen)
+        print(
+            f"note: pod {pod.namespace}/{pod.name} has {len(alive)} live requests; the newest is shown, "
+            f"the others: {others}",
+            file=sys.stderr,
+        )
     return chosen.request.request_id, chosen
 
 
@@ -541,6 +548,8 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
     req: AllocationRequest = args.request
     rid = req.request_id
     structured = args.output in ("json", "yaml")
+    if args.pod and not args.new:
+        await _refuse_second_request(client, req.pod)
     _traced(args.settings)
     submitted_trace = await client.submit(req)
     submitted.append(rid)
@@ -608,6 +617,20 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
     print(f"assigned: node {outcome.node}, scope {outcome.scope}" + (f", trace {tid}" if tid else ""))
     print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
     return 0
+
+
+async def _refuse_second_request(client: TandemClient, pod: PodRef) -> None:
+    """A pod asks once: a second submit for a pod whose request is live would hold a second
+    set of devices for one pod (and ``explain --pod`` would show only the newest)."""
+    live = [r for r in await client.requests_of_pod(pod) if r.state in LIVE]
+    if not live:
+        return
+    rec = live[0]
+    where = f" on {rec.node}" if rec.node else ""
+    raise CliFailure(
+        f"pod {pod.namespace}/{pod.name} already has request {rec.request.request_id} ({rec.state}{where})",
+        hint=f"`tandem release --pod {pod.namespace}/{pod.name}` first, or --new for a second request",
+    )
 
 
 def _said(

@@ -236,6 +236,12 @@ def register(sub: Any) -> None:
     )
     s.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the pod's RDMA netdevs (576-9216)")
     s.add_argument(
+        "--new",
+        action="store_true",
+        help="submit even when --pod already has a live request (default: refused, naming it; one "
+        "pod, one request, as in Kubernetes)",
+    )
+    s.add_argument(
         "--wait",
         action="store_true",
         help="while pending, keep waiting and show progress until assigned (Ctrl-C stops waiting; "

@@ -243,3 +243,25 @@ def test_topology_show_live_draws_each_devices_state(url: str) -> None:
     assert "no node 'no-such-node' is known" in missing.stderr
     tandem(url, "device", "uncordon", node.group(1), "gpu3")
     tandem(url, "release", "--pod", "team-t/live")
+
+
+def test_one_pod_one_live_request_unless_asked(url: str) -> None:
+    first = tandem(url, "submit", "--pod", "team/big3", "--gpus", "2")
+    rid = first.stdout.split()[1]
+    assert "assigned: node box-" in first.stdout
+    again = tandem(url, "submit", "--pod", "team/big3", "--gpus", "2", check=1)
+    assert again.stdout == ""
+    assert again.stderr.startswith(f"tandem: pod team/big3 already has request {rid} (assigned on box-")
+    assert "`tandem release --pod team/big3` first, or --new" in again.stderr
+    second = tandem(url, "submit", "--pod", "team/big3", "--gpus", "1", "--new")
+    rid2 = second.stdout.split()[1]
+    explained = tandem(url, "explain", "--pod", "team/big3")
+    assert explained.stdout.startswith(f"request  {rid2}  pod team/big3")
+    assert explained.stderr == (
+        f"note: pod team/big3 has 2 live requests; the newest is shown, the others: {rid}\n"
+    )
+    tandem(url, "release", rid2)
+    tandem(url, "release", rid)
+    # Released: the pod may ask again.
+    third = tandem(url, "submit", "--pod", "team/big3", "--gpus", "2")
+    tandem(url, "release", third.stdout.split()[1])
