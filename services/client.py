@@ -29,6 +29,7 @@ from schemas.messages import (
     NodeAllocations,
     NodeRecord,
     PodRef,
+    PreemptionPlan,
     Release,
     RequestRecord,
 )
@@ -43,7 +44,9 @@ if TYPE_CHECKING:
     from nats.js import JetStreamContext
     from nats.js.kv import KeyValue
 
-Outcome = Assignment | AllocationFailed | Freed
+# What the allocator says about a request: placed, not now (or never), freed, or making room by
+# preempting lower-priority allocations.
+Outcome = Assignment | AllocationFailed | Freed | PreemptionPlan
 T = TypeVar("T")
 
 
@@ -80,7 +83,12 @@ class TandemClient:
         self._subs: list[Subscription] = []
 
     async def start(self) -> TandemClient:
-        for subject in (subjects.ALLOC_ASSIGNED_ALL, subjects.ALLOC_FAILED, subjects.ALLOC_FREED):
+        for subject in (
+            subjects.ALLOC_ASSIGNED_ALL,
+            subjects.ALLOC_FAILED,
+            subjects.ALLOC_FREED,
+            subjects.ALLOC_PREEMPT,
+        ):
             self._subs.append(await self.bus.nc.subscribe(subject, cb=self._on_msg))
         return self
 
@@ -93,7 +101,7 @@ class TandemClient:
             event = codec.ALLOC_EVENT.decode(msg.data)
         except codec.DecodeErrors:
             return
-        if isinstance(event, Assignment | AllocationFailed | Freed):
+        if isinstance(event, Assignment | AllocationFailed | Freed | PreemptionPlan):
             async with self._changed:
                 self.outcomes.setdefault(event.request_id, []).append((event, dict(msg.headers or {})))
                 self._changed.notify_all()

@@ -6,6 +6,11 @@ only difference from a cluster is that the services share an event loop.
 
 A fleet is a list of ``FleetEntry(topology, count, prefix)``; the default fleet mixes every
 built-in kind of node (:data:`DEFAULT_FLEET`).
+
+There is no Kubernetes here, so nothing would evict the victims of a preemption: with
+``evict=True`` (``tandem up``) :class:`LocalEvictor` plays that part of the pod bridge, on the
+bridge's own durable consumer, and releases each victim at once (no PodDisruptionBudget can
+hold an eviction back here).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ from typing import Any
 
 import msgspec
 
+from schemas import codec, subjects
+from schemas.messages import PreemptionPlan, Release
 from services.allocator.metrics import AllocatorState
 from services.allocator.service import Allocator
 from services.inventory.metrics import InventoryState
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus
+from services.runtime.bus import Bus, Delivery
 from services.runtime.metrics import service_registry, watch_consumers
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings
@@ -65,8 +72,10 @@ class LocalStack:
         fleet: list[FleetEntry] | tuple[FleetEntry, ...] = DEFAULT_FLEET,
         allocators: int = 1,
         retry_interval: float = 1.0,
+        evict: bool = False,
     ) -> None:
         self.settings = settings
+        self.evict = evict
         self.fleet = fleet
         self.allocator_count = allocators
         self.retry_interval = retry_interval
@@ -104,6 +113,9 @@ class LocalStack:
             topology = load_topology(entry.topology)
             for n in range(entry.count):
                 await self.add_node(f"{entry.prefix}-{n}", topology)
+        if self.evict:
+            evictor = LocalEvictor(await self._bus("admission"))
+            self._tasks.spawn("evictor", evictor.run)
         return self
 
     async def add_node(self, name: str, topology: object) -> NodeAgent:
@@ -177,3 +189,35 @@ class LocalStack:
             await self.inventory.stop()
         for bus in self.buses:
             await bus.close()
+
+
+class LocalEvictor:
+    """What the pod bridge does with a preemption plan, without Kubernetes: each victim is
+    released on its node's release subject, with the bridge's message id (so a redelivered
+    plan releases nothing twice), as the bridge does once the Eviction API removed the pod."""
+
+    def __init__(self, bus: Bus) -> None:
+        self.bus = bus
+
+    async def run(self) -> None:
+        await self.bus.consume(
+            stream=subjects.ALLOC_STREAM,
+            durable=subjects.CONSUMER_BRIDGE_PREEMPT,
+            filter_subject=subjects.ALLOC_PREEMPT,
+            decoder=codec.ALLOC_EVENT,
+            handler=self.on_plan,
+        )
+
+    async def on_plan(self, msg: Any, _: Delivery) -> None:
+        if not isinstance(msg, PreemptionPlan):
+            return
+        for victim in msg.victims:
+            subject = subjects.alloc_release(victim.node)
+            release = Release(
+                request_id=victim.request_id,
+                pod=victim.pod,
+                node=victim.node,
+                reason=f"preempted by {msg.request_id} (priority {msg.priority})",
+            )
+            msg_id = subjects.msg_id("release", victim.request_id, subject)
+            await self.bus.publish(subject, release, msg_id=msg_id)

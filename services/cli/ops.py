@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import re
 import sys
@@ -35,6 +36,7 @@ from schemas.messages import (
     NodeAllocations,
     NodeRecord,
     PodRef,
+    PreemptionPlan,
     RequestRecord,
 )
 from services.cli.conn import CliConnection
@@ -558,7 +560,7 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
         print(f"request {rid} (pod {req.pod.namespace}/{req.pod.name}){trace_note}")
     first = args.timeout if args.timeout is not None and not args.wait else FIRST_ANSWER_S
     try:
-        outcome = await client.wait_for(rid, timeout=first)
+        outcome = await client.wait_for(rid, (Assignment, AllocationFailed, PreemptionPlan), timeout=first)
     except TimeoutError:
         raise CliFailure(
             f"no answer about {rid} within {first:g}s",
@@ -570,6 +572,20 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
         "pod": f"{req.pod.namespace}/{req.pod.name}",
         "trace_id": submitted_trace,
     }
+    if isinstance(outcome, PreemptionPlan):
+        said = preempting(outcome)
+        if not args.wait:
+            return _said(
+                result,
+                "preempting",
+                said,
+                structured,
+                args.output,
+                code=1,
+                hint=f"placed once they are released; `tandem submit --wait` waits, "
+                f"`tandem explain {rid}` follows it",
+            )
+        outcome = await _wait_assigned(client, rid, said, args, start=start, structured=structured)
     if isinstance(outcome, AllocationFailed) and not outcome.retrying:
         return _said(result, "rejected", without_id(outcome.reason, rid), structured, args.output, code=1)
     if isinstance(outcome, AllocationFailed):
@@ -645,15 +661,51 @@ def _said(
     return code
 
 
+def preempting(plan: PreemptionPlan) -> str:
+    """What a preemption plan means for the request that waits on it, in one line."""
+    count = len(plan.victims)
+    who = ", ".join(
+        f"{v.request_id} (pod {v.pod.namespace}/{v.pod.name}, priority {v.priority})" for v in plan.victims
+    )
+    return f"evicting {count} allocation{'' if count == 1 else 's'} of lower priority on {plan.node}: {who}"
+
+
 async def _wait_assigned(
-    client: TandemClient, rid: str, said: str, args: argparse.Namespace, *, start: float, structured: bool
+    client: TandemClient,
+    rid: str,
+    said: str,
+    args: argparse.Namespace,
+    *,
+    start: float,
+    structured: bool,
 ) -> Assignment | AllocationFailed:
-    """Wait for the assignment, printing each new reason it stays pending for and a line
-    every 30 s; gives up after ``--timeout`` when given."""
+    """Wait for the assignment, printing each new reason it stays pending for, each
+    preemption made for it and each of its victims as it is freed, and a line every 30 s;
+    gives up after ``--timeout`` when given."""
     deadline = None if args.timeout is None else start + args.timeout
     seen = 0
     last_print = time.monotonic()
+    plans_seen = 0
+    victims: dict[str, bool] = {}  # request id -> its release said
+
+    def report_preemptions() -> None:
+        nonlocal plans_seen, said
+        plans = [e for e, _ in client.outcomes.get(rid, []) if isinstance(e, PreemptionPlan)]
+        for plan in plans[plans_seen:]:
+            said = preempting(plan)
+            if not structured:
+                print(f"preempting: {said}")
+            victims.update({v.request_id: False for v in plan.victims if v.request_id not in victims})
+        plans_seen = len(plans)
+        for victim, told in victims.items():
+            freed = [e for e, _ in client.outcomes.get(victim, []) if isinstance(e, Freed)]
+            if freed and not told:
+                victims[victim] = True
+                if not structured:
+                    print(f"victim released: {victim} freed on {freed[0].node or '-'}")
+
     while True:
+        report_preemptions()
         if deadline is not None and time.monotonic() >= deadline:
             raise CliFailure(
                 f"{rid} still pending after {args.timeout:g}s: {said}",
@@ -662,9 +714,16 @@ async def _wait_assigned(
         step = 1.0 if deadline is None else max(0.05, min(1.0, deadline - time.monotonic()))
         try:
             outcome = await client.wait_for(rid, (Assignment,), timeout=step)
-            return outcome  # type: ignore[return-value]
         except TimeoutError:
             pass
+        else:
+            # Its victims' frees were published before it was placed; the events may still be
+            # on their way (another subscription): each step in its order.
+            for victim in [v for v, told in victims.items() if not told]:
+                with contextlib.suppress(TimeoutError):
+                    await client.wait_for(victim, (Freed,), timeout=1.0)
+            report_preemptions()
+            return outcome  # type: ignore[return-value]
         events = [e for e, _ in client.outcomes.get(rid, []) if isinstance(e, AllocationFailed)]
         for event in events[seen:]:
             if not event.retrying:

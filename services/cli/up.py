@@ -109,7 +109,8 @@ async def _up(args: argparse.Namespace) -> int:
         settings = msgspec.structs.replace(settings, nats_url=server.url)
         setup_logging(level=settings.log_level, json=False)
         setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)
-        stack = LocalStack(settings, fleet=fleet, allocators=args.allocators)
+        # No Kubernetes here: the stack evicts preemption victims itself (LocalEvictor).
+        stack = LocalStack(settings, fleet=fleet, allocators=args.allocators, evict=True)
         await stack.start()
         await stack.wait_ready()
         ops = await stack.serve_ops(port=args.ops_port)

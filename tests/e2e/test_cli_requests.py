@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from typing import Any
 from xml.etree import ElementTree
@@ -265,3 +266,39 @@ def test_one_pod_one_live_request_unless_asked(url: str) -> None:
     # Released: the pod may ask again.
     third = tandem(url, "submit", "--pod", "team/big3", "--gpus", "2")
     tandem(url, "release", third.stdout.split()[1])
+
+
+def test_submit_wait_follows_a_preemption_until_assigned(url: str) -> None:
+    """`tandem up` plays the bridge's eviction; the CLI waits past its first-answer limit and
+    prints each step: preempting, the victim released, assigned."""
+    low = [tandem(url, "submit", "--pod", f"low/l{i}", "--gpus", "4") for i in range(2)]
+    victims = {line.split()[1] for line in (p.stdout.splitlines()[0] for p in low)}
+    urgent = tandem(
+        url, "submit", "--pod", "urgent/u3", "--gpus", "4", "--priority", "50",
+        "--preemption", "lower-priority", "--wait", "--timeout", "40",
+    )  # fmt: skip
+    lines = urgent.stdout.splitlines()
+    assert lines[0].startswith("request "), lines
+    preempting = re.fullmatch(
+        r"preempting: evicting 1 allocation of lower priority on (box-\d): (\S+) \(pod low/l\d, priority 0\)",
+        lines[1],
+    )
+    assert preempting, lines
+    node, victim = preempting.groups()
+    assert victim in victims
+    assert lines[2] == f"victim released: {victim} freed on {node}", lines
+    assert lines[3].startswith(f"assigned: node {node}, "), lines
+    # Without --wait: said at once (exit 1), and it goes on to be placed.
+    second = tandem(
+        url, "submit", "--pod", "urgent/u4", "--gpus", "4", "--priority", "50",
+        "--preemption", "lower-priority", check=1,
+    )  # fmt: skip
+    assert second.stdout.splitlines()[1].startswith("preempting: evicting 1 allocation"), second.stdout
+    assert "`tandem submit --wait` waits" in second.stdout
+    rid = second.stdout.split()[1]
+    deadline = time.monotonic() + 30
+    while "state    assigned" not in tandem(url, "explain", rid).stdout:
+        assert time.monotonic() < deadline, tandem(url, "explain", rid).stdout
+        time.sleep(0.2)
+    for pod in ("urgent/u3", "urgent/u4"):
+        tandem(url, "release", "--pod", pod)
