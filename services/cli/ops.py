@@ -512,6 +512,11 @@ async def never_fits(client: TandemClient, req: AllocationRequest, settings: Set
     with the device classes of this configuration."""
     from services.allocator.core import Cluster, InvalidRequest, Unschedulable
 
+    if req.device_class not in settings.device_classes:
+        # The running system's classes are not this command's ($TANDEM_CONFIG here may differ
+        # from the allocator's): judging with a class it does not know would contradict the
+        # allocator's own, right, reason. Say nothing more than the allocator did.
+        return None
     nodes: dict[str, NodeRecord] = await client.node_records()
     cluster = Cluster(device_classes=settings.device_classes)
     for rec in nodes.values():

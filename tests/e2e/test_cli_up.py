@@ -24,14 +24,19 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def start_up(*fleet: str) -> Iterator[str]:
+def start_up(*fleet: str, env: dict[str, str] | None = None) -> Iterator[str]:
     """``tandem up`` with ``fleet`` (``--node`` specs) in a process of its own; yields its NATS
     URL and stops it with Ctrl-C (SIGINT) afterwards, which must exit 0. Its output goes to a
     file: a pipe nobody reads would fill up and stall it."""
     nodes = [a for spec in fleet for a in ("--node", spec)]
     with tempfile.TemporaryFile("w+") as log:
         # --port 0: any free port, read back from what `tandem up` prints.
-        up = subprocess.Popen([TANDEM, "up", "--port", "0", *nodes], stdout=log, stderr=subprocess.STDOUT)
+        up = subprocess.Popen(
+            [TANDEM, "up", "--port", "0", *nodes],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
         try:
             deadline = time.monotonic() + 60
             while True:
@@ -179,3 +184,22 @@ def test_commands_without_a_running_system_fail_with_one_line() -> None:
     out = tandem("status", url=f"nats://127.0.0.1:{free_port()}")
     assert out.returncode == 1
     assert out.stderr.startswith("tandem: cannot reach NATS") and "Traceback" not in out.stderr
+
+
+def test_the_cli_does_not_judge_with_classes_the_system_does_not_share(tmp_path: Path) -> None:
+    """`tandem up` serves a `shared` class from its TANDEM_CONFIG; the CLI, without it, must
+    not call the request unschedulable for an 'unknown device class' (the allocator knows it,
+    and says why it waits)."""
+    config = tmp_path / "tandem.yaml"
+    config.write_text("device_classes:\n  default: {}\n  shared: {sharing: hami}\n")
+    with start_up("pcie-4gpu-2nic:1:box", env={"TANDEM_CONFIG": str(config)}) as url:
+        env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_CONFIG", "TANDEM_NATS_URL")}
+        out = subprocess.run(
+            [TANDEM, "submit", "--pod", "t/s", "--gpus", "1", "--device-class", "shared",
+             "--gpu-memory-mib", "900000", "--nats", url],
+            capture_output=True, text=True, timeout=60, env=env,
+        )  # fmt: skip
+    assert "unknown device class" not in out.stdout + out.stderr, out
+    lines = out.stdout.splitlines()
+    assert lines[1].startswith("pending: ") and "900000" in lines[1], out.stdout
+    assert out.returncode == 1, out
