@@ -16,9 +16,10 @@ import argparse
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-# The request states `tandem requests` shows (schemas.messages.RequestRecord plus the node
-# record's view: "applied"); "cancelled" is a request released before it was placed.
-STATES = ("pending", "deciding", "assigned", "applied", "releasing", "freed", "cancelled", "rejected")
+# The request states `tandem requests` shows (schemas.messages.RequestRecord); "cancelled" is a
+# request released before it was placed. (No "applied": nothing writes it; the node agent's
+# Applied event is not recorded in any record a command reads.)
+STATES = ("pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected")
 # schemas.topology.SCOPES, spelled out so that building the parser imports no msgspec
 # (tests/unit/test_cli_parser.py checks that the two agree).
 SCOPES = ("pcie-switch", "pcie-root", "numa", "socket", "node")

@@ -96,6 +96,7 @@ USAGE_CASES = [
     (["submit", "--gpus", "two"], 2, "not a whole number"),
     (["submit", "--gpus", "1", "--timeout", "-3"], 2, "positive number of seconds"),
     (["requests", "--state", "bogus"], 2, "invalid choice: 'bogus'"),
+    (["requests", "--state", "applied"], 2, "invalid choice: 'applied'"),  # never written
     (["requests", "-o", "xml"], 2, "invalid choice: 'xml'"),
     (["dlq", "--limit", "0"], 2, "must be at least 1"),
 ]
