@@ -53,6 +53,7 @@ REQUEST_ID = re.compile(r"^[A-Za-z0-9_=.-]{1,200}$")  # schemas.messages.Request
 LIVE = frozenset({"pending", "deciding", "assigned", "releasing"})
 DONE = frozenset({"freed", "cancelled", "rejected"})
 FIRST_ANSWER_S = 10.0
+CLI_EXPORT_S = 1.0  # at most this long spent exporting a command's spans
 
 Command = Callable[[TandemClient, argparse.Namespace], Awaitable[int]]
 
@@ -94,16 +95,21 @@ async def with_client(args: argparse.Namespace, fn: Command) -> int:
     finally:
         await conn.close()
         if "services.runtime.tracing" in sys.modules:  # a command that traced (see _traced)
-            sys.modules["services.runtime.tracing"].shutdown_tracing()
+            sys.modules["services.runtime.tracing"].shutdown_tracing(timeout_s=CLI_EXPORT_S)
 
 
 def _traced(settings: Settings) -> None:
     """Set up tracing for a command that starts a request's trace (submit, release): the
     spans are exported when OTEL_EXPORTER_OTLP_ENDPOINT is set, and the trace id is printed
     either way. Only those commands pay for importing OpenTelemetry's SDK (~0.15 s)."""
+    import logging
+
     from services.runtime.tracing import setup_tracing
 
-    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint)
+    # A collector that is down or slow costs a command at most CLI_EXPORT_S, silently: the
+    # exporter's retry warnings are not the command's output (its spans are then lost).
+    logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
+    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint, export_timeout=CLI_EXPORT_S)
 
 
 # ---------------------------------------------------------------------------------------------

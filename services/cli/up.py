@@ -123,6 +123,14 @@ async def _up(args: argparse.Namespace) -> int:
                 f"  export OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}  (the CLI's spans too)",
                 flush=True,
             )
+        elif settings.otlp_endpoint:
+            print(f"  traces: exported to {settings.otlp_endpoint} (OTLP/HTTP)", flush=True)
+        else:
+            print(
+                "  traces: not exported (`tandem up --jaeger` starts a local Jaeger; "
+                "or set OTEL_EXPORTER_OTLP_ENDPOINT)",
+                flush=True,
+            )
         print(
             f"  export TANDEM_NATS_URL={server.url}; tandem status; tandem submit --gpus 4 --rdma 4",
             flush=True,

@@ -33,8 +33,11 @@ def setup_tracing(
     *,
     otlp_endpoint: str | None = None,
     exporter: SpanExporter | None = None,
+    export_timeout: float | None = None,
 ) -> TracerProvider:
-    """Install (once) and return the process's tracer provider; add exporters as configured."""
+    """Install (once) and return the process's tracer provider; add exporters as configured.
+    ``export_timeout``: seconds one OTLP export may take, retries included (the exporter's
+    default, 10 s, is for services; a command must not wait that long for a collector)."""
     global _provider
     if _provider is None:
         _provider = TracerProvider(resource=Resource.create({"service.name": service}))
@@ -46,7 +49,7 @@ def setup_tracing(
         endpoint = otlp_endpoint.rstrip("/")
         if not endpoint.endswith("/v1/traces"):
             endpoint += "/v1/traces"
-        added.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        added.append(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint, timeout=export_timeout)))
     if exporter is not None:
         added.append(SimpleSpanProcessor(exporter))
     for processor in added:
@@ -57,9 +60,10 @@ def setup_tracing(
     return _provider
 
 
-def shutdown_tracing() -> None:
+def shutdown_tracing(*, timeout_s: float = 30.0) -> None:
+    """Export what is buffered, waiting at most ``timeout_s``."""
     if _provider is not None:
-        _provider.force_flush()
+        _provider.force_flush(timeout_millis=int(timeout_s * 1000))
 
 
 class _WhenExported(trace.Tracer):

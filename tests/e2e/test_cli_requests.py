@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -301,4 +302,30 @@ def test_submit_wait_follows_a_preemption_until_assigned(url: str) -> None:
         assert time.monotonic() < deadline, tandem(url, "explain", rid).stdout
         time.sleep(0.2)
     for pod in ("urgent/u3", "urgent/u4"):
+        tandem(url, "release", "--pod", pod)
+
+
+def test_an_unreachable_collector_neither_slows_nor_clutters_a_command(url: str) -> None:
+    """The same submit with and without OTEL_EXPORTER_OTLP_ENDPOINT pointing at a closed port,
+    in one run: no exporter retry lines, and at most about a second more (it was ~8 s)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TANDEM_NATS_URL", "OTEL_EXPORTER_OTLP_ENDPOINT")}
+
+    def submit(pod: str, extra: dict[str, str]) -> tuple[float, subprocess.CompletedProcess[str]]:
+        t0 = time.monotonic()
+        out = subprocess.run(
+            [TANDEM, "submit", "--pod", pod, "--gpus", "1", "--nats", url],
+            capture_output=True, text=True, timeout=60, env={**env, **extra},
+        )  # fmt: skip
+        return time.monotonic() - t0, out
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens once the socket is closed
+    plain_s, plain = submit("otel/plain", {})
+    dead_s, dead = submit("otel/dead", {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed}"})
+    assert plain.returncode == 0 and dead.returncode == 0, (plain, dead)
+    assert dead.stderr == "", dead.stderr
+    assert "assigned: node box-" in dead.stdout and ", trace " in dead.stdout
+    assert dead_s - plain_s < 3.0, (plain_s, dead_s)
+    for pod in ("otel/plain", "otel/dead"):
         tandem(url, "release", "--pod", pod)

@@ -65,6 +65,7 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        env={k: v for k, v in os.environ.items() if k != "OTEL_EXPORTER_OTLP_ENDPOINT"},
     )
     try:
         assert up.stdout is not None
@@ -75,6 +76,11 @@ def test_up_submit_status_device_release_and_ctrl_c() -> None:
             line = up.stdout.readline()
         url = f"nats://127.0.0.1:{port}"
         assert url in line
+        said = [up.stdout.readline()]
+        while not said[-1].startswith("  export TANDEM_NATS_URL"):
+            said.append(up.stdout.readline())
+        # Whether traces go anywhere is said at start, with the way to see them.
+        assert "  traces: not exported (`tandem up --jaeger` starts a local Jaeger; " in "".join(said), said
 
         sub = tandem("submit", "--pod", "team/trainer", "--gpus", "2", "--rdma", "2", url=url)
         assert sub.returncode == 0, sub.stderr
