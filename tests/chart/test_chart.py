@@ -538,7 +538,10 @@ def test_the_service_monitor_scrapes_every_component_node_agents_included() -> N
     too, on their host port, or ``tandem_nodeagent_*`` and TandemCleanupNotVerified go dark."""
     docs = render(VARIANTS["metrics"])
     monitor = one(docs, "ServiceMonitor")
-    assert monitor["spec"]["endpoints"] == [{"port": "metrics", "path": "/metrics", "interval": "30s"}]
+    # honorLabels: the series' own `service` (the component the alerts select on) is kept.
+    assert monitor["spec"]["endpoints"] == [
+        {"port": "metrics", "path": "/metrics", "interval": "30s", "honorLabels": True}
+    ]
     wanted = monitor["spec"]["selector"]["matchLabels"]
     services = [d for d in find(docs, "Service") if wanted.items() <= d["metadata"]["labels"].items()]
     scraped = {}
@@ -580,6 +583,13 @@ def test_notes_tell_how_to_request_devices() -> None:
     assert "tandem.io/gpu: 4" in text and "tandem.io/rdma: 4" in text
     assert "default, h100-ib" in text
     assert "tls://nats.messaging.svc:4222" in text
+    # No registry has the image: the notes say which one the pods pull and how to get it there.
+    version = yaml.safe_load((CHART / "Chart.yaml").read_text())["appVersion"]
+    assert f"Image: ghcr.io/tandem-project/tandem:{version}\n" in text
+    assert "(`make image`), push it to a\n  registry your nodes pull from" in text
+    image = {"repository": "registry.example/tandem", "tag": "dev"}
+    custom = notes({**VARIANTS["external-nats"], "image": image})
+    assert "Image: registry.example/tandem:dev\n" in custom
 
 
 def test_chart_image_make_image_and_pyproject_agree_on_the_version() -> None:

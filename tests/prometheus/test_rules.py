@@ -40,3 +40,19 @@ def test_every_alert_has_a_unit_test_and_they_pass(prom_tools: Tools) -> None:
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "SUCCESS" in out.stdout
+
+
+def test_every_alert_links_a_runbook_that_exists() -> None:
+    """docs/runbooks.md has a section per alert, and the alert's runbook_url is its anchor in
+    the project's repository (the chart's home)."""
+    chart = yaml.safe_load((CHART_FILES.parent / "Chart.yaml").read_text())
+    base = f"{chart['home']}/blob/main/docs/runbooks.md#"
+    runbooks = (HERE.parents[1] / "docs" / "runbooks.md").read_text()
+    # GitHub's anchor of a heading made of one word: the word in lowercase.
+    anchors = {line[3:].strip().lower() for line in runbooks.splitlines() if line.startswith("## ")}
+    groups = yaml.safe_load((CHART_FILES / "alerts.yaml").read_text())["groups"]
+    rules = [r for g in groups for r in g["rules"]]
+    for rule in rules:
+        assert rule["annotations"]["runbook_url"] == base + rule["alert"].lower(), rule["alert"]
+        assert rule["alert"].lower() in anchors, f"docs/runbooks.md has no section {rule['alert']}"
+    assert anchors == {r["alert"].lower() for r in rules}, "a runbook without its alert"
