@@ -268,11 +268,13 @@ def cli() -> Permissions:
         subjects.QUERY_INVENTORY,
         *(s for b in KV_BUCKETS for s in _kv_reader(b)),
     ]
-    # Cleanup reports: `tandem release` waits for the node's verdict and prints it.
+    # Cleanup reports: `tandem release` waits for the node's verdict and prints it. Preemption
+    # plans: `tandem submit --wait` follows the one made for its request.
     sub = [
         subjects.ALLOC_ASSIGNED_ALL,
         subjects.ALLOC_FAILED,
         subjects.ALLOC_FREED,
+        subjects.ALLOC_PREEMPT,
         subjects.NODE_CLEANED_ALL,
         _inbox("cli"),
     ]

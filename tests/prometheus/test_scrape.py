@@ -34,7 +34,10 @@ SCRAPE_S = 1
 # Alerts the load below makes true (the rest are checked for their signal, and fire in
 # promtool's unit tests: 15 minutes pending, a lost node, a stuck cleanup need more than a test).
 FIRED_BY_LOAD = {"TandemDevicesUnhealthy", "TandemDevicesCordoned", "TandemDeadLetters"}
-COMPARISON = re.compile(r"^(?P<signal>.*?)\s*(>|<|>=|<=|==|!=)\s*[0-9.e+-]+\s*$", re.S)
+# `<signal> <op> <threshold>`, optionally `or absent(<selector>)` (fires when nothing reports).
+COMPARISON = re.compile(
+    r"^(?P<signal>.*?)\s*(>|<|>=|<=|==|!=)\s*[0-9.e+-]+\s*(or\s+absent\((?P<absent>.*)\))?\s*$", re.S
+)
 
 
 def free_port() -> int:
@@ -271,7 +274,9 @@ def test_every_alert_expression_is_evaluated(loaded: str) -> None:
     groups = yaml.safe_load((CHART_FILES / "alerts.yaml").read_text())["groups"]
     for rule in (r for g in groups for r in g["rules"]):
         match = COMPARISON.match(rule["expr"])
-        assert match, f"{rule['alert']}: expected `<signal> <op> <threshold>`"
+        assert match, f"{rule['alert']}: expected `<signal> <op> <threshold>` [or absent(...)]"
+        if match["absent"]:
+            assert query(loaded, match["absent"]), f"{rule['alert']}: {match['absent']!r} has no data"
         assert query(loaded, match["signal"]), f"{rule['alert']}: its signal {match['signal']!r} has no data"
         fired = query(loaded, rule["expr"])
         if rule["alert"] in FIRED_BY_LOAD:
