@@ -42,7 +42,7 @@ log = get_logger(__name__)
 
 # Every counter would also export a `<name>_created` series (its creation time) that no rule,
 # alert or dashboard reads: twice the series per counter in every Prometheus.
-disable_created_metrics()
+disable_created_metrics()  # type: ignore[no-untyped-call]  # the package leaves it unannotated
 
 RECONNECTS = Counter(
     "tandem_nats_reconnects_total", "NATS reconnects of the service's connection", ["service"]
