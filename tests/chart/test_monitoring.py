@@ -74,6 +74,9 @@ def test_prometheus_rule_holds_every_alert_of_the_rule_file() -> None:
         "TandemDeadLetters",
         "TandemAllocatorNotReady",
         "TandemNodeAgentLost",
+        "TandemAdmissionNotReady",
+        "TandemInventoryNotReady",
+        "TandemConsumerLagging",
     }
     # Go templates of the annotations reach Prometheus untouched (Helm does not expand them).
     descriptions = [r["annotations"]["description"] for g in rule["spec"]["groups"] for r in g["rules"]]

@@ -263,10 +263,17 @@ def test_state_gauges_match_what_was_done(loaded: str) -> None:
 
 
 def test_every_dashboard_query_returns_data(loaded: str) -> None:
+    """Each panel's query, with the dashboard's variables at "All" (Grafana sends ``.*``),
+    returns data; each is scoped to the chosen release (namespace), so two releases in one
+    Prometheus do not add up."""
     dashboard = json.loads((CHART_FILES / "dashboard.json").read_text())
+    variables = {v["name"] for v in dashboard["templating"]["list"]}
+    assert variables == {"datasource", "namespace", "node"}
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
     assert len(exprs) >= 20
-    empty = [e for e in exprs if not query(loaded, e)]
+    unscoped = [e for e in exprs if e.count("tandem_") != e.count('namespace=~"$namespace"')]
+    assert unscoped == [], f"queries not scoped to the namespace variable: {unscoped}"
+    empty = [e for e in exprs if not query(loaded, e.replace("$namespace", ".*").replace("$node", ".*"))]
     assert empty == [], f"dashboard queries without data: {empty}"
 
 
