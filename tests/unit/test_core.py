@@ -216,15 +216,43 @@ def test_quality_before_binpack() -> None:
     assert p.candidates == 2
 
 
-def test_preferred_request_does_not_open_a_fresh_node_but_required_does() -> None:
-    c = Cluster()
+def test_a_used_node_first_unless_the_class_says_alignment_first() -> None:
+    """A used node that can only pair across switches, and a free one with whole switches:
+    by default the used node (free servers stay whole for large aligned jobs); a class with
+    node_order "alignment-first" takes the better scope; a required scope is met either way."""
+    classes = {"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
+    c = Cluster(device_classes=classes)
     c.set_node("fresh", load_topology("dgx-h100"))
     c.set_node("busy", load_topology("dgx-h100"))
     c.hold("busy", "x", ["gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "mlx5_6", "mlx5_7"])
     p = placed(c.decide(req("r", 2, 2)))  # preferred: a used node, alignment missed
     assert p.node == "busy" and not p.met
+    a = placed(c.decide(req("a", 2, 2, device_class="aligned")))
+    assert a.node == "fresh" and a.met and a.scope == "pcie-switch"
     q = placed(c.decide(req("q", 2, 2, policy="required")))
     assert q.node == "fresh" and q.met and q.scope == "pcie-switch"
+
+
+def test_among_equal_alignment_a_used_node_before_a_fresh_one() -> None:
+    c = Cluster()
+    c.set_node("fresh", load_topology("dgx-h100"))
+    c.set_node("busy", load_topology("dgx-h100"))
+    c.hold("busy", "x", ["gpu0", "mlx5_0"])
+    assert placed(c.decide(req("r", 2, 2))).node == "busy"
+
+
+def test_on_an_empty_mixed_fleet_alignment_first_takes_the_aligned_server() -> None:
+    """Issue 26, item 8: 2 GPUs + 2 NICs on an empty cluster. The default opens the smallest
+    server (a PCIe box, one pair across its root), keeping the DGX whole for large aligned jobs;
+    a class with node_order alignment-first takes the DGX, both pairs on their switches."""
+    classes = {"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
+    c = Cluster(device_classes=classes)
+    c.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
+    c.set_node("h100-0", load_topology("dgx-h100"))
+    p = placed(c.decide(req("r", 2, 2)))
+    assert p.node == "pcie-0" and p.scope == "pcie-root"
+    a = placed(c.decide(req("a", 2, 2, device_class="aligned")))
+    assert a.node == "h100-0" and a.scope == "pcie-switch"
 
 
 def test_gpu_only_request_goes_where_no_nic_is_wasted() -> None:

@@ -26,8 +26,11 @@ Node order (the heap key):
    GPU-only (NIC-only) request, fewer free NICs (GPUs) on the node
    (:func:`.search.one_sided_waste`). Alignment finer than requested only orders placements
    within a node, so a ``numa`` request does not take a fresh node for a free switch pair;
-2. ``binpack``: a ``preferred`` request does not open a completely free node while a used
-   one can take it (:func:`.search.fresh_cost`, ahead of 1.); then the less capable server
+2. ``binpack``: a ``preferred`` request does not open a completely free server while a used
+   one can take it (:func:`.search.fresh_cost`, ahead of 1.; among free servers the smallest);
+   a class with ``node_order: alignment-first`` puts this after 1. instead (the best scope
+   anywhere, a used node only among equals: docs/benchmarks.md, "Node order", measures what
+   that costs at high fill); then the less capable server
    (``Shape.aligned``: GPUs that can pair with a NIC on their own PCIe switch; then GPU
    count), so that small jobs use the aligned slots of weaker servers and the servers that
    can host large aligned jobs stay whole; then fragmentation (the whole switches / NUMA
@@ -39,7 +42,11 @@ Node order (the heap key):
 
 Quality comes before node policy: a half-empty node with switch-aligned pairs beats a nearly
 full node that could only align at NUMA level — except that ``binpack`` does not open a
-completely free node for a ``preferred`` request, and except under *reserve pressure*.
+completely free node for a ``preferred`` request (unless its class says
+``alignment-first``), and except under *reserve pressure*. The price: on an empty mixed
+cluster a 2+2 request lands on the smallest server, a PCIe box, across its root complex, while
+DGX servers with whole switches are idle; opening the best-aligned server instead breaks the
+big servers that large aligned jobs need, measured as more refusals at 90-95 % fill.
 
 Reserve pressure (``binpack`` only). Alignment-first placement keeps small NIC jobs on the
 servers that can align them, which under heavy load are exactly the servers the large
@@ -1415,7 +1422,12 @@ class Cluster:
         else:
             key, frag, full = cross_bound(spec), (), ()
         if self.policy == "binpack":
-            key = (fresh_cost(shape, mask, spec), *key)
+            fresh = fresh_cost(shape, mask, spec)
+            # used-first (default): a used node that can take it, whatever its scope, and the
+            # smallest free server otherwise, keep the big servers whole for large aligned
+            # jobs. alignment-first: the best scope anywhere, used nodes among equals; it costs
+            # refusals near full (docs/benchmarks.md, "Node order", also for the orders tried).
+            key = (*key, fresh) if spec.dc.node_order == "alignment-first" else (fresh, *key)
             # Among equal placements the less capable server first (fewer GPUs that can pair
             # with a NIC on their own switch, then fewer GPUs): the servers that can host the
             # big aligned jobs stay whole for them.
