@@ -296,7 +296,7 @@ def apiserver_profile(cp: ControlPlane, out: Path, *, warmup: float = 2.0, secon
     read it with ``go tool pprof -top <file>``."""
     time.sleep(warmup)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_bytes(cp.request_raw("GET", f"/debug/pprof/profile?seconds={seconds}", timeout=seconds + 30))
+    out.write_bytes(cp.get_raw(f"/debug/pprof/profile?seconds={seconds}", timeout=seconds + 30))
 
 
 def clear(cp: ControlPlane, namespace: str) -> None:

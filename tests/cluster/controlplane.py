@@ -223,27 +223,24 @@ class ControlPlane:
         timeout: float = 30.0,
     ) -> Any:
         """One call as the cluster admin (system:masters); JSON in and out."""
+        data = None if body is None else json.dumps(body).encode()
         return json.loads(
-            self.request_raw(method, path, body, content_type=content_type, timeout=timeout) or b"null"
+            self._call(method, path, data, content_type=content_type, timeout=timeout) or b"null"
         )
 
-    def request_raw(
-        self,
-        method: str,
-        path: str,
-        body: Any = None,
-        *,
-        content_type: str = "application/json",
-        timeout: float = 30.0,
+    def get_raw(self, path: str, *, timeout: float = 30.0) -> bytes:
+        """A GET as the cluster admin whose answer is not JSON (/debug/pprof, /metrics)."""
+        return self._call("GET", path, None, content_type="application/json", timeout=timeout)
+
+    def _call(
+        self, method: str, path: str, data: bytes | None, *, content_type: str, timeout: float
     ) -> bytes:
-        """:meth:`request`'s answer as bytes (a non-JSON endpoint: /debug/pprof, /metrics)."""
-        data = None if body is None else json.dumps(body).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", content_type)
         req.add_header("Accept", "application/json")
         with self._opener().open(req, timeout=timeout) as resp:
-            body_bytes: bytes = resp.read()
-            return body_bytes
+            answer: bytes = resp.read()
+            return answer
 
     def request_as(self, token: str, method: str, path: str, body: Any = None) -> tuple[int, Any]:
         """One call with a bearer ``token`` (a component's identity): ``(status, JSON body)``,

@@ -17,6 +17,8 @@ WIDGET = "example.com/widget"  # an extended resource as any device plugin adver
 
 def test_the_pinned_release_answers(control_plane: ControlPlane) -> None:
     assert control_plane.request("GET", "/version")["gitVersion"] == KUBERNETES_VERSION
+    # A non-JSON endpoint as the admin (what bench-kube --profile reads /debug/pprof with).
+    assert control_plane.get_raw("/readyz") == b"ok"
 
 
 def test_the_scheduler_places_by_extended_resources_on_a_kwok_node(control_plane: ControlPlane) -> None:
