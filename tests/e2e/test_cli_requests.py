@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from tests.e2e.test_cli_up import TANDEM, start_up
+from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.integration
 
@@ -37,6 +38,13 @@ def tandem(url: str, *args: str, check: int | None = 0) -> subprocess.CompletedP
     if check is not None:
         assert out.returncode == check, (out.returncode, out.stdout, out.stderr)
     return out
+
+
+def spawn(url: str, *args: str) -> subprocess.Popen[str]:
+    """``tandem ARGS --nats URL`` running on, its output read as it comes (waits, watches)."""
+    return subprocess.Popen(
+        [TANDEM, *args, "--nats", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
 
 
 def requests_json(url: str, *filters: str) -> list[dict[str, Any]]:
@@ -130,12 +138,7 @@ def test_submit_asks_shares_and_mig_instances_and_says_why_not(url: str) -> None
 def test_submit_wait_shows_progress_until_assigned(url: str) -> None:
     fill = [tandem(url, "submit", "--pod", f"fill/f{i}", "--gpus", "4") for i in range(2)]
     assert all("assigned: node box-" in f.stdout for f in fill)
-    waiter = subprocess.Popen(
-        [TANDEM, "submit", "--pod", "wait/w", "--gpus", "3", "--wait", "--timeout", "40", "--nats", url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    waiter = spawn(url, "submit", "--pod", "wait/w", "--gpus", "3", "--wait", "--timeout", "40")
     assert waiter.stdout is not None
     assert waiter.stdout.readline().startswith("request ")
     pending = waiter.stdout.readline()
@@ -159,12 +162,7 @@ def test_ctrl_c_while_waiting_stops_the_command_not_the_request(url: str) -> Non
     fill = tandem(url, "submit", "--pod", "fill/g0", "--gpus", "4", "--rdma", "2")
     fill2 = tandem(url, "submit", "--pod", "fill/g1", "--gpus", "4", "--rdma", "2")
     assert "assigned" in fill.stdout and "assigned" in fill2.stdout
-    waiter = subprocess.Popen(
-        [TANDEM, "submit", "--pod", "wait/c", "--gpus", "1", "--wait", "--nats", url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    waiter = spawn(url, "submit", "--pod", "wait/c", "--gpus", "1", "--wait")
     assert waiter.stdout is not None
     rid = waiter.stdout.readline().split()[1]
     assert waiter.stdout.readline().startswith("pending: "), "the request did not wait"
@@ -204,12 +202,7 @@ def test_read_commands_speak_json_and_yaml(url: str) -> None:
 
 
 def test_status_watch_prints_until_ctrl_c(url: str) -> None:
-    watch = subprocess.Popen(
-        [TANDEM, "status", "--watch", "--interval", "0.2", "-o", "json", "--nats", url],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    watch = spawn(url, "status", "--watch", "--interval", "0.2", "-o", "json")
     assert watch.stdout is not None
     docs = [json.loads(watch.stdout.readline()) for _ in range(3)]
     assert all(len(d["nodes"]) == 2 for d in docs)
@@ -297,10 +290,12 @@ def test_submit_wait_follows_a_preemption_until_assigned(url: str) -> None:
     assert second.stdout.splitlines()[1].startswith("preempting: evicting 1 allocation"), second.stdout
     assert "`tandem submit --wait` waits" in second.stdout
     rid = second.stdout.split()[1]
-    deadline = time.monotonic() + 30
-    while "state    assigned" not in tandem(url, "explain", rid).stdout:
-        assert time.monotonic() < deadline, tandem(url, "explain", rid).stdout
-        time.sleep(0.2)
+    wait_until_sync(
+        lambda: "state    assigned" in tandem(url, "explain", rid).stdout,
+        timeout=30,
+        what=f"{rid} assigned once its victim was evicted",
+        details=lambda: tandem(url, "explain", rid).stdout,
+    )
     for pod in ("urgent/u3", "urgent/u4"):
         tandem(url, "release", "--pod", pod)
 

@@ -135,9 +135,12 @@ def _processes_naming(text: str) -> list[str]:
     """Command lines of running processes that contain ``text``."""
     found = []
     for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError):
-            if entry.name.isdigit() and text.encode() in (entry / "cmdline").read_bytes():
-                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        if not entry.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):  # gone meanwhile
+            cmdline = (entry / "cmdline").read_bytes()
+            if text.encode() in cmdline:
+                found.append(cmdline.replace(b"\0", b" ").decode(errors="replace"))
     return found
 
 
