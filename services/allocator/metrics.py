@@ -47,6 +47,10 @@ PREEMPTED = Counter(
 COMMIT_CONFLICTS = Counter(
     "tandem_allocator_commit_conflicts_total", "Commits that lost the compare-and-set race and re-decided"
 )
+RECORD_FULL = Counter(
+    "tandem_allocator_record_full_total",
+    "Commits refused because the node's allocation record was full; the node is skipped until a release",
+)
 for _outcome in ("assigned", "unschedulable", "rejected"):
     DECISIONS.labels(_outcome)  # shown from 0: rate() over a fresh replica is 0, not absent
 

@@ -32,19 +32,32 @@ preemption, a job, the metrics, a change of shards: each calls :meth:`ReadModel.
 first. Everything else about the records (``placed``, prepared job pods, the capacity event)
 is kept at once, and a node with a decision of this replica in flight (tentative holds, a
 reservation) is always applied at once.
+
+Nodes the core does not count are still named in a refusal (:meth:`ReadModel.explain`): a
+lost node is removed from the core, so "3 nodes: labels do not match the node selector" would
+send the author of a pod pinned to the lost node to check a selector that is right. So is a
+node whose allocation record is *full* (:meth:`ReadModel.close_full`: a commit there failed
+with :class:`~services.runtime.records.RecordTooLarge`): no request can be recorded on it until
+an allocation leaves it, so decisions skip it — one tenant's many small shares must not make
+other tenants' requests fail while other nodes have room — and a request only it can take
+waits, saying so. Nodes with devices out of service are counted by the core; the refusal
+names them too, with their devices.
 """
 
 from __future__ import annotations
 
 import asyncio
 import zlib
+from collections.abc import Iterable, Mapping
 
 from schemas.messages import AllocRecord, NodeAllocations, NodeLabels, NodeRecord
-from services.allocator.core import Cluster
+from services.allocator.core import Cluster, Unschedulable
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 # Which allocator replica decides on the node first (see ReadModel.set_shards).
 SHARD_LABEL = "tandem.io/allocator-shard"
+# How many nodes one clause of a refusal names before it says "and N more".
+NAMED_MAX = 5
 
 
 def shard_of(node: str, shards: int) -> str:
@@ -73,6 +86,13 @@ class ReadModel:
         # node → reservation key → devices: devices kept for a preempting request while its
         # victims are evicted (services/allocator/preemption.py); never preemptible.
         self._reserved: dict[str, dict[str, tuple[str, ...]]] = {}
+        # node → why its allocation record has no room (see close_full); out of the core
+        # until an allocation leaves that record.
+        self.full: dict[str, str] = {}
+        # Named in refusals, kept here so a refusal does not walk the fleet: lost nodes, and
+        # ready nodes with devices out of service (unhealthy, cordoned).
+        self._lost: set[str] = set()
+        self._impaired: set[str] = set()
 
     # -- node records -----------------------------------------------------------------------
 
@@ -82,6 +102,14 @@ class ReadModel:
             self.nodes.pop(node, None)
         else:
             self.nodes[node] = record
+        if record is not None and record.status != "ready":
+            self._lost.add(node)
+        else:
+            self._lost.discard(node)
+        if record is not None and record.status == "ready" and record.unavailable():
+            self._impaired.add(node)
+        else:
+            self._impaired.discard(node)
         if record is None or record.status != "ready":
             # A lost node gets no new allocations; its holds return with it.
             self.cluster.remove_node(node)
@@ -97,16 +125,82 @@ class ReadModel:
         self.capacity.set()
 
     def _set_node(self, node: str, record: NodeRecord) -> None:
-        topo = record.topology
+        if node in self.full:
+            return  # out of the core until its record has room (see close_full)
+        # Holds are kept per node name across set_node / remove_node (the core's contract).
+        self.cluster.set_node(
+            node, record.topology, labels=self._labels(node, record), unavailable=record.unavailable()
+        )
+
+    def _labels(self, node: str, record: NodeRecord) -> dict[str, str]:
         # Like kubelet, every node carries its own name as a label selectors can use.
-        labels = {
-            **topo.labels,
+        return {
+            **record.topology.labels,
             **self.cluster_labels.get(node, {}),
             HOSTNAME_LABEL: node,
             SHARD_LABEL: shard_of(node, self.shards),
         }
-        # Holds are kept per node name across set_node / remove_node (the core's contract).
-        self.cluster.set_node(node, topo, labels=labels, unavailable=record.unavailable())
+
+    # -- nodes the core does not count ------------------------------------------------------
+
+    def close_full(self, node: str, why: str) -> None:
+        """A commit on ``node`` failed because its allocation record would grow past its size
+        limit (``why``): take the node out of decisions until an allocation leaves the record
+        (:meth:`on_allocs` puts it back), so requests that other nodes can take go there."""
+        self.full[node] = why
+        self.cluster.remove_node(node)
+
+    def _reopen(self, node: str) -> None:
+        if self.full.pop(node, None) is None:
+            return
+        record = self.nodes.get(node)
+        if record is not None and record.status == "ready":
+            self._set_node(node, record)
+
+    def explain(self, selector: Mapping[str, str], why: Unschedulable) -> Unschedulable:
+        """``why`` with the nodes the core did not count (lost, record full) and the nodes
+        with devices out of service named, those of them that ``selector`` matches. Cheap:
+        it looks only at those nodes. The text must not change while they do not (no ages),
+        since a new reason is announced to the pod's owner."""
+        absent: list[str] = []
+        for node in sorted({*self.full, *self._lost}):
+            record = self.nodes.get(node)
+            if record is None or not self._selected(node, record, selector):
+                continue
+            if record.status != "ready":
+                absent.append(f"{node} (lost: its node agent stopped reporting)")
+            else:
+                absent.append(f"{node} (its allocation record is full; waiting for releases on it)")
+        impaired: list[str] = []
+        for node in sorted(self._impaired):
+            record = self.nodes.get(node)
+            if record is None or node in self.full or not self._selected(node, record, selector):
+                continue
+            devices = ", ".join(
+                f"{d} {'unhealthy' if not h.healthy else 'cordoned'}"
+                for d, h in sorted(record.health.items())
+                if not h.healthy or h.cordoned
+            )
+            impaired.append(f"{node} ({devices})")
+        clauses = []
+        if absent:
+            clauses.append(f"not counted: {_named(absent)}")
+        if impaired:
+            clauses.append(f"devices out of service on {_named(impaired)}")
+        if not clauses:
+            return why
+        return Unschedulable(
+            reason="; ".join([why.reason, *clauses]),
+            counts=why.counts,
+            reasons=why.reasons,
+            candidates=why.candidates,
+        )
+
+    def _selected(self, node: str, record: NodeRecord, selector: Mapping[str, str]) -> bool:
+        if not selector:
+            return True
+        labels = self._labels(node, record)
+        return all(labels.get(k) == v for k, v in selector.items())
 
     def on_node_labels(self, node: str, record: NodeLabels | None) -> None:
         """The Node object's fabric labels changed (KV ``tandem-node-labels``)."""
@@ -159,6 +253,7 @@ class ReadModel:
             self._deferred.pop(node, None)
             self._sync_holds(node, record)
         if old - new:
+            self._reopen(node)  # a record that lost an allocation has room again
             self.capacity.set()
 
     def _elsewhere(self, node: str) -> bool:
@@ -256,3 +351,10 @@ class ReadModel:
         if request_id not in self._ids.get(node, ()):
             self.cluster.release(node, request_id)
             self.capacity.set()
+
+
+def _named(items: Iterable[str]) -> str:
+    """At most :data:`NAMED_MAX` of ``items``, then how many more."""
+    listed = list(items)
+    more = len(listed) - NAMED_MAX
+    return ", ".join(listed[:NAMED_MAX]) + (f" and {more} more" if more > 0 else "")

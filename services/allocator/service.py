@@ -482,11 +482,15 @@ class Allocator(Service):
                         claimed = node
                     committed = await self._commit(req, assignment)
                 except RecordTooLarge as exc:
-                    # Retrying cannot help: the node's record has no room for it.
+                    # This node's record has no room until an allocation leaves it: decide
+                    # again without the node. A request only it can take waits (pending,
+                    # saying so) instead of failing; it is not this request's fault.
                     self.model.drop_tentative(node, rid)
-                    metrics.DECISIONS.labels("rejected").inc()
-                    await self._reject(req, f"cannot be recorded on {node}: {exc}")
-                    return "rejected"
+                    self.model.close_full(node, str(exc))
+                    metrics.RECORD_FULL.inc()
+                    span.set_attributes({"tandem.outcome": "record_full", "tandem.reason": str(exc)})
+                    log.warning("node_record_full", node=node, request_id=rid, why=str(exc))
+                    continue
                 except BaseException:
                     self.model.drop_tentative(node, rid)
                     raise
@@ -517,8 +521,12 @@ class Allocator(Service):
 
     def _decide(self, req: AllocationRequest) -> Placement | Unschedulable:
         """The replicas' decision, with devices reserved for the request by a preemption
-        given back to it first (services/allocator/preemption.py)."""
-        return self.preemptions.decide(req, self.replicas.decide)
+        given back to it first (services/allocator/preemption.py); a refusal names the
+        nodes the core does not count (:meth:`.ReadModel.explain`)."""
+        decision = self.preemptions.decide(req, self.replicas.decide)
+        if isinstance(decision, Unschedulable):
+            return self.model.explain(req.node_selector, decision)
+        return decision
 
     async def _commit(self, req: AllocationRequest, assignment: Assignment) -> bool:
         """Add the allocation to the node's record; False when a device went to another."""

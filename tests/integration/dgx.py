@@ -1,4 +1,4 @@
-"""The services in-process around one simulated DGX H100, and a client: the stack the
+"""The services in-process around one simulated DGX H100 (or ``nodes`` of them), and a client: the stack the
 preemption and sharing flow tests start (``services.localstack``, a real nats-server)."""
 
 from __future__ import annotations
@@ -14,12 +14,12 @@ from tests.conftest import make_settings
 
 @contextlib.asynccontextmanager
 async def one_dgx(
-    nats_url: str, *, allocators: int = 1, classes: dict[str, DeviceClass] | None = None
+    nats_url: str, *, allocators: int = 1, classes: dict[str, DeviceClass] | None = None, nodes: int = 1
 ) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
     extra = {} if classes is None else {"device_classes": classes}
     settings = make_settings(nats_url, "test", heartbeat_interval=0.2, node_lost_after=1.0, **extra)
     st = LocalStack(
-        settings, fleet=[FleetEntry("dgx-h100", 1, "h100")], allocators=allocators, retry_interval=0.3
+        settings, fleet=[FleetEntry("dgx-h100", nodes, "h100")], allocators=allocators, retry_interval=0.3
     )
     await st.start()
     await st.wait_ready()
