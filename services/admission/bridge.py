@@ -241,7 +241,7 @@ class Bridge:
                 continue
             if record.state != "committed":
                 ref = record.job.members[gone[0]]
-                await self._publish_release(
+                await self.publish_release(
                     job_id,
                     ref,
                     node=None,
@@ -251,7 +251,7 @@ class Bridge:
                 continue
             for i in gone:
                 node = record.placement[i] if i < len(record.placement) else None
-                await self._publish_release(
+                await self.publish_release(
                     record.job.pod_id(i),
                     record.job.members[i],
                     node=node,
@@ -291,7 +291,7 @@ class Bridge:
             if record.state not in ACTIVE_STATES or not uid or uid in live or rid in self._released:
                 continue
             if await self._pod_gone(record.request.pod):
-                await self._publish_release(
+                await self.publish_release(
                     rid,
                     record.request.pod,
                     node=record.node,
@@ -428,7 +428,7 @@ class Bridge:
             rid = bound.request_id  # one pod of a placed job: its devices alone
         if rid in self._released:
             return
-        await self._publish_release(
+        await self.publish_release(
             rid,
             policy.pod_ref(pod),
             node=policy.release_node(pod),
@@ -441,7 +441,7 @@ class Bridge:
                 (pod.metadata.namespace or "", policy.event_name(pod.metadata.name or "", key)), None
             )
 
-    async def _publish_release(
+    async def publish_release(
         self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None
     ) -> None:
         msg = Release(request_id=rid, pod=ref, node=node, reason=reason)
@@ -500,7 +500,7 @@ class Bridge:
         pod = policy.read_pod(raw) if raw is not None else None
         if raw is None or pod is None or pod.metadata.uid != a.pod.uid:
             # The pod went away before it could be bound: give the devices back.
-            await self._publish_release(
+            await self.publish_release(
                 a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
             )
             metrics.BRIDGE_BINDS.labels("pod_gone").inc()
@@ -520,7 +520,7 @@ class Bridge:
                 del self._pods[(a.pod.namespace, a.pod.name)]
             raise Retry(f"pod changed while binding: {exc}", delay=0.2) from None
         except NotFound:
-            await self._publish_release(
+            await self.publish_release(
                 a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None
             )
             metrics.BRIDGE_BINDS.labels("pod_gone").inc()

@@ -26,18 +26,16 @@ gone and releases nothing twice (stable release message ids).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from schemas.messages import PreemptionPlan, Victim
+from schemas.messages import PodRef, PreemptionPlan, Victim
 from services.admission import metrics, names, policy
 from services.admission.errors import Conflict, KubeError, NotFound
+from services.admission.kube import KubeApi
 from services.runtime.bus import Delivery, Retry
 from services.runtime.logging import get_logger
 
-if TYPE_CHECKING:
-    from services.admission.bridge import Bridge
-
-__all__ = ["MAX_BACKOFF_S", "evict_victims"]
+__all__ = ["MAX_BACKOFF_S", "Evictor", "evict_victims"]
 
 log = get_logger(__name__)
 
@@ -45,7 +43,21 @@ MAX_BACKOFF_S = 60.0
 TOO_MANY_REQUESTS = 429  # the Eviction API's answer when a PodDisruptionBudget forbids it
 
 
-async def evict_victims(bridge: Bridge, plan: PreemptionPlan, delivery: Delivery) -> None:
+class Evictor(Protocol):
+    """What evicting needs of the pod bridge (:class:`services.admission.bridge.Bridge`):
+    its Kubernetes client, its back-off, its Events and its releases — not the bridge."""
+
+    kube: KubeApi
+    eviction_backoff: float
+
+    async def record_event(self, pod: policy.PodView, *, reason: str, message: str) -> None: ...
+
+    async def publish_release(
+        self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None
+    ) -> None: ...
+
+
+async def evict_victims(bridge: Evictor, plan: PreemptionPlan, delivery: Delivery) -> None:
     """Evict ``plan``'s victims (module docstring); raises Retry while a PDB blocks one."""
     preemptor = await _live_pod(bridge, plan.pod.namespace, plan.pod.name, plan.pod.uid)
     if preemptor is None:
@@ -68,14 +80,14 @@ async def evict_victims(bridge: Bridge, plan: PreemptionPlan, delivery: Delivery
     raise Retry(f"preemption for {plan.request_id}: {text}", delay=delay)
 
 
-async def _evict(bridge: Bridge, plan: PreemptionPlan, victim: Victim) -> str | None:
+async def _evict(bridge: Evictor, plan: PreemptionPlan, victim: Victim) -> str | None:
     """Evict one victim; the reason when a PodDisruptionBudget blocks it, else None."""
     ref = victim.pod
     pod = await _live_pod(bridge, ref.namespace, ref.name, ref.uid)
     if pod is None:
         # Gone already (or another pod by that name): make sure its devices come back.
         metrics.BRIDGE_EVICTIONS.labels("gone").inc()
-        await bridge._publish_release(
+        await bridge.publish_release(
             victim.request_id,
             ref,
             node=victim.node,
@@ -108,7 +120,7 @@ async def _evict(bridge: Bridge, plan: PreemptionPlan, victim: Victim) -> str | 
     return None
 
 
-async def _live_pod(bridge: Bridge, namespace: str, name: str, uid: str) -> policy.PodView | None:
+async def _live_pod(bridge: Evictor, namespace: str, name: str, uid: str) -> policy.PodView | None:
     try:
         raw = await bridge.kube.get_pod(namespace, name)
     except NotFound:

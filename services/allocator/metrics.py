@@ -8,18 +8,18 @@ scrapes, so a restarted allocator shows the truth from its first scrape.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from schemas.messages import NodeAllocations, NodeRecord
+from services.allocator.core import Cluster
+from services.allocator.readmodel import ReadModel
+from services.allocator.requestbook import RequestBook
 from services.runtime.metrics import DEVICE_STATES, device_states
-
-if TYPE_CHECKING:
-    from services.allocator.service import Allocator
 
 DECISIONS = Counter("tandem_allocator_decisions_total", "Allocation decisions by outcome", ["outcome"])
 DECISION_SECONDS = Histogram(
@@ -63,6 +63,22 @@ def node_device_states(record: NodeRecord, allocs: NodeAllocations | None) -> di
     return device_states(record.topology, record.health, allocs)
 
 
+class AllocatorView(Protocol):
+    """What the gauges read of the allocator (:class:`services.allocator.service.Allocator`)."""
+
+    @property
+    def book(self) -> RequestBook: ...
+
+    @property
+    def model(self) -> ReadModel: ...
+
+    @property
+    def cluster(self) -> Cluster: ...
+
+    @property
+    def allocs(self) -> Mapping[str, tuple[NodeAllocations | None, int]]: ...
+
+
 class AllocatorState(Collector):
     """The allocator's gauges, from its state at scrape time:
 
@@ -81,7 +97,11 @@ class AllocatorState(Collector):
     """
 
     def __init__(
-        self, allocator: Allocator, *, clock: Callable[[], float] = time.time, node_metrics_max: int = 1000
+        self,
+        allocator: AllocatorView,
+        *,
+        clock: Callable[[], float] = time.time,
+        node_metrics_max: int = 1000,
     ) -> None:
         self.allocator = allocator
         self.clock = clock
