@@ -88,12 +88,15 @@ class AllocatorState(Collector):
       core, over ready nodes, and ``allocated``/``unhealthy``/``cordoned`` from the records;
     * ``tandem_node_devices{node,kind,state}``: the same per node (ready and lost ones), while
       the allocator knows at most ``node_metrics_max`` nodes: a scrape renders every series on
-      the event loop (~0.23 s for the 40,000 of 5,000 nodes, all that time a stall of every
-      decision), so a large fleet exports only the cluster totals.
+      the event loop, so a large fleet exports only the cluster totals.
 
-    A node's counts are kept with the records they came from and computed again only when one
-    of them changed (records are replaced, never modified), so a scrape does not walk every
-    device of the fleet again.
+    A scrape runs on the allocator's event loop, between decisions, so it must not walk the
+    fleet: the read model gathers each node whose records changed
+    (``ReadModel.follow_changes``), and a
+    scrape computes those nodes' counts again and moves the cluster sums by the difference;
+    the node statuses come from the read model's count of lost nodes, and the core's totals
+    from its groups (one entry per kind of node and free set, not per node). Only the
+    per-node series, bounded by ``node_metrics_max``, are rendered node by node.
     """
 
     def __init__(
@@ -108,6 +111,12 @@ class AllocatorState(Collector):
         self.node_metrics_max = node_metrics_max
         # node -> (its record, its allocations record, their counts)
         self._counts: dict[str, tuple[NodeRecord, NodeAllocations | None, dict[tuple[str, str], int]]] = {}
+        # (kind, state) -> devices of ready nodes, the sum of the ready nodes' _counts
+        self._cluster: dict[tuple[str, str], int] = {
+            (kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES[1:]
+        }
+        self._ready: set[str] = set()  # the nodes counted in _cluster
+        self._changed = allocator.model.follow_changes()
 
     def _node_counts(
         self, name: str, record: NodeRecord, allocs: NodeAllocations | None
@@ -118,6 +127,36 @@ class AllocatorState(Collector):
         counts = node_device_states(record, allocs)
         self._counts[name] = (record, allocs, counts)
         return counts
+
+    def _count_changed(self) -> None:
+        """Bring ``_counts`` and the cluster sums up to date for the nodes that changed."""
+        a = self.allocator
+        dirty = list(self._changed)
+        self._changed.clear()
+        for name in dirty:
+            self._move(name, -1)
+            record = a.model.nodes.get(name)
+            if record is None:
+                self._counts.pop(name, None)
+                continue
+            self._node_counts(name, record, a.allocs.get(name, (None, 0))[0])
+            self._move(name, 1)
+
+    def _move(self, name: str, sign: int) -> None:
+        """Add (1) or take out (-1) a node's counts from the cluster sums, if it is ready."""
+        if sign < 0:
+            if name not in self._ready:
+                return
+            self._ready.discard(name)
+            counts = self._counts[name][2]
+        else:
+            record, _, counts = self._counts[name]
+            if record.status != "ready":
+                return
+            self._ready.add(name)
+        for (kind, state), n in counts.items():
+            if state != "free":
+                self._cluster[kind, state] += sign * n
 
     def collect(self) -> Iterator[Metric]:
         a = self.allocator
@@ -134,26 +173,18 @@ class AllocatorState(Collector):
         nodes = GaugeMetricFamily(
             "tandem_allocator_nodes", "Nodes in the allocator's view by status", labels=["status"]
         )
-        records = dict(a.model.nodes)
-        for status in NODE_STATUSES:
-            nodes.add_metric([status], sum(1 for r in records.values() if r.status == status))
+        self._count_changed()
+        known, lost = len(a.model.nodes), a.model.lost
+        for status, n in zip(NODE_STATUSES, (known - lost, lost), strict=True):
+            nodes.add_metric([status], n)
         yield nodes
         per_node = GaugeMetricFamily(
             "tandem_node_devices", "Devices of each node by kind and state", labels=["node", "kind", "state"]
         )
-        cluster = {(kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES[1:]}
-        allocs = a.allocs
-        each_node = len(records) <= self.node_metrics_max
-        for gone in self._counts.keys() - records.keys():
-            del self._counts[gone]
-        for name in sorted(records):
-            record = records[name]
-            counts = self._node_counts(name, record, allocs.get(name, (None, 0))[0])
-            for (kind, state), n in counts.items():
-                if each_node:
+        if known <= self.node_metrics_max:
+            for name in sorted(self._counts):
+                for (kind, state), n in self._counts[name][2].items():
                     per_node.add_metric([name, kind, state], n)
-                if record.status == "ready" and state != "free":
-                    cluster[kind, state] += n
         a.model.catch_up()  # the totals count every node's holds
         totals = a.cluster.totals()
         devices = GaugeMetricFamily(
@@ -165,7 +196,7 @@ class AllocatorState(Collector):
         devices.add_metric(["gpu", "free"], totals["free_gpus"])
         devices.add_metric(["nic", "total"], totals["nics"])
         devices.add_metric(["nic", "free"], totals["free_nics"])
-        for (kind, state), n in cluster.items():
+        for (kind, state), n in self._cluster.items():
             devices.add_metric([kind, state], n)
         yield devices
         yield per_node

@@ -93,10 +93,30 @@ class ReadModel:
         # ready nodes with devices out of service (unhealthy, cordoned).
         self._lost: set[str] = set()
         self._impaired: set[str] = set()
+        # Sets handed out by follow_changes, each gathering the nodes whose records changed.
+        self._followers: list[set[str]] = []
 
     # -- node records -----------------------------------------------------------------------
 
+    @property
+    def lost(self) -> int:
+        """How many known nodes are not ready."""
+        return len(self._lost)
+
+    def follow_changes(self) -> set[str]:
+        """A set that gathers the name of every node whose node or allocation record changes
+        from now on, starting with every node known now; its reader empties it. The gauges
+        (services/allocator/metrics.py) work on these nodes instead of walking the fleet."""
+        changed = {*self.nodes, *self._ids}
+        self._followers.append(changed)
+        return changed
+
+    def _changed(self, node: str) -> None:
+        for follower in self._followers:
+            follower.add(node)
+
     def on_node_record(self, node: str, record: NodeRecord | None) -> None:
+        self._changed(node)
         before = self.nodes.get(node)
         if record is None:
             self.nodes.pop(node, None)
@@ -233,6 +253,7 @@ class ReadModel:
     # -- allocation records -----------------------------------------------------------------
 
     def on_allocs(self, node: str, record: NodeAllocations | None, _revision: int) -> None:
+        self._changed(node)
         allocations = record.allocations if record is not None else {}
         old = self._ids.get(node, set())
         new = set(allocations)

@@ -1,9 +1,10 @@
 """The allocator's scrape-time gauges (services/allocator/metrics.py AllocatorState): the
 per-node series only up to ``node_metrics_max`` nodes (a scrape renders them on the event loop),
-the cluster totals always, and a node's counts computed again only when its records changed.
+the cluster totals always, and a scrape looks only at the nodes whose records changed.
 
 The allocator is stood in for by the few attributes the collector reads (its read model's
-node records, the allocation records, pending requests, the core's totals)."""
+node records, the nodes it marked changed and its count of lost nodes, the allocation records,
+pending requests, the core's totals)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ TOPO = load_topology("dgx-h100")
 
 def allocator(n: int) -> Any:
     nodes = {f"n{i}": NodeRecord(node=f"n{i}", topology=TOPO) for i in range(n)}
+    changed = set(nodes)  # what ReadModel.follow_changes hands the collector
     held = AllocRecord(
         assignment=Assignment(
             request_id="r", pod=PodRef("ns", "r"), node="n0", gpus=[AssignedGpu(index=0, uuid="u")]
@@ -29,7 +31,9 @@ def allocator(n: int) -> Any:
     allocs = {"n0": (NodeAllocations(node="n0", allocations={"r": held}), 1)}
     totals = {"gpus": 8 * n, "free_gpus": 8 * n - 1, "nics": 8 * n, "free_nics": 8 * n}
     return SimpleNamespace(
-        model=SimpleNamespace(nodes=nodes, catch_up=lambda: None),
+        model=SimpleNamespace(
+            nodes=nodes, changed=changed, follow_changes=lambda: changed, lost=0, catch_up=lambda: None
+        ),
         allocs=allocs,
         book=SimpleNamespace(pending={}),
         cluster=SimpleNamespace(totals=lambda: totals),
@@ -73,6 +77,61 @@ def test_a_nodes_counts_are_computed_again_only_when_its_records_change(
     assert sorted(calls) == ["n0", "n1", "n2"]  # the second scrape read them all from the cache
     a.model.nodes["n1"] = NodeRecord(node="n1", topology=TOPO)  # a new record: n1 again
     del a.model.nodes["n2"]
+    a.model.changed |= {"n1", "n2"}  # as the read model marks them
     calls.clear()
     assert samples(state, "tandem_node_devices")["n1", "gpu", "free"] == 8
     assert calls == ["n1"] and set(state._counts) == {"n0", "n1"}
+
+
+class Walked(dict[str, NodeRecord]):
+    """The read model's node records, counting every walk over them."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        self.walks += 1
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        self.walks += 1
+        return super().keys()
+
+    def values(self) -> Any:
+        self.walks += 1
+        return super().values()
+
+    def items(self) -> Any:
+        self.walks += 1
+        return super().items()
+
+
+def test_a_scrape_of_a_large_fleet_looks_only_at_the_nodes_that_changed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past ``node_metrics_max`` a scrape renders no per-node series and reads no unchanged
+    node: the cluster sums move by the changed nodes' differences, and stay right."""
+    a = allocator(2000)
+    state = metrics.AllocatorState(a, node_metrics_max=1000)
+    assert samples(state, "tandem_cluster_devices")["gpu", "allocated"] == 1  # the first scrape: all
+    calls: list[str] = []
+    real = metrics.node_device_states
+
+    def counting(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
+        calls.append(record.node)
+        return real(record, allocs)
+
+    monkeypatch.setattr(metrics, "node_device_states", counting)
+    a.model.nodes = Walked(a.model.nodes)
+    held = a.allocs["n0"][0].allocations["r"]
+    a.allocs["n7"] = (NodeAllocations(node="n7", allocations={"q": held}), 1)  # a second hold, on n7
+    a.model.nodes["n9"] = NodeRecord(node="n9", topology=TOPO, status="lost")  # n9 lost: not counted
+    a.model.lost = 1
+    a.model.changed |= {"n7", "n9"}
+    cluster = samples(state, "tandem_cluster_devices")
+    assert sorted(calls) == ["n7", "n9"] and a.model.nodes.walks == 0
+    assert cluster["gpu", "allocated"] == 2
+    statuses = samples(state, "tandem_allocator_nodes")
+    assert statuses[("ready",)] == 1999 and statuses[("lost",)] == 1
+    del a.allocs["n0"]  # n0's hold released
+    a.model.changed.add("n0")
+    assert samples(state, "tandem_cluster_devices")["gpu", "allocated"] == 1
