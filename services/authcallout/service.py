@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import json
 import time
 from collections.abc import Mapping
@@ -36,6 +37,7 @@ from typing import Any
 import nkeys
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from prometheus_client import Counter
 
 from schemas import permissions
@@ -169,9 +171,14 @@ class AuthCallout:
         log.info("auth_callout_started", account=self.account)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            await self._sub.unsubscribe()
-        await self.reviewer.kube.close()
+        try:
+            if self._sub is not None:
+                # A connection closed already (for good, or by an outage) took the
+                # subscription with it; nats-py raises for it, and the stop goes on.
+                with contextlib.suppress(NatsError):
+                    await self._sub.unsubscribe()
+        finally:
+            await self.reviewer.kube.close()
 
     async def _on_request(self, msg: Msg) -> None:
         try:

@@ -14,6 +14,16 @@
   that node's agent publish there); its body is not even decoded, which keeps 10,000 nodes'
   heartbeats a small share of one core.
 
+Liveness through a NATS outage: while the inventory's own connection is down no heartbeat
+can reach it, so silence says nothing about the nodes: no node is judged then, and once it is
+back every node gets a full grace period (as after a restart) rather than being marked lost
+for the inventory's own outage. A transition decided but not written (KV unavailable: a stream
+without a leader, a server that stopped answering) is kept and written again at the next pass,
+with a growing delay, until it lands; the outage is one warning (``liveness_outage``) and one
+info when it ends (``liveness_recovered``), and the inventory reports itself not ready
+meanwhile (:meth:`Inventory.unready`, its ``/readyz``) — it is not a crashed task: nothing
+about the inventory is wrong, and restarting it would mend nothing.
+
 Records are held in memory and written with compare-and-set by the shared
 :class:`~services.runtime.records.RecordStore` (a watch keeps them current with other
 replicas' writes), so several replicas can run, writes to different nodes run concurrently
@@ -25,6 +35,7 @@ KV.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import time
 from collections.abc import Awaitable, Callable
@@ -32,6 +43,7 @@ from typing import Literal
 
 import msgspec
 from nats.aio.msg import Msg
+from nats.errors import Error as NatsError
 from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 from prometheus_client import Counter
@@ -45,7 +57,7 @@ from schemas.messages import (
     NodeInventory,
     NodeRecord,
 )
-from services.runtime.bus import Bus, Delivery
+from services.runtime.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery
 from services.runtime.kvwatch import read_bucket, watch_raw
 from services.runtime.logging import get_logger
 from services.runtime.records import RecordStore
@@ -58,6 +70,12 @@ for _to in ("ready", "lost"):
     NODE_TRANSITIONS.labels(_to)  # shown from 0
 # Node events handled at once (each writes its own node's record; one node's stay in order).
 EVENT_CONCURRENCY = 64
+# The longest wait between liveness passes while node records cannot be written (the delay
+# doubles from ``check_interval`` at each failed pass; each pass's writes have already
+# retried for Bus.publish_retry_for).
+LIVENESS_BACKOFF_MAX_S = 10.0
+
+Status = Literal["ready", "lost"]
 
 
 def apply_inventory(
@@ -88,9 +106,7 @@ def apply_health(current: NodeRecord | None, ev: HealthEvent, *, seq: int, now: 
     return msgspec.structs.replace(current, health=health, updated_at=now, event_seq=seq)
 
 
-def set_status(
-    current: NodeRecord | None, status: Literal["ready", "lost"], *, now: float
-) -> NodeRecord | None:
+def set_status(current: NodeRecord | None, status: Status, *, now: float) -> NodeRecord | None:
     if current is None or current.status == status:
         return None
     return msgspec.structs.replace(current, status=status, last_heartbeat=now)
@@ -117,6 +133,12 @@ class Inventory(Service):
         self._kv: KeyValue | None = None
         self._frozen_at = 0  # nodes known at the last gc.freeze
         self._tasks = Supervisor("inventory")
+        # Transitions decided (``status`` says them) but not in KV yet: written again at each
+        # liveness pass until they land (module docstring, "Liveness through a NATS outage").
+        self.unwritten: dict[str, Status] = {}
+        # Why node records cannot be kept current now (None: they can), and since when.
+        self.outage: str | None = None
+        self._outage_since = 0.0
 
     @property
     def kv(self) -> KeyValue:
@@ -164,14 +186,22 @@ class Inventory(Service):
 
     async def stop(self) -> None:
         for sub in getattr(self, "_subs", []):
-            await sub.unsubscribe()
+            # A connection closed already (for good, or by an outage) took its subscriptions.
+            with contextlib.suppress(NatsError):
+                await sub.unsubscribe()
         await self._tasks.aclose()
         await self.records.aclose()
+
+    def unready(self) -> str | None:
+        """Why this replica should not count as ready (its ``/readyz``): node records it
+        cannot keep current; None when it can."""
+        return self.outage
 
     def _on_record(self, node: str, record: NodeRecord | None, _: int) -> None:
         if record is None:
             self.status.pop(node, None)
             self.last_seen.pop(node, None)
+            self.unwritten.pop(node, None)
         else:
             self.status[node] = record.status
 
@@ -197,18 +227,46 @@ class Inventory(Service):
             return  # not registered yet (its inventory comes first) or not a node at all
         now = self.clock()
         self.last_seen[node] = now
-        if self.status[node] == "lost":
+        # Also a loss decided but not written yet (NATS was unavailable): what is written next
+        # must be that the node is back, whatever the watch said of it meanwhile.
+        if self.status[node] == "lost" or self.unwritten.get(node) == "lost":
             self.status[node] = "ready"
-            self._tasks.spawn(f"back:{node}", lambda: self._mark(node, "ready", now), restart=False)
+            self.unwritten[node] = "ready"
+            log.info("node_back", node=node)
+            self._tasks.spawn(f"back:{node}", lambda: self._write_back(node, now), restart=False)
 
-    async def _mark(self, node: str, status: Literal["ready", "lost"], now: float) -> None:
+    async def _write_back(self, node: str, now: float) -> None:
+        """A node back is written at once, not at the next pass; when NATS cannot take it,
+        the liveness loop writes it (and reports the outage) — not an error of this task."""
+        with contextlib.suppress(*TRANSIENT_NATS_ERRORS):
+            await self._write_marks([node], now)
+
+    async def _mark(self, node: str, status: Status, now: float) -> None:
         await self.records.update(node, lambda cur: set_status(cur, status, now=now))
         NODE_TRANSITIONS.labels(status).inc()
-        if status == "ready":
-            log.info("node_back", node=node)
+
+    async def _write_marks(self, nodes: list[str], now: float) -> None:
+        """Write the unwritten transitions of ``nodes``; those that fail stay unwritten for
+        the next pass, and the first failure is raised once all were tried."""
+        marks = [(n, self.unwritten[n]) for n in nodes if n in self.unwritten]
+        results = await asyncio.gather(
+            *(self._mark(node, status, now) for node, status in marks), return_exceptions=True
+        )
+        failed: Exception | None = None
+        for (node, status), result in zip(marks, results, strict=True):
+            if isinstance(result, BaseException):
+                if not isinstance(result, Exception):
+                    raise result  # cancelled: stopping
+                failed = failed or result
+            elif self.unwritten.get(node) == status:  # not decided otherwise meanwhile
+                del self.unwritten[node]
+        if failed is not None:
+            raise failed
 
     async def check_liveness(self) -> list[str]:
-        """Mark nodes lost whose heartbeats stopped; return the nodes marked now."""
+        """Mark nodes lost whose heartbeats stopped and write every transition not written
+        yet; return the nodes marked now. Raises the first write that failed (the others
+        were tried, and every failed one is tried again at the next call)."""
         now = self.clock()
         lost = [
             n
@@ -217,14 +275,52 @@ class Inventory(Service):
         ]
         for node in lost:
             self.status[node] = "lost"
+            self.unwritten[node] = "lost"
             log.warning("node_lost", node=node, silent_for=round(now - self.last_seen[node], 1))
-        await asyncio.gather(*(self._mark(node, "lost", now) for node in lost))
+        await self._write_marks(list(self.unwritten), now)
         return lost
 
+    def _give_grace(self) -> None:
+        """Every node a full grace period from now (after a restart, or an outage of the
+        inventory's own connection, during which no heartbeat could arrive)."""
+        now = self.clock()
+        for node in self.last_seen:
+            self.last_seen[node] = now
+
+    def _outage_began(self, why: str) -> None:
+        if self.outage is None:
+            self._outage_since = time.monotonic()
+            log.warning("liveness_outage", reason=why, unwritten=len(self.unwritten))
+        self.outage = why
+
+    def _outage_ended(self) -> None:
+        if self.outage is not None:
+            lasted = round(time.monotonic() - self._outage_since, 1)
+            log.info("liveness_recovered", outage=self.outage, lasted_s=lasted)
+            self.outage = None
+
     async def _liveness_loop(self) -> None:
+        delay = self.check_interval
+        reconnects = self.bus.nc.stats["reconnects"]
         while True:
-            await asyncio.sleep(self.check_interval)
-            await self.check_liveness()
+            await asyncio.sleep(delay)
+            if not self.bus.nc.is_connected:
+                self._outage_began("NATS unreachable: no heartbeat can arrive, no record be written")
+                continue
+            if self.bus.nc.stats["reconnects"] != reconnects:
+                # Counted, not seen: an outage shorter than a pass also lost heartbeats.
+                reconnects = self.bus.nc.stats["reconnects"]
+                self._give_grace()
+            try:
+                await self.check_liveness()
+            except TRANSIENT_NATS_ERRORS as exc:
+                delay = min(delay * 2, LIVENESS_BACKOFF_MAX_S)
+                if self.outage is not None:
+                    log.info("liveness_retry", unwritten=len(self.unwritten), delay=delay, error=repr(exc))
+                self._outage_began(f"node records cannot be written: {exc!r}")
+                continue
+            self._outage_ended()
+            delay = self.check_interval
             if len(self.status) > self._frozen_at * 1.1 + 10:
                 # The node records of a fleet that joined are long-lived: out of the
                 # collector's way (see services.runtime.lifecycle.GC_THRESHOLDS).

@@ -13,6 +13,17 @@ nak'ed with a growing delay and redelivered, and parked on the dead-letter subje
 ``MAX_HANDLER_ATTEMPTS`` deliveries; a handler that raises :class:`Retry` (an expected wait,
 e.g. a pod sandbox not created yet) is redelivered without limit.
 
+Closing: :meth:`Bus.close` drains (what arrived is handled, what was published is flushed)
+then closes, within :data:`CLOSE_TIMEOUT_S` whatever state NATS is in. During an outage the
+client is reconnecting and nats-py's drain refuses (``ConnectionReconnectingError``); there is
+nothing to drain *to* then, so the connection is closed at once with one ``nats_drain_skipped``
+warning. A drain that does not end in time (NATS half-up: the socket open, nothing answered)
+is cut short the same way (``nats_drain_cut_short``). Either way the service exits 0 inside
+Kubernetes' grace period: a pod deleted or rolled during an outage is not a crash. Nothing
+that matters is lost by it: a JetStream publish counts as done only once its stream acked it
+(work cut off before is redone by whoever takes it over), a delivery not acked is redelivered,
+and only core-NATS messages still buffered (heartbeats: their loss is harmless) are dropped.
+
 Fail-over: when the server leading a replicated stream dies, the stream has no leader for a
 few seconds (4-7 s measured here) and a JetStream publish fails with "no responders" or times
 out (the request went to the dead server). :meth:`Bus.publish` retries such a publish with the
@@ -77,6 +88,16 @@ DUPLICATE_WINDOW_S = 120.0
 NO_PLACEMENT = 10005
 PLACEMENT_WAITS = 30
 PLACEMENT_WAIT_S = 0.5
+# How long Bus.close may drain before it closes without: room for nats-py's own bound on the
+# subscriptions' drain (``drain_timeout``, 5 s, see connect) and a flush, and a third of
+# Kubernetes' default 30 s grace period, which leaves the rest to the service's own stop.
+CLOSE_TIMEOUT_S = 10.0
+# Closing without a drain, and each wait for a cancelled drain to end: both are local work
+# (nothing waits on the server), so a bound this short is only a guard.
+CLOSE_STEP_S = 1.0
+# nats-py's drain swallows the first cancellation (while its subscriptions drain) and goes on
+# to flush: it is cancelled again, at most this many times.
+DRAIN_CANCELS = 3
 # One publish attempt: a stream acks in milliseconds, so a request that sat this long went to a
 # server that died (or to a stream without a leader) and is retried rather than waited on.
 PUBLISH_ATTEMPT_TIMEOUT_S = 2.0
@@ -201,7 +222,9 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
         # With unlimited reconnects the client closes only when told to or when it gives up
         # for good (e.g. the server refused it); a service then has no way back but a restart.
         nc.closed_event.set()
-        if nc.last_error is not None:
+        # Closed by Bus.close: last_error is then only the outage's last reconnect attempt,
+        # which Bus.close has already reported in its one line.
+        if nc.last_error is not None and not nc.closing:
             log.warning("nats_closed", error=repr(nc.last_error))
         else:
             log.info("nats_closed")
@@ -295,11 +318,13 @@ class _CoalescingClient(NATS):
       a KV write, 7.2 against 3.7 µs for the eight of a republished one — every KV watch
       delivery and every request message carries a header block).
 
-    ``closed_event`` is set when the connection is closed for good (see :func:`connect`)."""
+    ``closed_event`` is set when the connection is closed for good (see :func:`connect`);
+    ``closing`` once :meth:`Bus.close` began (a deliberate close, not a connection lost)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.closed_event = asyncio.Event()
+        self.closing = False
 
     @staticmethod
     def _parse_header_lines(raw: bytes) -> dict[str, str]:
@@ -487,12 +512,50 @@ class Bus:
             await provision(bus.js, replicas=settings.stream_replicas)
         return bus
 
-    async def close(self) -> None:
+    async def close(self, *, timeout: float = CLOSE_TIMEOUT_S) -> None:
+        """Drain, then close; without the drain during an outage or past ``timeout``.
+
+        Never raises for the state NATS is in, and returns within about ``timeout`` seconds
+        (see the module docstring, "Closing")."""
+        if self.nc.is_closed:
+            return
+        if isinstance(self.nc, _CoalescingClient):
+            self.nc.closing = True
+        if not self.nc.is_connected:
+            # Reconnecting (or still connecting): nats-py's drain would raise, and what it
+            # would flush can only go to a server that is not there.
+            log.warning("nats_drain_skipped", reason="NATS unreachable: closed without draining")
+            await self._close_now()
+            return
+        draining = asyncio.ensure_future(self._drain())
+        try:
+            done, _ = await asyncio.wait({draining}, timeout=timeout)
+        except asyncio.CancelledError:
+            draining.cancel()  # held here: not left running behind a cancelled close
+            raise
+        if not done:
+            await _cancel_drain(draining)
+            log.warning("nats_drain_cut_short", reason=f"NATS did not answer the drain within {timeout:g}s")
+        else:
+            error = draining.exception()
+            if error is None:
+                return
+            if not isinstance(error, nats.errors.Error | OSError):
+                raise error
+            # The outage began during the drain (reconnecting, a flush unanswered).
+            log.warning("nats_drain_skipped", reason=f"NATS unreachable during the drain: {error!r}")
+        await self._close_now()
+
+    async def _drain(self) -> None:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()
-        if not self.nc.is_closed:
-            await self.nc.drain()
+        await self.nc.drain()
+
+    async def _close_now(self) -> None:
+        """Close without draining: pending writes are dropped, the reconnect loop stops."""
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.nc.close(), CLOSE_STEP_S)
 
     async def kv(self, bucket: str) -> KeyValue:
         if bucket not in self._kv:
@@ -835,6 +898,19 @@ class Bus:
                 await msg.respond(codec.encode(reply))
 
         self._subs.append(await self.nc.subscribe(subject, queue=queue, cb=on_msg))
+
+
+async def _cancel_drain(draining: asyncio.Future[None]) -> None:
+    """Stop a drain that ran out of time; nats-py's drain catches the first cancellation
+    (while its subscriptions drain) and goes on to flush, so it is cancelled again until it
+    ends, a bounded number of times."""
+    for _ in range(DRAIN_CANCELS):
+        draining.cancel()
+        done, _ = await asyncio.wait({draining}, timeout=CLOSE_STEP_S)
+        if done:
+            break
+    if draining.done() and not draining.cancelled():
+        draining.exception()  # retrieved: asyncio would log it as never retrieved
 
 
 def routing_source(subject: str) -> str:

@@ -78,6 +78,12 @@ class EmbeddedNats:
         return f"nats://{self.host}:{self.port}"
 
     @property
+    def pid(self) -> int | None:
+        """The server's process id while it runs (tests freeze it with SIGSTOP: a server that
+        keeps its connections open and answers nothing)."""
+        return self._proc.pid if self._proc is not None and self._proc.poll() is None else None
+
+    @property
     def log_lines(self) -> list[str]:
         """The first 200 lines the server logged (startup, errors such as permission violations)."""
         return list(self._lines)

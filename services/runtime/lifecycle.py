@@ -2,7 +2,12 @@
 
 ``run(service_main, settings)`` runs ``service_main(stop)`` where ``stop`` is an
 :class:`asyncio.Event` set on SIGTERM or SIGINT; the service finishes in-flight work, closes
-its consumers and returns. Tracing is flushed on the way out.
+its consumers and returns. Tracing is flushed on the way out. A stop during a NATS outage is
+as clean as any other (exit 0): :meth:`Bus.close` does not wait on a server that is not there.
+
+A service is ready (``/readyz``, ``tandem_ready``) once started and while its NATS connection
+is up; one that can be up and connected yet unable to do its work (the inventory while its
+node records cannot be written) says why through :class:`ReportsReadiness`.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import gc
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from services.runtime.bus import Bus, ConnectError
 from services.runtime.errors import SettingsError
@@ -114,6 +119,13 @@ class Runnable(Protocol):
     async def stop(self) -> None: ...
 
 
+@runtime_checkable
+class ReportsReadiness(Protocol):
+    """A service that can be connected yet not ready: ``unready()`` says why (None: ready)."""
+
+    def unready(self) -> str | None: ...
+
+
 def service_main(
     service: str,
     build: Callable[[Bus, Settings], Awaitable[Runnable]],
@@ -136,9 +148,17 @@ def service_main(
     async def main(stop: asyncio.Event) -> None:
         started = asyncio.Event()
         bus: Bus | None = None
+        svc: Runnable | None = None
+
+        def unready() -> str | None:
+            if not started.is_set():
+                return "starting"
+            if bus is None or not bus.nc.is_connected:
+                return "NATS unreachable"
+            return svc.unready() if isinstance(svc, ReportsReadiness) else None
 
         def ready() -> bool:
-            return started.is_set() and bus is not None and bus.nc.is_connected
+            return unready() is None
 
         def alive() -> bool:
             return bus is None or not bus.closed.is_set()
@@ -149,6 +169,7 @@ def service_main(
                 host=settings.ops_host,
                 ready=ready,
                 alive=alive,
+                reason=unready,
                 registry=service_registry(service, ready=ready),
             ).start()
             if settings.ops_port

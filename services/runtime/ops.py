@@ -4,7 +4,9 @@
 service is alive (``alive``: e.g. its NATS connection is not closed for good, which no
 reconnect can mend — the probe fails so Kubernetes restarts it);
 ``GET /readyz`` answers 200 once the service has started and its NATS connection is up,
-503 otherwise (so Kubernetes stops routing to, and restarts, a service that lost NATS);
+503 otherwise (so Kubernetes stops routing to, and restarts, a service that lost NATS), with
+the reason when ``reason`` gives one (e.g. the inventory's node records that cannot be
+written during an outage);
 ``GET /metrics`` is the Prometheus text exposition of the process's registry. Served on
 ``ops_port`` (the chart's 9090) when it is set.
 """
@@ -24,12 +26,14 @@ class OpsServer:
         port: int,
         ready: Callable[[], bool],
         alive: Callable[[], bool] = lambda: True,
+        reason: Callable[[], str | None] = lambda: None,
         host: str = "0.0.0.0",  # probes and scrapes come from outside the pod
         registry: CollectorRegistry = REGISTRY,
     ) -> None:
         self.port = port
         self.host = host
         self.ready = ready
+        self.reason = reason
         self.alive = alive
         self.registry = registry
         self._runner: web.AppRunner | None = None
@@ -42,7 +46,8 @@ class OpsServer:
     async def _readyz(self, _: web.Request) -> web.Response:
         if self.ready():
             return web.Response(text="ready\n")
-        return web.Response(status=503, text="not ready\n")
+        why = self.reason()
+        return web.Response(status=503, text=f"not ready: {why}\n" if why else "not ready\n")
 
     async def _metrics(self, _: web.Request) -> web.Response:
         body = generate_latest(self.registry)

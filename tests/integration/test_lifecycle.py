@@ -8,6 +8,8 @@ import signal
 import socket
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from typing import Any
 
 import pytest
@@ -36,6 +38,29 @@ class Breaker:
 
 async def build(bus, settings):
     return Breaker(bus)
+
+sys.exit(service_main("inventory", build, []))
+"""
+
+
+# A service connected and started that says it cannot do its work (as the inventory does while
+# its node records cannot be written): its /readyz must say so, and why.
+UNREADY = """
+import sys
+from services.runtime.lifecycle import service_main
+
+class Unready:
+    async def start(self):
+        pass
+
+    async def stop(self):
+        pass
+
+    def unready(self):
+        return "node records cannot be written: TimeoutError()"
+
+async def build(bus, settings):
+    return Unready()
 
 sys.exit(service_main("inventory", build, []))
 """
@@ -82,6 +107,42 @@ def test_sigterm_stops_a_service_still_waiting_for_nats() -> None:
             proc.kill()
     assert rc == 0
     assert "Traceback" not in (proc.stderr.read() if proc.stderr else "")
+
+
+def test_readyz_says_why_a_connected_service_is_not_ready() -> None:
+    ops = _free_port()
+    with EmbeddedNats() as server:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", UNREADY],
+            env={**_env(server.url), "TANDEM_OPS_PORT": str(ops)},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+
+            def with_reason() -> str:
+                assert proc.poll() is None, "the service exited early"
+                answer = _get(f"http://127.0.0.1:{ops}/readyz")
+                return answer if "node records" in answer else ""
+
+            body = wait_until_sync(with_reason, what="/readyz to give the reason")
+            assert body.startswith("503 not ready: node records cannot be written"), body
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=10) == 0
+
+
+def _get(url: str) -> str:
+    """``"<status> <body>"``, or ``""`` while nothing answers."""
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url, timeout=2) as resp:
+            return f"{resp.status} {resp.read().decode()}"
+    except urllib.error.HTTPError as exc:
+        return f"{exc.code} {exc.read().decode()}"
+    except OSError:
+        return ""
 
 
 def _free_port() -> int:
