@@ -40,9 +40,10 @@ import msgspec
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, ClaimMarker, ClaimRecord, PodRef
-from schemas.topology import SCOPES, MigProfile, ScopeName
+from schemas.topology import MigProfile
 from services.admission import names
 from services.admission.errors import InvalidClaim
+from services.request import Ask, Field, RequestError, resolve
 
 __all__ = [
     "CLAIM_REQUEST_PREFIX",
@@ -212,12 +213,6 @@ def _spec_path(message: str) -> str:
     return message.replace("Object contains unknown field", "unknown field")
 
 
-def _choice(value: str, allowed: tuple[str, ...], *, where: str) -> str:
-    if value not in allowed:
-        raise InvalidClaim(f"{where}: {value!r} is not one of {', '.join(allowed)}")
-    return value
-
-
 def expires_at(view: ClaimView) -> float | None:
     """The reservation's deadline (Unix seconds) from the claim's own fields, or ``None``."""
     spec, where = view.spec, view.display
@@ -234,63 +229,64 @@ def claim_request(view: ClaimView, *, device_classes: dict[str, DeviceClass]) ->
     """The claim's ``AllocationRequest``, with the device class's defaults applied, or
     :class:`InvalidClaim` naming the field (the same rules as a pod's annotations)."""
     spec, where = view.spec, view.display
-    if spec.gpus == 0 and spec.rdma == 0:
-        raise InvalidClaim(f"{where}: spec.gpus and spec.rdma are both 0; a claim must ask for devices")
-    cls = device_classes.get(spec.device_class)
-    if cls is None:
-        known = ", ".join(sorted(device_classes)) or "none configured"
-        raise InvalidClaim(
-            f"{where}: spec.deviceClass: unknown device class {spec.device_class!r} (known: {known})"
-        )
-    if cls.nic_function == "vf" and spec.rdma:
+    if spec.shares is not None:
+        if spec.shares.gpu_memory_mib is None and spec.shares.gpu_cores_percent is None:
+            raise InvalidClaim(f"{where}: spec.shares: give gpuMemoryMiB and/or gpuCoresPercent")
+        if spec.gpus == 0:
+            raise InvalidClaim(f"{where}: spec.shares needs spec.gpus > 0 (a share is of a GPU)")
+    ask = Ask(
+        gpus=spec.gpus,
+        rdma=spec.rdma,
+        device_class=spec.device_class,
+        scope=spec.scope,
+        policy=spec.policy,
+        pairing=spec.pairing,
+        gpu_memory_mib=spec.shares.gpu_memory_mib if spec.shares else None,
+        gpu_cores_percent=spec.shares.gpu_cores_percent if spec.shares else None,
+        mig_profile=spec.mig_profile,
+    )
+    try:
+        r = resolve(ask, classes=device_classes, names=_CLAIM_NAMES)
+    except RequestError as exc:
+        raise InvalidClaim(f"{where}: {exc}") from None
+    if r.dc.nic_function == "vf" and spec.rdma:
         # The node agent moves a VF's netdev into the network namespace of the allocation's
         # pod; a claim's allocation has no pod of its own (docs/sharing.md, "Limits").
         raise InvalidClaim(
             f"{where}: spec.deviceClass: class {spec.device_class!r} hands out NIC VFs, which a claim "
             "cannot pass on to its pods yet; use a class with PF NICs or ask for rdma: 0"
         )
-    scope = _choice(spec.scope or cls.scope, SCOPES, where=f"{where}: spec.scope")
-    pol = _choice(spec.policy or cls.policy, ("required", "preferred"), where=f"{where}: spec.policy")
-    default_pairing = cls.pairing or ("per-gpu" if spec.rdma == spec.gpus else "shared")
-    pairing = _choice(spec.pairing or default_pairing, ("per-gpu", "shared"), where=f"{where}: spec.pairing")
-    if pairing == "per-gpu" and spec.rdma != spec.gpus:
-        raise InvalidClaim(
-            f"{where}: spec.pairing per-gpu needs spec.rdma == spec.gpus (got {spec.rdma} and "
-            f"{spec.gpus}); ask for equal counts or set pairing: shared"
-        )
-    if spec.shares is not None:
-        if spec.gpus == 0:
-            raise InvalidClaim(f"{where}: spec.shares needs spec.gpus > 0 (a share is of a GPU)")
-        if spec.shares.gpu_memory_mib is None and spec.shares.gpu_cores_percent is None:
-            raise InvalidClaim(f"{where}: spec.shares: give gpuMemoryMiB and/or gpuCoresPercent")
-    if spec.mig_profile is not None:
-        # The request's rules (AllocationRequest.mig_profile): MIG instances are neither whole
-        # GPUs nor shares, and count = gpus.
-        if spec.shares is not None:
-            raise InvalidClaim(
-                f"{where}: spec.migProfile and spec.shares: a claim holds MIG instances or shares of "
-                "GPUs, not both; remove one of them"
-            )
-        if spec.gpus == 0:
-            raise InvalidClaim(
-                f"{where}: spec.migProfile needs spec.gpus > 0 (the number of {spec.mig_profile} instances)"
-            )
     deadline = expires_at(view)
     return AllocationRequest(
         request_id=claim_request_id(view.uid),
         pod=PodRef(namespace=view.namespace, name=view.name, uid=view.uid),
         gpus=spec.gpus,
         rdma=spec.rdma,
-        scope=cast(ScopeName, scope),
-        policy=cast(Literal["required", "preferred"], pol),
-        pairing=cast(Literal["per-gpu", "shared"], pairing),
+        scope=r.scope,
+        policy=r.policy,
+        pairing=r.pairing,
         device_class=spec.device_class,
         priority=spec.priority,
         claim=ClaimMarker(name=view.name, shareable=spec.shareable, expires_at=deadline),
-        gpu_memory_mib=spec.shares.gpu_memory_mib if spec.shares else None,
-        gpu_cores_percent=spec.shares.gpu_cores_percent if spec.shares else None,
-        mig_profile=spec.mig_profile,
+        gpu_memory_mib=r.gpu_memory_mib,
+        gpu_cores_percent=r.gpu_cores_percent,
+        mig_profile=r.mig_profile,
     )
+
+
+# How a claim's author writes each field (services.request names the field in errors).
+_CLAIM_NAMES: dict[Field, str] = {
+    "gpus": "spec.gpus",
+    "rdma": "spec.rdma",
+    "device_class": "spec.deviceClass",
+    "scope": "spec.scope",
+    "policy": "spec.policy",
+    "pairing": "spec.pairing",
+    "preemption": "spec.preemption",
+    "gpu_memory_mib": "spec.shares.gpuMemoryMiB",
+    "gpu_cores_percent": "spec.shares.gpuCoresPercent",
+    "mig_profile": "spec.migProfile",
+}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,7 @@ import hashlib
 import ipaddress
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import msgspec
 
@@ -47,9 +47,11 @@ from schemas.messages import (
     Pair,
     PodRef,
 )
-from schemas.topology import MIG_PROFILE_PATTERN, SCOPES, ScopeName
+from schemas.topology import ScopeName
 from services.admission import names
 from services.admission.errors import InvalidPod, PolicyError
+from services.request import Ask, Field, RequestError
+from services.request import resolve as resolve_request
 
 MAX_COUNT = 64
 TERMINAL_PHASES = frozenset({"Succeeded", "Failed"})
@@ -272,12 +274,6 @@ def _totals(pod: PodView) -> dict[str, int]:
     return total
 
 
-def _choice(value: str, allowed: tuple[str, ...], *, key: str) -> str:
-    if value not in allowed:
-        raise PolicyError(f"annotation {key}: {value!r} is not one of {', '.join(allowed)}")
-    return value
-
-
 def _network(ann: dict[str, str], *, rdma: int) -> NetworkSpec | None:
     given = {k: ann[k] for k in names.NETWORK_KEYS if k in ann}
     if not given:
@@ -350,54 +346,58 @@ def resolve(pod: PodView, *, device_classes: dict[str, DeviceClass]) -> TandemRe
             "so remove nodeName (use a nodeSelector to restrict nodes)"
         )
     ann = pod.annotations
-    class_name = ann.get(names.DEVICE_CLASS, names.DEFAULT_CLASS)
-    cls = device_classes.get(class_name)
-    if cls is None:
-        known = ", ".join(sorted(device_classes)) or "none configured"
-        raise PolicyError(
-            f"annotation {names.DEVICE_CLASS}: unknown device class {class_name!r} (known: {known})"
-        )
-    scope = cast(ScopeName, _choice(ann.get(names.SCOPE, cls.scope), SCOPES, key=names.SCOPE))
-    policy = cast(
-        Policy, _choice(ann.get(names.POLICY, cls.policy), ("required", "preferred"), key=names.POLICY)
-    )
-    default_pairing = cls.pairing or ("per-gpu" if rdma == gpus else "shared")
-    pairing = cast(
-        Pairing, _choice(ann.get(names.PAIRING, default_pairing), ("per-gpu", "shared"), key=names.PAIRING)
-    )
-    if pairing == "per-gpu" and rdma != gpus:
-        raise PolicyError(
-            f"pairing per-gpu gives every GPU its own NIC, so it needs as many {names.RESOURCE_RDMA} "
-            f"as {names.RESOURCE_GPU} (asked {rdma} and {gpus}); ask for equal counts or set "
-            f"{names.PAIRING}: shared"
-        )
-    memory, cores = _share_sizes(ann, shares=shares, cls=cls, class_name=class_name)
+    memory, cores = _share_sizes(ann, shares=shares)
     mig_profile = _mig_profile(ann, mig=mig)
     prio_text = ann.get(names.PRIORITY, str(names.DEFAULT_PRIORITY)).strip()
     lo, hi = names.PRIORITY_RANGE
     if not _INT.match(prio_text) or not lo <= int(prio_text) <= hi:
         raise PolicyError(f"annotation {names.PRIORITY}: {prio_text!r} is not a whole number in {lo}..{hi}")
-    preemption = cast(
-        PreemptionMode,
-        _choice(ann.get(names.PREEMPTION, cls.preemption), ("never", "lower-priority"), key=names.PREEMPTION),
-    )
-    return TandemRequest(
+    ask = Ask(
         gpus=gpus,
         rdma=rdma,
-        device_class=class_name,
-        scope=scope,
-        policy=policy,
-        pairing=pairing,
-        priority=int(prio_text),
-        network=_network(ann, rdma=rdma),
-        preemption=preemption,
+        device_class=ann.get(names.DEVICE_CLASS, names.DEFAULT_CLASS),
+        scope=ann.get(names.SCOPE),
+        policy=ann.get(names.POLICY),
+        pairing=ann.get(names.PAIRING),
+        preemption=ann.get(names.PREEMPTION),
         gpu_memory_mib=memory,
         gpu_cores_percent=cores,
         mig_profile=mig_profile,
     )
+    counted = names.RESOURCE_MIG if mig else names.RESOURCE_GPU_SHARE if shares else names.RESOURCE_GPU
+    try:
+        r = resolve_request(ask, classes=device_classes, names={**_POD_NAMES, "gpus": counted})
+    except RequestError as exc:
+        raise PolicyError(str(exc)) from None
+    return TandemRequest(
+        gpus=r.gpus,
+        rdma=r.rdma,
+        device_class=r.device_class,
+        scope=r.scope,
+        policy=r.policy,
+        pairing=r.pairing,
+        priority=int(prio_text),
+        network=_network(ann, rdma=rdma),
+        preemption=r.preemption,
+        gpu_memory_mib=r.gpu_memory_mib,
+        gpu_cores_percent=r.gpu_cores_percent,
+        mig_profile=r.mig_profile,
+    )
 
 
-_MIG_PROFILE = re.compile(MIG_PROFILE_PATTERN)
+# How a pod author writes each field of a request (services.request names the field in errors).
+_POD_NAMES: dict[Field, str] = {
+    "gpus": names.RESOURCE_GPU,
+    "rdma": names.RESOURCE_RDMA,
+    "device_class": f"annotation {names.DEVICE_CLASS}",
+    "scope": f"annotation {names.SCOPE}",
+    "policy": f"annotation {names.POLICY}",
+    "pairing": f"annotation {names.PAIRING}",
+    "preemption": f"annotation {names.PREEMPTION}",
+    "gpu_memory_mib": f"annotation {names.GPU_MEMORY_MIB}",
+    "gpu_cores_percent": f"annotation {names.GPU_CORES_PERCENT}",
+    "mig_profile": f"annotation {names.MIG_PROFILE}",
+}
 
 
 def _mig_profile(ann: dict[str, str], *, mig: int) -> str | None:
@@ -416,18 +416,12 @@ def _mig_profile(ann: dict[str, str], *, mig: int) -> str | None:
             f"{names.RESOURCE_MIG} needs the instances' profile: set annotation {names.MIG_PROFILE} "
             '(e.g. "1g.10gb")'
         )
-    profile = text.strip()
-    if not _MIG_PROFILE.match(profile):
-        raise PolicyError(
-            f'annotation {names.MIG_PROFILE}: {text!r} is not a MIG profile like "1g.10gb" or "3g.40gb"'
-        )
-    return profile
+    return text.strip()  # its form is the resolver's to check (services.request)
 
 
-def _share_sizes(
-    ann: dict[str, str], *, shares: int, cls: DeviceClass, class_name: str
-) -> tuple[int | None, int | None]:
-    """The per-GPU share size of a pod asking ``tandem.io/gpu-share`` (None, None otherwise)."""
+def _share_sizes(ann: dict[str, str], *, shares: int) -> tuple[int | None, int | None]:
+    """The per-GPU share size of a pod asking ``tandem.io/gpu-share`` (None, None otherwise);
+    whether its class allows shares is the resolver's to check (services.request)."""
     given = [k for k in names.SHARE_KEYS if k in ann]
     if not shares:
         if given:
@@ -437,11 +431,6 @@ def _share_sizes(
                 f"{names.RESOURCE_GPU}, or remove the annotation"
             )
         return None, None
-    if cls.sharing == "none":
-        raise PolicyError(
-            f"device class {class_name!r} does not allow GPU shares (sharing: none); ask "
-            f"{names.RESOURCE_GPU} for whole GPUs, or choose a class with sharing in {names.DEVICE_CLASS}"
-        )
     if not given:
         raise PolicyError(
             f"{names.RESOURCE_GPU_SHARE} needs the share's size: set annotation "

@@ -328,14 +328,14 @@ def test_mig_request_errors_name_the_field() -> None:
     try:
         cluster.decide(both)
     except InvalidRequest as exc:
-        assert "mig_profile cannot be combined with gpu_memory_mib" in str(exc)
+        assert "mig_profile and gpu_memory_mib: a MIG instance is not shared" in str(exc)
     else:
         raise AssertionError("a MIG request with a share was accepted")
     none = AllocationRequest(request_id="r", pod=PodRef("ns", "p"), gpus=0, rdma=1, mig_profile="1g.10gb")
     try:
         cluster.decide(none)
     except InvalidRequest as exc:
-        assert "mig_profile '1g.10gb' needs gpus >= 1" in str(exc)
+        assert "mig_profile '1g.10gb' needs at least one instance: ask it in gpus" in str(exc)
     else:
         raise AssertionError("a MIG request without GPUs was accepted")
 

@@ -22,7 +22,8 @@ from services.admission.errors import InvalidClaim
 
 CLASSES = {
     "default": DeviceClass(),
-    "numa": DeviceClass(scope="numa", policy="required"),
+    "numa": DeviceClass(scope="numa", policy="required", sharing="hami"),
+    "shared": DeviceClass(sharing="hami"),
     "vf": DeviceClass(nic_function="vf"),
 }
 CRD = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem" / "crds" / "deviceclaims.yaml"
@@ -57,12 +58,15 @@ def request(spec: dict[str, Any]) -> Any:
         ({"gpus": 0, "rdma": 0}, "DeviceClaim ml/c1: spec.gpus and spec.rdma are both 0"),
         (
             {"gpus": 1, "deviceClass": "h100"},
-            "spec.deviceClass: unknown device class 'h100' (known: default, numa, vf)",
+            "spec.deviceClass: unknown device class 'h100' (known: default, numa, shared, vf)",
         ),
         ({"gpus": 1, "rdma": 1, "deviceClass": "vf"}, "class 'vf' hands out NIC VFs, which a claim cannot"),
         ({"gpus": 1, "scope": "rack"}, "spec.scope: 'rack' is not one of pcie-switch, pcie-root, numa"),
         ({"gpus": 1, "policy": "maybe"}, "spec.policy: 'maybe' is not one of required, preferred"),
-        ({"gpus": 2, "rdma": 1, "pairing": "per-gpu"}, "spec.pairing per-gpu needs spec.rdma == spec.gpus"),
+        (
+            {"gpus": 2, "rdma": 1, "pairing": "per-gpu"},
+            "spec.pairing: per-gpu gives every GPU its own NIC, so it needs as many spec.rdma as spec.gpus",
+        ),
         ({"gpus": 1, "priority": 2_000_000}, "Expected `int` <= 1000000 - at `spec.priority`"),
         (
             {"gpus": 1, "shares": {"gpuCoresPercent": 150}},
@@ -70,6 +74,11 @@ def request(spec: dict[str, Any]) -> Any:
         ),
         ({"gpus": 1, "shares": {}}, "spec.shares: give gpuMemoryMiB and/or gpuCoresPercent"),
         ({"rdma": 1, "shares": {"gpuMemoryMiB": 1024}}, "spec.shares needs spec.gpus > 0"),
+        # The class must allow shares: the allocator would refuse them (services.request).
+        (
+            {"gpus": 1, "shares": {"gpuMemoryMiB": 1024}},
+            "spec.shares.gpuMemoryMiB: device class 'default' does not allow GPU shares (sharing: none)",
+        ),
         (
             {"gpus": 1, "migProfile": "1g"},
             'DeviceClaim ml/c1: spec.migProfile: \'1g\' is not a MIG profile like "1g.10gb" or "3g.40gb"',
@@ -80,11 +89,11 @@ def request(spec: dict[str, Any]) -> Any:
         ),
         (
             {"gpus": 1, "migProfile": "1g.10gb", "shares": {"gpuMemoryMiB": 1024}},
-            "DeviceClaim ml/c1: spec.migProfile and spec.shares: a claim holds MIG instances or shares",
+            "DeviceClaim ml/c1: spec.migProfile and spec.shares.gpuMemoryMiB: a MIG instance is not shared",
         ),
         (
             {"rdma": 1, "migProfile": "1g.10gb"},
-            "DeviceClaim ml/c1: spec.migProfile needs spec.gpus > 0 (the number of 1g.10gb instances)",
+            "DeviceClaim ml/c1: spec.migProfile '1g.10gb' needs at least one instance: ask it in spec.gpus",
         ),
         ({"gpus": 1, "expiresAfter": "soon"}, "spec.expiresAfter: 'soon' is not a duration like 90s"),
         ({"gpus": 1, "expiresAfter": "0s"}, "spec.expiresAfter: '0s' must be more than 0s"),
@@ -215,7 +224,7 @@ def test_a_pod_on_a_claim_asks_the_claims_kind_of_gpu_device() -> None:
         "the pod asks for MIG instances 1g.10gb, but DeviceClaim 'c1' holds whole GPUs; a pod using it "
         "asks for tandem.io/gpu"
     )
-    share = _state({"gpus": 1, "shares": {"gpuMemoryMiB": 20480}})
+    share = _state({"gpus": 1, "deviceClass": "shared", "shares": {"gpuMemoryMiB": 20480}})
     assert why(share, gpu_memory_mib=20480) is None
     assert why(share) == (
         "the pod asks for whole GPUs, but DeviceClaim 'c1' holds shares of GPUs; a pod using it asks "
@@ -360,7 +369,14 @@ def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: st
 
 def test_the_claim_marker_rides_the_wire_and_old_requests_still_decode() -> None:
     req = request(
-        {"gpus": 2, "rdma": 2, "shareable": True, "expiresAfter": "1h", "shares": {"gpuCoresPercent": 30}}
+        {
+            "gpus": 2,
+            "rdma": 2,
+            "deviceClass": "shared",
+            "shareable": True,
+            "expiresAfter": "1h",
+            "shares": {"gpuCoresPercent": 30},
+        }
     )
     back = codec.ALLOC_EVENT.decode(codec.encode(req))
     assert back == req and back.claim.expires_at == T0 + 3600 and back.gpu_cores_percent == 30  # type: ignore[union-attr]

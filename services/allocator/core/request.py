@@ -1,9 +1,8 @@
 """Requests as the core sees them: defaults applied, names parsed, one hashable key.
 
 :func:`normalise` turns a wire :class:`~schemas.messages.AllocationRequest` into a
-:class:`Spec`: the device class fills in scope, policy and pairing the request left out, and
-``pairing=None`` becomes ``per-gpu`` when the request asks as many NICs as GPUs (and at least
-one), ``shared`` otherwise. Everything that can never work is an
+:class:`Spec`: the request is resolved by :mod:`services.request` (the class's defaults, the
+rules every entry point shares), so everything that can never work is an
 :class:`~services.allocator.core.errors.InvalidRequest` here, before any node is looked at.
 
 :func:`pending_order` is the queue order the allocator service retries pending requests in:
@@ -21,6 +20,7 @@ import msgspec
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest
 from schemas.topology import Scope
+from services.request import Ask, RequestError, resolve
 
 from .errors import InvalidRequest
 
@@ -86,77 +86,24 @@ class Spec:
 
 
 def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spec:
-    dc = classes.get(req.device_class)
-    if dc is None:
-        known = ", ".join(sorted(classes)) or "none"
-        raise InvalidRequest(
-            f"request {req.request_id}: unknown device class {req.device_class!r} (known: {known})"
-        )
+    """The request resolved (:mod:`services.request`) and made a :class:`Spec`."""
     try:
-        scope = Scope.parse(req.scope if req.scope is not None else dc.scope)
-    except ValueError as exc:
+        r = resolve(Ask.of(req), classes=classes)
+    except RequestError as exc:
         raise InvalidRequest(f"request {req.request_id}: {exc}") from None
-    policy = req.policy if req.policy is not None else dc.policy
-    if policy not in ("required", "preferred"):
-        raise InvalidRequest(f"request {req.request_id}: unknown policy {policy!r}")
-    if req.gpus < 0 or req.rdma < 0:
-        raise InvalidRequest(f"request {req.request_id}: negative device count")
-    if req.gpus == 0 and req.rdma == 0:
-        raise InvalidRequest(f"request {req.request_id}: asks for no GPU and no NIC")
-    pairing = req.pairing if req.pairing is not None else dc.pairing
-    if pairing is None or (req.pairing is None and pairing == "per-gpu" and req.gpus != req.rdma):
-        # A class default of per-gpu cannot apply to a request with unequal counts.
-        pairing = "per-gpu" if req.gpus == req.rdma else "shared"
-    if pairing not in ("per-gpu", "shared"):
-        raise InvalidRequest(f"request {req.request_id}: unknown pairing {pairing!r}")
-    if pairing == "per-gpu" and req.gpus != req.rdma:
-        raise InvalidRequest(
-            f"request {req.request_id}: pairing per-gpu needs as many NICs as GPUs "
-            f"(asked {req.gpus} GPUs, {req.rdma} NICs); use pairing shared"
-        )
-    shared = req.gpu_memory_mib is not None or req.gpu_cores_percent is not None
-    if shared and req.mig_profile is not None:
-        raise InvalidRequest(
-            f"request {req.request_id}: mig_profile cannot be combined with gpu_memory_mib / "
-            "gpu_cores_percent (a MIG instance is not shared); ask one or the other"
-        )
-    if shared:
-        if dc.sharing == "none":
-            raise InvalidRequest(
-                f"request {req.request_id}: device class {req.device_class!r} does not allow GPU "
-                "shares (sharing: none); drop gpu_memory_mib / gpu_cores_percent to ask whole "
-                "GPUs, or use a class with sharing: hami or mps"
-            )
-        if req.gpus < 1:
-            raise InvalidRequest(
-                f"request {req.request_id}: gpu_memory_mib / gpu_cores_percent are per GPU; "
-                "ask at least one GPU (gpus: N means N shared GPUs)"
-            )
-        if (req.gpu_memory_mib is not None and req.gpu_memory_mib < 1) or (
-            req.gpu_cores_percent is not None and not 1 <= req.gpu_cores_percent <= 100
-        ):
-            raise InvalidRequest(
-                f"request {req.request_id}: gpu_memory_mib must be at least 1 and "
-                "gpu_cores_percent between 1 and 100"
-            )
-    if req.mig_profile is not None and req.gpus < 1:
-        raise InvalidRequest(
-            f"request {req.request_id}: mig_profile {req.mig_profile!r} needs gpus >= 1 "
-            "(gpus: N means N MIG instances of the profile)"
-        )
     return Spec(
-        gpus=req.gpus,
-        rdma=req.rdma,
-        scope=scope,
-        required=policy == "required",
-        per_gpu=pairing == "per-gpu",
-        device_class=req.device_class,
-        dc=dc,
+        gpus=r.gpus,
+        rdma=r.rdma,
+        scope=Scope.parse(r.scope),
+        required=r.policy == "required",
+        per_gpu=r.pairing == "per-gpu",
+        device_class=r.device_class,
+        dc=r.dc,
         selector=tuple(sorted(req.node_selector.items())),
-        shared=shared,
-        memory_mib=req.gpu_memory_mib or 0,
-        cores_percent=req.gpu_cores_percent or 0,
-        mig_profile=req.mig_profile or "",
+        shared=r.shared,
+        memory_mib=r.gpu_memory_mib or 0,
+        cores_percent=r.gpu_cores_percent or 0,
+        mig_profile=r.mig_profile or "",
     )
 
 

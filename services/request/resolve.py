@@ -1,0 +1,226 @@
+"""Resolve a request once, the same way everywhere.
+
+A request reaches Tandem through a pod's resources and annotations (the admission webhook and
+the pod bridge), a DeviceClaim's spec (the claim bridge), the CLI's flags, a `tandem plan` line
+and, at the end, the allocator, which decides every request it receives. Each of them used to
+apply the device class's defaults and check the rules itself, and they differed (a class whose
+default pairing is ``per-gpu`` made the webhook refuse a pod with unequal counts that the
+allocator would have placed with ``shared`` pairing; a claim could ask a share of a class that
+does not share, which only the allocator refused). Now each of them describes what was asked as
+an :class:`Ask` and calls :func:`resolve`:
+
+* the class's defaults fill what the ask left out (scope, policy, pairing, preemption); a
+  class's default pairing ``per-gpu`` applies only where it can (as many NICs as GPUs), else
+  the pairing follows the counts;
+* every rule that does not depend on a node is checked here, so what admission accepts the
+  allocator does not reject for a rule (only for want of room);
+* an error is a :class:`RequestError` naming the field, in the words of the caller's user:
+  ``names`` maps each :data:`Field` to how that user writes it (``annotation tandem.io/scope``
+  for a pod author, ``spec.scope`` for a claim's, ``--scope`` for the CLI's).
+
+The allocator resolves again what admission resolved (a class may have changed meanwhile):
+resolving a resolved request changes nothing.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+from schemas.config import DeviceClass
+from schemas.messages import AllocationRequest
+from schemas.topology import MIG_PROFILE_PATTERN, SCOPES, ScopeName
+
+__all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "resolve"]
+
+Field = Literal[
+    "gpus",
+    "rdma",
+    "device_class",
+    "scope",
+    "policy",
+    "pairing",
+    "preemption",
+    "gpu_memory_mib",
+    "gpu_cores_percent",
+    "mig_profile",
+]
+# The fields a device class gives a default for.
+CLASS_DEFAULTED: tuple[Field, ...] = ("scope", "policy", "pairing", "preemption")
+# How the wire (and the allocator's log) names each field.
+WIRE_NAMES: Mapping[Field, str] = {f: f for f in Field.__args__}  # type: ignore[attr-defined]
+
+POLICIES = ("required", "preferred")
+PAIRINGS = ("per-gpu", "shared")
+PREEMPTIONS = ("never", "lower-priority")
+MAX_SHARE_MIB = 2**24
+_MIG_PROFILE = re.compile(MIG_PROFILE_PATTERN)
+
+
+class RequestError(ValueError):
+    """A request that can never be placed; ``field`` is what is wrong, and the message names
+    it in the caller's words."""
+
+    def __init__(self, field: Field, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What was asked, before defaults; ``None`` means "the class's"."""
+
+    gpus: int
+    rdma: int
+    device_class: str
+    scope: str | None = None
+    policy: str | None = None
+    pairing: str | None = None
+    preemption: str | None = None
+    gpu_memory_mib: int | None = None
+    gpu_cores_percent: int | None = None
+    mig_profile: str | None = None
+
+    @classmethod
+    def of(cls, req: AllocationRequest) -> Ask:
+        """The ask a wire request carries."""
+        return cls(
+            gpus=req.gpus,
+            rdma=req.rdma,
+            device_class=req.device_class,
+            scope=req.scope,
+            policy=req.policy,
+            pairing=req.pairing,
+            preemption=req.preemption,
+            gpu_memory_mib=req.gpu_memory_mib,
+            gpu_cores_percent=req.gpu_cores_percent,
+            mig_profile=req.mig_profile,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """A request with nothing left to default; ``dc`` is its device class."""
+
+    gpus: int
+    rdma: int
+    device_class: str
+    dc: DeviceClass
+    scope: ScopeName
+    policy: Literal["required", "preferred"]
+    pairing: Literal["per-gpu", "shared"]
+    preemption: Literal["never", "lower-priority"]
+    gpu_memory_mib: int | None = None
+    gpu_cores_percent: int | None = None
+    mig_profile: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        """Asks a share of each GPU rather than whole GPUs."""
+        return self.gpu_memory_mib is not None or self.gpu_cores_percent is not None
+
+
+def resolve(
+    ask: Ask, *, classes: Mapping[str, DeviceClass], names: Mapping[Field, str] = WIRE_NAMES
+) -> Resolved:
+    """``ask`` with its class's defaults applied, or :class:`RequestError` (module docstring)."""
+    n = names
+    if ask.gpus < 0 or ask.rdma < 0:
+        field: Field = "gpus" if ask.gpus < 0 else "rdma"
+        raise RequestError(field, f"{n[field]}: {min(ask.gpus, ask.rdma)} is negative; ask 0 or more")
+    if ask.gpus == 0 and ask.rdma == 0:
+        raise RequestError("gpus", f"{n['gpus']} and {n['rdma']} are both 0; ask for GPUs, NICs or both")
+    dc = classes.get(ask.device_class)
+    if dc is None:
+        known = ", ".join(sorted(classes)) or "none configured"
+        raise RequestError(
+            "device_class", f"{n['device_class']}: unknown device class {ask.device_class!r} (known: {known})"
+        )
+    scope = _choice(ask.scope if ask.scope is not None else dc.scope, SCOPES, field="scope", names=n)
+    policy = _choice(ask.policy if ask.policy is not None else dc.policy, POLICIES, field="policy", names=n)
+    preemption = _choice(
+        ask.preemption if ask.preemption is not None else dc.preemption,
+        PREEMPTIONS,
+        field="preemption",
+        names=n,
+    )
+    equal = ask.gpus == ask.rdma
+    if ask.pairing is not None:
+        pairing = _choice(ask.pairing, PAIRINGS, field="pairing", names=n)
+    elif dc.pairing is not None and (dc.pairing != "per-gpu" or equal):
+        pairing = dc.pairing  # the class's default, where it can apply
+    else:
+        pairing = "per-gpu" if equal else "shared"
+    if pairing == "per-gpu" and not equal:
+        raise RequestError(
+            "pairing",
+            f"{n['pairing']}: per-gpu gives every GPU its own NIC, so it needs as many {n['rdma']} as "
+            f"{n['gpus']} (asked {ask.rdma} and {ask.gpus}); ask for equal counts or pairing shared",
+        )
+    _check_share(ask, dc, names=n)
+    _check_mig(ask, names=n)
+    return Resolved(
+        gpus=ask.gpus,
+        rdma=ask.rdma,
+        device_class=ask.device_class,
+        dc=dc,
+        scope=cast(ScopeName, scope),
+        policy=cast(Literal["required", "preferred"], policy),
+        pairing=cast(Literal["per-gpu", "shared"], pairing),
+        preemption=cast(Literal["never", "lower-priority"], preemption),
+        gpu_memory_mib=ask.gpu_memory_mib,
+        gpu_cores_percent=ask.gpu_cores_percent,
+        mig_profile=ask.mig_profile,
+    )
+
+
+def _choice(value: str, allowed: tuple[str, ...], *, field: Field, names: Mapping[Field, str]) -> str:
+    if value not in allowed:
+        raise RequestError(field, f"{names[field]}: {value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
+def _check_share(ask: Ask, dc: DeviceClass, *, names: Mapping[Field, str]) -> None:
+    n = names
+    memory, cores = ask.gpu_memory_mib, ask.gpu_cores_percent
+    if memory is None and cores is None:
+        return
+    field: Field = "gpu_memory_mib" if memory is not None else "gpu_cores_percent"
+    if ask.mig_profile is not None:
+        raise RequestError(
+            "mig_profile",
+            f"{n['mig_profile']} and {n[field]}: a MIG instance is not shared, so ask MIG instances "
+            "or shares of GPUs, not both",
+        )
+    if dc.sharing == "none":
+        raise RequestError(
+            field,
+            f"{n[field]}: device class {ask.device_class!r} does not allow GPU shares (sharing: none); "
+            f"ask whole GPUs, or choose a class with sharing hami or mps in {n['device_class']}",
+        )
+    if ask.gpus < 1:
+        raise RequestError(
+            "gpus", f"{n[field]} sizes a share of each GPU: ask at least one GPU in {n['gpus']}"
+        )
+    if memory is not None and not 1 <= memory <= MAX_SHARE_MIB:
+        raise RequestError("gpu_memory_mib", f"{n['gpu_memory_mib']}: {memory} is not in 1..{MAX_SHARE_MIB}")
+    if cores is not None and not 1 <= cores <= 100:
+        raise RequestError("gpu_cores_percent", f"{n['gpu_cores_percent']}: {cores} is not in 1..100")
+
+
+def _check_mig(ask: Ask, *, names: Mapping[Field, str]) -> None:
+    n = names
+    if ask.mig_profile is None:
+        return
+    if not _MIG_PROFILE.match(ask.mig_profile):
+        raise RequestError(
+            "mig_profile",
+            f"{n['mig_profile']}: {ask.mig_profile!r} is not a MIG profile like 1g.10gb or 3g.40gb",
+        )
+    if ask.gpus < 1:
+        raise RequestError(
+            "gpus",
+            f"{n['mig_profile']} {ask.mig_profile!r} needs at least one instance: ask it in {n['gpus']}",
+        )
