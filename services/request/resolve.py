@@ -26,11 +26,9 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Literal, NamedTuple, NoReturn, Protocol, cast
 
 from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest
 from schemas.topology import MIG_PROFILE_PATTERN, SCOPES, ScopeName
 
 __all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "resolve"]
@@ -56,6 +54,8 @@ POLICIES = ("required", "preferred")
 PAIRINGS = ("per-gpu", "shared")
 PREEMPTIONS = ("never", "lower-priority")
 MAX_SHARE_MIB = 2**24
+_SCOPES, _POLICIES = frozenset(SCOPES), frozenset(POLICIES)
+_PAIRINGS, _PREEMPTIONS = frozenset(PAIRINGS), frozenset(PREEMPTIONS)
 _MIG_PROFILE = re.compile(MIG_PROFILE_PATTERN)
 
 
@@ -68,9 +68,10 @@ class RequestError(ValueError):
         self.field = field
 
 
-@dataclass(frozen=True, slots=True)
-class Ask:
-    """What was asked, before defaults; ``None`` means "the class's"."""
+class Ask(NamedTuple):
+    """What was asked, before defaults; ``None`` means "the class's". (Named tuples, not
+    frozen dataclasses: the allocator resolves every request it decides, and a frozen
+    dataclass's construction cost several times a tuple's.)"""
 
     gpus: int
     rdma: int
@@ -83,25 +84,8 @@ class Ask:
     gpu_cores_percent: int | None = None
     mig_profile: str | None = None
 
-    @classmethod
-    def of(cls, req: AllocationRequest) -> Ask:
-        """The ask a wire request carries."""
-        return cls(
-            gpus=req.gpus,
-            rdma=req.rdma,
-            device_class=req.device_class,
-            scope=req.scope,
-            policy=req.policy,
-            pairing=req.pairing,
-            preemption=req.preemption,
-            gpu_memory_mib=req.gpu_memory_mib,
-            gpu_cores_percent=req.gpu_cores_percent,
-            mig_profile=req.mig_profile,
-        )
 
-
-@dataclass(frozen=True, slots=True)
-class Resolved:
+class Resolved(NamedTuple):
     """A request with nothing left to default; ``dc`` is its device class."""
 
     gpus: int
@@ -122,8 +106,34 @@ class Resolved:
         return self.gpu_memory_mib is not None or self.gpu_cores_percent is not None
 
 
+class Asked(Protocol):
+    """What :func:`resolve` reads: an :class:`Ask`, or a wire
+    :class:`~schemas.messages.AllocationRequest` as it is (the allocator's path, no copy)."""
+
+    @property
+    def gpus(self) -> int: ...
+    @property
+    def rdma(self) -> int: ...
+    @property
+    def device_class(self) -> str: ...
+    @property
+    def scope(self) -> str | None: ...
+    @property
+    def policy(self) -> str | None: ...
+    @property
+    def pairing(self) -> str | None: ...
+    @property
+    def preemption(self) -> str | None: ...
+    @property
+    def gpu_memory_mib(self) -> int | None: ...
+    @property
+    def gpu_cores_percent(self) -> int | None: ...
+    @property
+    def mig_profile(self) -> str | None: ...
+
+
 def resolve(
-    ask: Ask, *, classes: Mapping[str, DeviceClass], names: Mapping[Field, str] = WIRE_NAMES
+    ask: Asked, *, classes: Mapping[str, DeviceClass], names: Mapping[Field, str] = WIRE_NAMES
 ) -> Resolved:
     """``ask`` with its class's defaults applied, or :class:`RequestError` (module docstring)."""
     n = names
@@ -138,17 +148,22 @@ def resolve(
         raise RequestError(
             "device_class", f"{n['device_class']}: unknown device class {ask.device_class!r} (known: {known})"
         )
-    scope = _choice(ask.scope if ask.scope is not None else dc.scope, SCOPES, field="scope", names=n)
-    policy = _choice(ask.policy if ask.policy is not None else dc.policy, POLICIES, field="policy", names=n)
-    preemption = _choice(
-        ask.preemption if ask.preemption is not None else dc.preemption,
-        PREEMPTIONS,
-        field="preemption",
-        names=n,
-    )
+    # The allocator resolves every request it decides: the common path is a few membership
+    # tests and one tuple, the messages are built only for an error.
+    scope = ask.scope if ask.scope is not None else dc.scope
+    if scope not in _SCOPES:
+        _refuse("scope", scope, SCOPES, names=n)
+    policy = ask.policy if ask.policy is not None else dc.policy
+    if policy not in _POLICIES:
+        _refuse("policy", policy, POLICIES, names=n)
+    preemption = ask.preemption if ask.preemption is not None else dc.preemption
+    if preemption not in _PREEMPTIONS:
+        _refuse("preemption", preemption, PREEMPTIONS, names=n)
     equal = ask.gpus == ask.rdma
-    if ask.pairing is not None:
-        pairing = _choice(ask.pairing, PAIRINGS, field="pairing", names=n)
+    pairing = ask.pairing
+    if pairing is not None:
+        if pairing not in _PAIRINGS:
+            _refuse("pairing", pairing, PAIRINGS, names=n)
     elif dc.pairing is not None and (dc.pairing != "per-gpu" or equal):
         pairing = dc.pairing  # the class's default, where it can apply
     else:
@@ -159,30 +174,30 @@ def resolve(
             f"{n['pairing']}: per-gpu gives every GPU its own NIC, so it needs as many {n['rdma']} as "
             f"{n['gpus']} (asked {ask.rdma} and {ask.gpus}); ask for equal counts or pairing shared",
         )
-    _check_share(ask, dc, names=n)
-    _check_mig(ask, names=n)
+    if ask.gpu_memory_mib is not None or ask.gpu_cores_percent is not None:
+        _check_share(ask, dc, names=n)
+    if ask.mig_profile is not None:
+        _check_mig(ask, names=n)
     return Resolved(
-        gpus=ask.gpus,
-        rdma=ask.rdma,
-        device_class=ask.device_class,
-        dc=dc,
-        scope=cast(ScopeName, scope),
-        policy=cast(Literal["required", "preferred"], policy),
-        pairing=cast(Literal["per-gpu", "shared"], pairing),
-        preemption=cast(Literal["never", "lower-priority"], preemption),
-        gpu_memory_mib=ask.gpu_memory_mib,
-        gpu_cores_percent=ask.gpu_cores_percent,
-        mig_profile=ask.mig_profile,
+        ask.gpus,
+        ask.rdma,
+        ask.device_class,
+        dc,
+        cast(ScopeName, scope),
+        cast(Literal["required", "preferred"], policy),
+        cast(Literal["per-gpu", "shared"], pairing),
+        cast(Literal["never", "lower-priority"], preemption),
+        ask.gpu_memory_mib,
+        ask.gpu_cores_percent,
+        ask.mig_profile,
     )
 
 
-def _choice(value: str, allowed: tuple[str, ...], *, field: Field, names: Mapping[Field, str]) -> str:
-    if value not in allowed:
-        raise RequestError(field, f"{names[field]}: {value!r} is not one of {', '.join(allowed)}")
-    return value
+def _refuse(field: Field, value: str, allowed: tuple[str, ...], *, names: Mapping[Field, str]) -> NoReturn:
+    raise RequestError(field, f"{names[field]}: {value!r} is not one of {', '.join(allowed)}")
 
 
-def _check_share(ask: Ask, dc: DeviceClass, *, names: Mapping[Field, str]) -> None:
+def _check_share(ask: Asked, dc: DeviceClass, *, names: Mapping[Field, str]) -> None:
     n = names
     memory, cores = ask.gpu_memory_mib, ask.gpu_cores_percent
     if memory is None and cores is None:
@@ -210,7 +225,7 @@ def _check_share(ask: Ask, dc: DeviceClass, *, names: Mapping[Field, str]) -> No
         raise RequestError("gpu_cores_percent", f"{n['gpu_cores_percent']}: {cores} is not in 1..100")
 
 
-def _check_mig(ask: Ask, *, names: Mapping[Field, str]) -> None:
+def _check_mig(ask: Asked, *, names: Mapping[Field, str]) -> None:
     n = names
     if ask.mig_profile is None:
         return

@@ -20,7 +20,7 @@ import msgspec
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest
 from schemas.topology import Scope
-from services.request import Ask, RequestError, resolve
+from services.request import RequestError, resolve
 
 from .errors import InvalidRequest
 
@@ -88,7 +88,7 @@ class Spec:
 def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spec:
     """The request resolved (:mod:`services.request`) and made a :class:`Spec`."""
     try:
-        r = resolve(Ask.of(req), classes=classes)
+        r = resolve(req, classes=classes)
     except RequestError as exc:
         raise InvalidRequest(f"request {req.request_id}: {exc}") from None
     return Spec(
