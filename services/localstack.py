@@ -30,7 +30,8 @@ from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
 from services.runtime.bus import Bus, Delivery
-from services.runtime.metrics import service_registry, watch_consumers
+from services.runtime.consumerlag import watch_consumers
+from services.runtime.metrics import service_registry
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings
 from services.runtime.tasks import Supervisor

@@ -22,10 +22,11 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from services.runtime.bus import Bus, ConnectError
+from services.runtime.consumerlag import watch_consumers
 from services.runtime.errors import SettingsError
 from services.runtime.logging import setup_logging
 from services.runtime.looplag import watch_loop
-from services.runtime.metrics import service_registry, watch_consumers
+from services.runtime.metrics import service_registry
 from services.runtime.ops import OpsServer
 from services.runtime.settings import Settings, load_settings
 from services.runtime.tracing import setup_tracing, shutdown_tracing

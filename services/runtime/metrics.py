@@ -4,8 +4,8 @@
   :func:`services.runtime.bus.connect` each time nats-py reconnects;
 * :data:`CONSUMER_PENDING` (``tandem_consumer_pending_messages{service,consumer}``): the
   messages a durable consumer has not been handed yet, from the server's consumer info,
-  polled by :func:`watch_consumers` (a lagging service shows here before it shows anywhere
-  else);
+  polled by :func:`services.runtime.consumerlag.watch_consumers` (a lagging service shows
+  here before it shows anywhere else);
 * ``tandem_ready{service}``: 1 while the service would answer ``/readyz`` with 200, written by
   :class:`ServiceView` at scrape time (the alert "allocator without a ready replica" sums it).
 
@@ -22,11 +22,8 @@ and each service is served on its own port (:class:`services.runtime.ops.OpsServ
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
 
-from nats.js.errors import NotFoundError
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -34,9 +31,6 @@ from prometheus_client.registry import Collector
 from schemas.messages import DeviceHealth, NodeAllocations
 from schemas.topology import NodeTopology
 from services.runtime.logging import get_logger
-
-if TYPE_CHECKING:
-    from services.runtime.bus import Bus
 
 log = get_logger(__name__)
 
@@ -52,8 +46,6 @@ CONSUMER_PENDING = Gauge(
     "Messages a durable consumer has not been handed yet (consumer info num_pending, polled)",
     ["service", "consumer"],
 )
-# How often the consumer infos are asked for: one small request per consumer.
-CONSUMER_POLL_S = 5.0
 
 # Families that belong to one service (shown only on its port), by name prefix.
 SERVICE_PREFIXES: dict[str, tuple[str, ...]] = {
@@ -139,23 +131,6 @@ def service_registry(
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ServiceView(service, ready=ready, collectors=collectors))
     return registry
-
-
-async def watch_consumers(buses: Iterable[Bus], *, interval: float = CONSUMER_POLL_S) -> None:
-    """Keep :data:`CONSUMER_PENDING` up to date for every durable consumer the buses run."""
-    buses = list(buses)
-    while True:
-        for bus in buses:
-            for stream, durable in sorted(bus.consumers):
-                try:
-                    info = await bus.js.consumer_info(stream, durable)
-                except NotFoundError:
-                    continue  # being recreated (Bus.consume does it): the next poll sees it
-                except Exception as exc:  # NATS away: keep the last value
-                    log.debug("consumer_info_failed", consumer=durable, error=repr(exc))
-                    continue
-                CONSUMER_PENDING.labels(bus.service, durable).set(info.num_pending or 0)
-        await asyncio.sleep(interval)
 
 
 _state: dict[str, Collector] = {}
