@@ -88,11 +88,11 @@ class NodeAllocsDecoder:
     every write of many records (a watch, a follower of every node).
 
     One write changes one allocation of a node's record and carries the others unchanged, and
-    decoding the whole record again was most of what such a reader spent on it (20 µs for four
-    allocations). So the decoder remembers, per node, each allocation's bytes and decoded
-    :class:`AllocRecord`, and decodes only the allocations whose bytes changed; the others are
-    the very objects of the last record (which lets a reader compare by identity). Errors are
-    those of :data:`NODE_ALLOCS`, with the same paths. Memory: the last record's bytes of each
+    decoding the whole record again was most of what such a reader spent on it. So the
+    decoder remembers, per node, each allocation's bytes and decoded :class:`AllocRecord`,
+    and decodes only the allocations whose bytes changed; the others are the very objects of
+    the last record (which lets a reader compare by identity). Errors are those of
+    :data:`NODE_ALLOCS`, with the same paths. Memory: the last record's bytes of each
     node that holds something.
     """
 

@@ -88,7 +88,7 @@ def json_depth(body: bytes) -> int:
     recursion, linear time): escaped backslashes and quotes are dropped, then whatever lies
     between the remaining quotes (the strings), and the brackets left are counted. For a text
     that is not JSON the answer bounds what a parser would reach before failing, which is all a
-    limit needs. Cost: ~0.2 µs per bracket here (1.4 s for 8 MiB of nothing but brackets)."""
+    limit needs. Linear in the body, which the webhook bounds before this runs."""
     unescaped = body.replace(b"\\\\", b"").replace(b'\\"', b"")
     outside = b"".join(unescaped.split(b'"')[::2])
     brackets = outside.translate(None, _NOT_BRACKETS)

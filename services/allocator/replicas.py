@@ -108,8 +108,8 @@ class Replicas:
         if new:
             # A replica that just started: split the nodes with it now, and tell it at once
             # that this one is alive. Waiting for the next beats left a new replica deciding on
-            # every node for up to two intervals, on the same fullest nodes as the others
-            # (120 compare-and-set conflicts in the first 100 ms of a tandem loadtest).
+            # every node for up to two intervals, on the same fullest nodes as the others:
+            # a burst of compare-and-set conflicts at the start of a tandem loadtest.
             self._reshard()
             await self._announce()
 

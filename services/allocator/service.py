@@ -109,11 +109,10 @@ REQUEST_CONCURRENCY = 512
 EVENT_CONCURRENCY = REQUEST_CONCURRENCY
 # Messages one pull asks for (topped up at half). Replicas share each consumer and the server
 # hands a message to a waiting pull, so a replica whose pulls ask for many takes a long run of
-# them into its own queue even while it falls behind, and the other waits idle: at 512, one of
-# two replicas held four of every five requests in flight (p50 1 s on its shard, 0.19 s on the
-# other's). At 64 the deliveries interleave finely: with two replicas at 5,000 nodes p99
-# submit -> assigned 0.74-0.81 s against 1.26-1.38 s, max 1.4 s against 2.5-2.9 s; one replica
-# the same (docs/benchmarks.md).
+# them into its own queue even while it falls behind, and the other waits idle (at 512, one of
+# two replicas held most requests in flight). At 64 the deliveries interleave finely, and two
+# replicas' tail latency dropped with one replica's unchanged (docs/benchmarks.md,
+# "Measurements behind the code").
 PULL_BATCH = 64
 
 
@@ -604,7 +603,7 @@ class Allocator(Service):
     def _refreeze(self) -> None:
         """``gc.freeze`` again once the fleet grew by a tenth since the last time: nodes that
         joined after the start are long-lived objects too, and a full collection over them
-        (0.7 s at 10,000 nodes) would otherwise land inside some decision."""
+        (long at 10,000 nodes) would otherwise land inside some decision."""
         nodes = len(self.model.nodes)
         if nodes > self._frozen_at * 1.1 + 10:
             gc.freeze()

@@ -314,9 +314,9 @@ class _CoalescingClient(NATS):
       loop turn (a loopback write costs the sender tens of microseconds of kernel time;
       docs/benchmarks.md). It keeps the library's own loop and only adds the yield;
     * the header parser: the same result as the library's, which tests every character of
-      every header name with a generator (2.8 µs against 1.4 µs here for the three headers of
-      a KV write, 7.2 against 3.7 µs for the eight of a republished one — every KV watch
-      delivery and every request message carries a header block).
+      every header name with a generator, in about half the time — every KV watch delivery and
+      every request message carries a header block (docs/benchmarks.md, "Measurements behind
+      the code").
 
     ``closed_event`` is set when the connection is closed for good (see :func:`connect`);
     ``closing`` once :meth:`Bus.close` began (a deliberate close, not a connection lost)."""

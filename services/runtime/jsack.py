@@ -3,10 +3,11 @@
 A message handed over by a JetStream consumer carries its position in the reply (ack)
 subject: ``$JS.ACK.<stream>.<consumer>.<delivered>.<stream seq>.<consumer seq>.<time>.<pending>``,
 or, in the newer form, with a domain and an account hash in front (and a random token
-behind). nats-py's ``Msg.metadata`` parses all of it into frozen dataclasses and a datetime:
-~3 µs per message, 2.7-3.9 % of the allocator's CPU under ``tandem loadtest``, where every
-consumed message and every watched KV change needs only its stream sequence, delivery count
-or pending count. :func:`position` reads those three (~0.8 µs).
+behind). nats-py's ``Msg.metadata`` parses all of it into frozen dataclasses and a datetime,
+a few per cent of the allocator's CPU under load, where every consumed message and every
+watched KV change needs only its stream sequence, delivery count or pending count.
+:func:`position` reads those three, several times faster (docs/benchmarks.md,
+"Measurements behind the code").
 """
 
 from __future__ import annotations

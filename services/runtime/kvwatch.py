@@ -77,10 +77,10 @@ async def watch_raw(
     The same ordered consumer as nats-py's ``KeyValue.watchall`` (the last value of each key,
     then every change; nats-py recreates it after a gap), but each delivery goes straight to
     ``on_change`` from the subscription's callback. The library's watcher builds an entry
-    object per change and hands it through a queue to an iterating task: 12.2 µs of CPU per
-    change taken in against 10.2 µs this way (30,000 changes of a 300-byte value, one
-    process watching). An exception from ``on_change`` ends the watch with it (the
-    service's supervisor starts it again: a fresh watch, so a resync)."""
+    object per change and hands it through a queue to an iterating task, which costs more CPU
+    per change (docs/benchmarks.md, "Measurements behind the code"). An exception from
+    ``on_change`` ends the watch with it (the service's supervisor starts it again: a fresh
+    watch, so a resync)."""
     prefix = subjects.kv_subject(bucket, "")
     failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 

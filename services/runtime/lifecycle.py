@@ -40,19 +40,14 @@ def install_signal_handlers(stop: asyncio.Event) -> None:
         loop.add_signal_handler(sig, stop.set)
 
 
-# Collections stall the event loop and, under load, took a fifth of the allocator's CPU. Measured
-# with tandem_gc_pause_seconds over `tandem loadtest --nodes 5000 --requests 20000` (one replica;
-# the scrapes themselves disturb the run, so compare the collections, not the throughput):
-#   (700, 10, 100):    6,929 young collections 0.9 s; 629 of generation 1, 1.9 s (3 ms each);
-#                      6 full ones, 0.6 s (90-150 ms each, the longest stalls).
-#   (20000, 10, 100):  131 young 2.2 s (17 ms each); 11 of generation 1, 0.6 s (59 ms each).
-# A young collection is due once the tracked objects grew by the first threshold: at 700, each
-# request's state (alive for the few hundred milliseconds of its commits, or kept with its
-# record) was scanned again and again on its way to the oldest generation. Open-loop
-# throughput of the running system with (20000, 10, 100), runs paired with the old setting:
-# about +5 % with one replica, +8 % with two; the p99 at --rate 500 unchanged
-# (docs/benchmarks.md). Full collections stay ten times rarer than Python's default (100, not
-# 10). The wire structs are untracked (``gc=False`` in schemas), and the services freeze their
+# Collections stall the event loop and, under load with Python's defaults, took a large share
+# of the allocator's CPU. A young collection is due once the tracked objects grew by the first
+# threshold: at 700, each request's state (alive for the few hundred milliseconds of its
+# commits, or kept with its record) was scanned again and again on its way to the oldest
+# generation. With these thresholds the collections are far fewer for the same work and the
+# open-loop throughput is higher (measured with tandem_gc_pause_seconds: docs/benchmarks.md,
+# "Measurements behind the code"). Full collections stay ten times rarer than Python's default
+# (100, not 10). The wire structs are untracked (``gc=False`` in schemas), and the services freeze their
 # long-lived state after loading it; reference cycles are still collected, only later.
 GC_THRESHOLDS = (20_000, 10, 100)
 

@@ -97,7 +97,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     device_classes: dict[str, DeviceClass] = msgspec.field(default_factory=default_device_classes)
     # The allocator exports tandem_node_devices (8 series per node) while it knows at most this
     # many nodes, the cluster totals always: a scrape renders every series on the event loop,
-    # ~0.23 s for the 40,000 of 5,000 nodes (docs/metrics.md).
+    # between decisions (docs/benchmarks.md, "Measurements behind the code").
     node_metrics_max: Annotated[int, msgspec.Meta(ge=0)] = 1000
     # The inter-node fabric's tiers, finest first: a node's block at tier T is its label
     # tandem.io/fabric-T (services.allocator.core.gang). TANDEM_FABRIC_TIERS="[leaf, spine, pod]".

@@ -70,11 +70,12 @@ class _WhenExported(trace.Tracer):
     """A tracer that records spans only while something exports them.
 
     With no exporter (the chart's default: ``otlp.endpoint`` empty) every span was still built,
-    timed, given its attributes and dropped: ~5 % of the allocator's CPU at ``--rate 500``
-    (docs/benchmarks.md). Then a span with a parent is the API's no-op span, which is the
-    parent's context itself: nothing is recorded, and the ``traceparent`` a service passes on
-    (and the ``trace_id`` its log lines carry) is the one it received, so logs still join up by
-    trace id and a trace still joins up across the components that do export. A span without a
+    timed, given its attributes and dropped, a measurable share of the allocator's CPU
+    (docs/benchmarks.md, "Measurements behind the code"). Then a span with a parent is the
+    API's no-op span, which is the parent's context itself: nothing is recorded, and the
+    ``traceparent`` a service passes on (and the ``trace_id`` its log lines carry) is the one
+    it received, so logs still join up by trace id and a trace still joins up across the
+    components that do export. A span without a
     parent (the CLI's submit, the demo's pod) is still made: it is what gives the request its
     trace id. Chosen per span, not once, because the module-level tracers are made at import,
     before :func:`setup_tracing` (or a test) adds an exporter."""
