@@ -489,8 +489,9 @@ class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     assignment: Assignment
     # ``prepared``: a job's pod reserved by the first phase of a job commit
     # (services/allocator/jobs.py); it holds its devices but no agent acts on it until the
-    # job record says ``committed`` and the allocator turns it ``assigned``.
-    state: Literal["prepared", "assigned", "applied", "releasing"] = "assigned"
+    # job record says ``committed`` and the allocator turns it ``assigned``. (Whether the
+    # node applied it is an event, ``Applied``, not a state of the record: docs/architecture.md.)
+    state: Literal["prepared", "assigned", "releasing"] = "assigned"
     priority: int = 0
     traceparent: str = ""
     updated_at: float = msgspec.field(default_factory=now)

@@ -34,7 +34,7 @@ from schemas.messages import AllocationRequest, AllocRecord, Assignment, NodeAll
 from services.runtime.bus import Refuse, Retry
 from services.runtime.records import Conflict, Mutation
 
-AllocState = Literal["assigned", "applied", "releasing"]
+AllocState = Literal["assigned", "releasing"]
 RequestState = Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected"]
 # Outcomes a request record keeps for good, and the states of a request in some replica's hand.
 TERMINAL_STATES = frozenset({"releasing", "freed", "cancelled", "rejected"})

@@ -47,7 +47,7 @@ log = get_logger(__name__)
 _tracer = tracer("tandem.allocator", service="allocator")
 
 # Allocations a release may mark ``releasing`` (a job pod only ``prepared`` is the job's).
-RELEASABLE = frozenset({"assigned", "applied"})
+RELEASABLE = frozenset({"assigned"})
 
 
 class Frees:

@@ -378,7 +378,7 @@ class Jobs:
         if record.state == "committed":
             for node in record.nodes:
                 await self.node_allocs.update(
-                    node, jobcommits.release_pods(job_id, only_from=frozenset({"assigned", "applied"}))
+                    node, jobcommits.release_pods(job_id, only_from=frozenset({"assigned"}))
                 )
             return True
         if record.state in ("pending", "aborted", "committing"):

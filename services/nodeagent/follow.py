@@ -64,7 +64,7 @@ def node_actions(
     apply = [
         rec
         for rid, rec in allocations.items()
-        if rec.state in ("assigned", "applied") and rid not in applied and rid not in cleaning
+        if rec.state == "assigned" and rid not in applied and rid not in cleaning
     ]
     cleanup = [rec for rid, rec in allocations.items() if rec.state == "releasing" and rid not in cleaning]
     gone = [rid for rid in {*applied, *cleaning} if rid not in allocations]
