@@ -128,6 +128,7 @@ from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, Assign
 from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
 
 from .errors import InvalidRequest
+from .index import GroupIndex, GroupKey
 from .mig import MigChoice, MigIndex, is_mig_device
 from .model import Shape, bits, compile_shape, device_at, shape_signature
 from .request import Spec, normalise
@@ -149,7 +150,6 @@ from .shares import (
 __all__ = ["Cluster", "NodeReason", "Placement", "Unschedulable"]
 
 NodePolicy = Literal["binpack", "spread"]
-GroupKey = tuple[int, int]  # (hardware id, free mask)
 
 _LOG_MAX = 200_000  # change-log entries kept before lagging signatures are rebuilt
 _SIG_MAX = 512  # signature states kept (least recently used dropped)
@@ -315,17 +315,11 @@ class Cluster:
         self._hw: list[tuple[Shape, dict[str, str]]] = []  # hardware id -> (shape, grouping labels)
         # (selector, hardware id) -> whether its grouping labels match (see _first_status)
         self._selector_match: dict[tuple[tuple[tuple[str, str], ...], int], bool] = {}
-        self._groups: dict[GroupKey, dict[str, None]] = {}
-        self._impaired: dict[GroupKey, int] = {}  # group -> its nodes with devices out of service
-        self._log: list[tuple[GroupKey, int]] = []
-        self._log_base = 0
+        self._whole = GroupIndex()  # keyed by (hardware id, slot bits)
         # The share index (see "Shares of GPUs" above): the same, keyed by the full group mask
         # (slot bits and share bits), for share requests only; whole-GPU signatures never see
         # the changes that move only share usage.
-        self._sgroups: dict[GroupKey, dict[str, None]] = {}
-        self._simpaired: dict[GroupKey, int] = {}
-        self._slog: list[tuple[GroupKey, int]] = []
-        self._slog_base = 0
+        self._share = GroupIndex()
         self._share_index = False  # built on first use (_share_index_on)
         # One-GPU, no-NIC share requests (see .sharefit): per device class, its shared GPUs by
         # what they have left; the GPU memory sizes of the fleet, sorted (for open_spec); the
@@ -338,9 +332,7 @@ class Cluster:
         # The stacking index: the share index's groups that have share bits (nodes with a
         # shared GPU), for the stacking view of share requests (Spec.stack): their signatures
         # replay only the changes of nodes with shares.
-        self._xgroups: dict[GroupKey, dict[str, None]] = {}
-        self._xlog: list[tuple[GroupKey, int]] = []
-        self._xlog_base = 0
+        self._stack = GroupIndex()
         self._sigs: dict[tuple[object, ...], _SigState] = {}
         self._sig_records = 0  # groups + heap entries over all signature states
         self._evals: dict[tuple[object, ...], Choice | Refusal] = {}
@@ -528,7 +520,7 @@ class Cluster:
     def totals(self) -> dict[str, int]:
         """Cluster-wide counts: gpus, free_gpus, nics, free_nics (physical functions)."""
         t = {"gpus": 0, "free_gpus": 0, "nics": 0, "free_nics": 0}
-        for (hw, mask), members in self._groups.items():
+        for (hw, mask), members in self._whole.groups.items():
             shape = self._hw[hw][0]
             n = len(members)
             t["gpus"] += shape.n_gpus * n
@@ -552,14 +544,14 @@ class Cluster:
         n = 0
         if spec.shared:
             self._share_index_on()
-        for (hw, mask), members in (self._sgroups if spec.shared else self._groups).items():
+        for (hw, mask), members in (self._share if spec.shared else self._whole).groups.items():
             if isinstance(self._eval(spec, self._hw[hw][0], mask), Choice):
                 n += len(members)
         return n
 
     def group_count(self) -> int:
         """Distinct (hardware, free-mask) groups: what a decision's work scales with."""
-        return len(self._groups)
+        return len(self._whole.groups)
 
     def grouping_labels(self) -> frozenset[str]:
         """The label keys nodes are grouped by: those of selectors that matched many nodes."""
@@ -570,7 +562,7 @@ class Cluster:
         (see the module docstring), whatever the stream of requests and selectors."""
         return {
             "nodes": len(self._nodes),
-            "groups": len(self._groups),
+            "groups": len(self._whole.groups),
             "hardware_ids": len(self._hw),
             "selector_matches": len(self._selector_match),
             "grouping_labels": len(self._keyed),
@@ -578,10 +570,10 @@ class Cluster:
             "signature_records": self._sig_records,
             "evaluations": len(self._evals),
             "share_evaluations": len(self._sevals),
-            "change_log": len(self._log),
-            "share_groups": len(self._sgroups),
-            "share_change_log": len(self._slog),
-            "stack_groups": len(self._xgroups),
+            "change_log": len(self._whole.log),
+            "share_groups": len(self._share.groups),
+            "share_change_log": len(self._share.log),
+            "stack_groups": len(self._stack.groups),
             "share_fit_indexes": len(self._fits) + len(self._stacks),
         }
 
@@ -707,7 +699,7 @@ class Cluster:
         if isinstance(top, _SigState):
             st = top
             impaired: dict[str, int] = {}
-            for gkey, n in (self._simpaired if spec.shared else self._impaired).items():
+            for gkey, n in (self._share if spec.shared else self._whole).impaired.items():
                 rec = st.groups.get(gkey)
                 if rec is not None and isinstance(rec[1], Refusal):
                     impaired[rec[1].text] = impaired.get(rec[1].text, 0) + n
@@ -747,19 +739,18 @@ class Cluster:
                 # A bound entry: put the exact key in and look at the top again.
                 heapq.heapreplace(heap, self._entry(st, gkey, status, entry[4]))
                 continue
-            members = self._index(spec)[0][gkey]
+            members = self._index(spec).groups[gkey]
             name = next(reversed(members)) if last_of_equals else next(iter(members))
             return self._nodes[name], status, st.feasible + st.pending
         return st
 
-    def _index(self, spec: Spec) -> tuple[dict[GroupKey, dict[str, None]], list[tuple[GroupKey, int]], int]:
-        """The index ``spec`` is decided in — whole, share, or stacking: its groups, change log
-        and the log's base position."""
+    def _index(self, spec: Spec) -> GroupIndex:
+        """The index ``spec`` is decided in — whole, share, or stacking."""
         if spec.stack:
-            return self._xgroups, self._xlog, self._xlog_base
+            return self._stack
         if spec.shared:
-            return self._sgroups, self._slog, self._slog_base
-        return self._groups, self._log, self._log_base
+            return self._share
+        return self._whole
 
     def _decide_share_one(self, spec: Spec) -> Placement | None:
         """A one-GPU, no-NIC share request without a node selector, by :mod:`.sharefit`: the
@@ -898,7 +889,7 @@ class Cluster:
     def job_groups(self) -> Iterator[tuple[Shape, int, Collection[str]]]:
         """``(shape, free mask, node names)`` per group of nodes with the same hardware and
         free slots: a whole job's per-node search runs once per group, not per node."""
-        for (hw, mask), members in self._groups.items():
+        for (hw, mask), members in self._whole.groups.items():
             yield self._hw[hw][0], mask, members.keys()
 
     def evaluate_free(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
@@ -1049,22 +1040,13 @@ class Cluster:
         self._hw_ids.clear()
         self._hw.clear()
         self._selector_match.clear()
-        self._groups.clear()
-        self._impaired.clear()
+        self._whole.reset()
         self._sigs.clear()
         self._sig_records = 0
-        self._log_base += len(self._log)
-        self._log.clear()
         hw_id = self._hw_id
         for node in self._nodes.values():
             node.hw = hw = hw_id(node.shape, node.labels)
-            gkey = (hw, slot_bits(node.shape, node.mask))
-            members = self._groups.get(gkey)
-            if members is None:
-                members = self._groups[gkey] = {}
-            members[node.name] = None
-            if node.unavailable or node.port_down:
-                self._impaired[gkey] = self._impaired.get(gkey, 0) + 1
+            self._whole.put(node.name, (hw, slot_bits(node.shape, node.mask)), impaired=node.impaired)
         if self._share_index:
             self._share_index = False
             self._share_index_on()
@@ -1075,24 +1057,13 @@ class Cluster:
         if self._share_index:
             return
         self._share_index = True
-        self._sgroups.clear()
-        self._simpaired.clear()
-        self._slog_base += len(self._slog)
-        self._slog.clear()
+        self._share.reset()
         for node in self._nodes.values():
-            gkey = (node.hw, node.mask)
-            members = self._sgroups.get(gkey)
-            if members is None:
-                members = self._sgroups[gkey] = {}
-            members[node.name] = None
-            if node.unavailable or node.port_down:
-                self._simpaired[gkey] = self._simpaired.get(gkey, 0) + 1
-        self._xgroups.clear()
-        self._xlog_base += len(self._xlog)
-        self._xlog.clear()
-        for gkey, members in self._sgroups.items():
+            self._share.put(node.name, (node.hw, node.mask), impaired=node.impaired)
+        self._stack.reset()
+        for gkey, members in self._share.groups.items():
             if gkey[1] >> self._hw[gkey[0]][0].n_slots:
-                self._xgroups[gkey] = dict(members)
+                self._stack.groups[gkey] = dict(members)
 
     def _refresh(self, node: _Node, *, old_key: GroupKey | None, was_impaired: bool) -> None:
         shape = node.shape
@@ -1183,21 +1154,21 @@ class Cluster:
                 old = (old[0], slot_bits(self._hw[old[0]][0], old[1]))
             if new is not None:
                 new = (new[0], slot_bits(self._hw[new[0]][0], new[1]))
+        index = self._whole
         if old == new:
             if old is not None and was_impaired != now_impaired:
-                self._count_impaired(old, 1 if now_impaired else -1)
+                index.count_impaired(old, 1 if now_impaired else -1)
             return
-        log = self._log
-        if _regroup(self._groups, log, name, old, new) and old is not None:
+        if index.move(name, old, new) and old is not None:
             self._count_capacity(old, -1)
             if was_impaired:
-                self._count_impaired(old, -1)
+                index.count_impaired(old, -1)
         if new is not None:
             self._count_capacity(new, 1)
             if now_impaired:
-                self._count_impaired(new, 1)
-        if len(log) > _LOG_MAX:
-            self._compact(shared=False)
+                index.count_impaired(new, 1)
+        if len(index.log) > _LOG_MAX:
+            self._compact(index, shared=False)
 
     def _move_share(
         self,
@@ -1209,18 +1180,17 @@ class Cluster:
         now_impaired: bool,
     ) -> None:
         """:meth:`_move` in the share index (no reserve bookkeeping: that is the whole index's)."""
-        impaired = self._simpaired
+        index = self._share
         if old == new:
             if old is not None and was_impaired != now_impaired:
-                _count(impaired, old, 1 if now_impaired else -1)
+                index.count_impaired(old, 1 if now_impaired else -1)
             return
-        log = self._slog
-        if _regroup(self._sgroups, log, name, old, new) and old is not None and was_impaired:
-            _count(impaired, old, -1)
+        if index.move(name, old, new) and old is not None and was_impaired:
+            index.count_impaired(old, -1)
         if new is not None and now_impaired:
-            _count(impaired, new, 1)
-        if len(log) > _LOG_MAX:
-            self._compact(shared=True)
+            index.count_impaired(new, 1)
+        if len(index.log) > _LOG_MAX:
+            self._compact(index, shared=True)
 
     def _move_stack(self, name: str, old: GroupKey | None, new: GroupKey | None) -> None:
         """:meth:`_move` in the stacking index: only groups with share bits are in it."""
@@ -1231,37 +1201,21 @@ class Cluster:
             new = None
         if old == new:
             return
-        log = self._xlog
-        _regroup(self._xgroups, log, name, old, new)
-        if len(log) > _LOG_MAX:
-            self._compact(shared=True, stack=True)
+        index = self._stack
+        index.move(name, old, new)
+        if len(index.log) > _LOG_MAX:
+            self._compact(index, shared=True, stack=True)
 
-    def _count_impaired(self, gkey: GroupKey, delta: int) -> None:
-        left = self._impaired.get(gkey, 0) + delta
-        if left:
-            self._impaired[gkey] = left
-        else:
-            del self._impaired[gkey]
-
-    def _compact(self, *, shared: bool, stack: bool = False) -> None:
-        if stack:
-            log, base = self._xlog, self._xlog_base
-        else:
-            log, base = (self._slog, self._slog_base) if shared else (self._log, self._log_base)
-        end = base + len(log)
+    def _compact(self, index: GroupIndex, *, shared: bool, stack: bool = False) -> None:
+        """Drop the log prefix no signature state of ``index`` still needs; states that lag
+        by more than half the log are dropped (rebuilt from the groups when next used)."""
+        end = index.end
         keep_from = end - _LOG_MAX // 2
         mine = {k: st for k, st in self._sigs.items() if st.spec.shared == shared and st.spec.stack == stack}
         for k in [k for k, st in mine.items() if st.cursor < keep_from]:
             self._drop_sig(k)
             del mine[k]
-        new_base = min((st.cursor for st in mine.values()), default=end)
-        del log[: new_base - base]
-        if stack:
-            self._xlog_base = new_base
-        elif shared:
-            self._slog_base = new_base
-        else:
-            self._log_base = new_base
+        index.trim(min((st.cursor for st in mine.values()), default=end))
 
     def _eval(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal:
         """The cached in-node search (the caller has checked the node selector). A whole-GPU
@@ -1288,8 +1242,9 @@ class Cluster:
         pressure = self.policy == "binpack" and self._pressure()
         sk = (spec.key, spec.selector, pressure)
         st = self._sigs.get(sk)
-        all_groups, log, base = self._index(spec)
-        end = base + len(log)
+        index = self._index(spec)
+        all_groups, log, base = index.groups, index.log, index.base
+        end = index.end
         if st is not None:
             # Most recently used last, so the LRU drop below takes the stalest.
             self._sigs[sk] = self._sigs.pop(sk)
@@ -1634,41 +1589,6 @@ def _slot_mask(slot_of: Mapping[str, int], devices: Iterable[str]) -> int:
 _NO_FRAG = (0, 0, 0, 0, 0)  # the least fragmentation: a lower bound of Choice.frag
 _SCOPE: tuple[ScopeName, ...] = ("pcie-switch", "pcie-root", "numa", "socket", "node")
 _SELECTOR_REFUSAL = Refusal("selector", "labels do not match the node selector")
-
-
-def _regroup(
-    groups: dict[GroupKey, dict[str, None]],
-    log: list[tuple[GroupKey, int]],
-    name: str,
-    old: GroupKey | None,
-    new: GroupKey | None,
-) -> bool:
-    """Move node ``name`` from group ``old`` to ``new`` of one index, logging both changes;
-    returns whether it was in ``old`` (so the caller's counts follow)."""
-    removed = False
-    if old is not None:
-        members = groups.get(old)
-        if members is not None and name in members:
-            del members[name]
-            if not members:
-                del groups[old]
-            log.append((old, -1))
-            removed = True
-    if new is not None:
-        members = groups.get(new)
-        if members is None:
-            members = groups[new] = {}
-        members[name] = None
-        log.append((new, 1))
-    return removed
-
-
-def _count(counts: dict[GroupKey, int], gkey: GroupKey, delta: int) -> None:
-    left = counts.get(gkey, 0) + delta
-    if left:
-        counts[gkey] = left
-    else:
-        del counts[gkey]
 
 
 def _port_down(topo: NodeTopology) -> tuple[str, ...]:
