@@ -172,7 +172,7 @@ def test_device_classes_filter_gpus_and_nics_and_hand_out_vfs() -> None:
 
 def test_invalid_requests() -> None:
     c = Cluster()
-    with pytest.raises(InvalidRequest, match="per-gpu gives every GPU its own NIC, so it needs as many rdma as gpus"):
+    with pytest.raises(InvalidRequest, match="per-gpu gives every GPU its own NIC, so it needs as many rdma"):
         c.decide(req("p", 2, 1, pairing="per-gpu"))
     with pytest.raises(InvalidRequest, match="gpus and rdma are both 0"):
         c.decide(req("p", 0, 0))
