@@ -6,8 +6,9 @@ stdout gets a short summary and the JSON line, or only the JSON line with ``--js
 
 Ctrl-C (or SIGTERM) stops the run: the fleet and the services get SIGTERM, SIGKILL after a
 grace period, and the embedded server is stopped; a second Ctrl-C kills them at once. Exit
-code 0 when the invariants held (``lost``, ``double_held``, ``double_placed`` and ``overcommitted`` all 0), 1
-when one did not, 2 when the run could not be done (one line on stderr), 130 when interrupted.
+code 0 when the invariants held (``lost``, ``double_held``, ``double_placed``, ``overcommitted``
+and the ledger's faults — checked at every write — all 0), 1 when one did not, 2 when the
+run could not be done (one line on stderr), 130 when interrupted.
 """
 
 from __future__ import annotations
@@ -72,6 +73,14 @@ def register(sub: Any) -> None:
     )
     p.add_argument("--apply-ms", type=float, default=0.0, help="simulated apply time per allocation")
     p.add_argument(
+        "--cleanup-fail-share",
+        type=float,
+        default=0.02,
+        metavar="F",
+        help="share of releases whose first cleanup the fleet reports unverified, then retries "
+        "(default 0.02)",
+    )
+    p.add_argument(
         "--idle",
         type=float,
         default=0.0,
@@ -109,6 +118,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         drain_s=args.drain,
         ceiling_msgs=args.ceiling_msgs,
         apply_ms=args.apply_ms,
+        cleanup_fail_share=args.cleanup_fail_share,
         idle_s=args.idle,
         start_timeout=args.start_timeout,
         log_dir=args.log_dir,

@@ -7,7 +7,8 @@ publishes inventory and heartbeats and applies and cleans up its allocations ove
 measures it from outside: decisions per second, submit → assigned and submit → applied
 latencies, readiness time, peak memory per process, and the JetStream ceiling of the same
 server beside them. It also checks the safety invariants on the system's own records (no
-device held twice, no GPU shared past what it has, no request placed twice, none lost).
+device held twice, no GPU shared past what it has, no request placed twice, none lost):
+on a few snapshots, and at every write of every node and request record (the ledger).
 
 Modules::
 
@@ -17,6 +18,8 @@ Modules::
     driver      submits, releases, paces, observes outcomes on core subscriptions
     invariants  KV snapshots of ``tandem-allocs``: double-held devices, overcommitted GPUs, double placements
     checker     ``python -m services.loadtest.checker``: the checks during the load, at a pace
+    ledger      every revision judged: held twice, vanished, freed unknown (pure)
+    ledgerwatch ``python -m services.loadtest.ledgerwatch``: the ledger fed from the KV streams
     ceiling     async-publish and pull+ack rates of a scratch stream
     mix         fleet composition and the seeded request stream (pure)
     publisher   many JetStream publishes in flight, retried with their msg id

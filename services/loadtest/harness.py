@@ -16,8 +16,10 @@
    is then measured over that long with heartbeats only (``idle_cpu_pct``).
 6. **Load** (:mod:`services.loadtest.driver`), with KV snapshots checking the invariants
    (:mod:`services.loadtest.invariants`) at a quarter, half and three quarters of the
-   requests; then a **drain** until everything is answered and freed (bounded), a final
-   snapshot, and peak RSS of every process.
+   requests, and the ledger (:mod:`services.loadtest.ledger`, read by the process
+   :mod:`services.loadtest.ledgerwatch`, started before the fleet) judging every revision of
+   every node and request record; then a **drain** until everything is answered and freed
+   (bounded), the ledger's counts, a final snapshot, and peak RSS of every process.
 7. **Teardown**, whatever happened: fleet first, then allocators and inventory (SIGTERM, then
    SIGKILL after a grace period), then the server. Logs of the children stay in the run
    directory when the run failed (the error names them) or ``keep_logs`` is set.
@@ -34,6 +36,7 @@ import shutil
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,9 +48,10 @@ from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 
 from schemas import subjects
-from services.loadtest import ceiling, invariants
+from services.loadtest import ceiling, invariants, ledgerwatch
 from services.loadtest.driver import LoadDriver, Req
 from services.loadtest.errors import LoadtestError
+from services.loadtest.ledger import LedgerCounts
 from services.loadtest.mix import (
     SHARED_CLASS,
     SHARED_DEVICE_CLASS,
@@ -71,6 +75,7 @@ SERVICE_READY_S = 60.0
 CONNECT_S = 5.0
 PROGRESS_EVERY_S = 5.0
 SNAPSHOT_TIMEOUT_S = 60.0  # for the checker's answer to one snapshot in the middle of the run
+LEDGER_TIMEOUT_S = ledgerwatch.FINISH_TIMEOUT_S + 10.0  # for the ledger's answer at the end
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +95,7 @@ class LoadConfig:
     drain_s: float = 60.0
     ceiling_msgs: int = 20_000
     apply_ms: float = 0.0
+    cleanup_fail_share: float = 0.02  # releases whose first cleanup the fleet fails (then retries)
     idle_s: float = 0.0  # > 0: measure CPU shares over this long with heartbeats only
     start_timeout: float | None = None  # None: 60 s + 20 ms per node
     log_dir: str | None = None
@@ -112,6 +118,10 @@ class LoadConfig:
             (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
             (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
             (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
+            (
+                not 0 <= self.cleanup_fail_share <= 1,
+                f"--cleanup-fail-share must be in [0, 1], got {self.cleanup_fail_share}",
+            ),
             (self.idle_s < 0, f"--idle must not be negative, got {self.idle_s}"),
             (not self.start_services and self.nats_url is None, "--no-services needs --nats URL"),
         ]
@@ -129,7 +139,8 @@ class FleetEvents:
 
     def __init__(self, child: Child) -> None:
         self.child = child
-        self.events: dict[str, dict[str, Any]] = {}
+        self.events: dict[str, dict[str, Any]] = {}  # the last of each name
+        self.seen: Counter[str] = Counter()  # how many of each name (overlap, cleanup_failed)
         self.changed = asyncio.Event()
         self.closed = asyncio.Event()
 
@@ -140,7 +151,9 @@ class FleetEvents:
             while line := await stdout.readline():
                 with contextlib.suppress(msgspec.DecodeError):
                     event = msgspec.json.decode(line, type=dict[str, Any])
-                    self.events[str(event.get("event"))] = event
+                    name = str(event.get("event"))
+                    self.events[name] = event
+                    self.seen[name] += 1
                     self.changed.set()
         finally:
             self.closed.set()
@@ -175,6 +188,7 @@ class Harness:
         self.bus: Bus | None = None
         self.violations = invariants.Violations()
         self.checker: Child | None = None  # takes the snapshots during the load
+        self.ledger: Child | None = None  # follows every write (services.loadtest.ledgerwatch)
         self._checker_turn = asyncio.Lock()
         self._checks: list[asyncio.Task[None]] = []  # the mid-run checks, awaited before the final one
         self.plan = fleet_plan(cfg.nodes)
@@ -210,12 +224,16 @@ class Harness:
             took = time.perf_counter() - t0
             self.progress(f"inventory + {cfg.replicas} allocator(s) ready after {took:.1f} s")
         await self._check_provisioned()
+        await self._start_ledger(url, deadline=deadline)
         fleet = await self.children.spawn(
             "fleet",
             role="fleet",
             module="services.loadtest.fleet",
             config=self._base_config(url),
-            args=["--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)],
+            args=[
+                *("--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)),
+                *("--cleanup-fail-share", str(cfg.cleanup_fail_share)),
+            ],
             stdout_pipe=True,
         )
         self.checker = await self.children.spawn(
@@ -277,12 +295,14 @@ class Harness:
         if not await publisher.flush(timeout=10.0):
             self.progress(f"warning: publishes still unacknowledged: {publisher.stats.last_error}")
         await self._finish_checks()
+        ledger = await self._ledger_counts()
         placed = invariants.check(
             await invariants.snapshot(bus.js), self.violations, shares=invariants.LOADTEST_SHARES
         )
         self.children.check()
         self.children.sample_rss()
         report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
+        report.ledger = ledger
         now = self._cpu_now()
         since_t0 = {k: _minus(v, self._cpu_t0.get(k)) for k, v in now.items()}
         report.cpu_s = self._cpu_figures(since_t0)
@@ -319,12 +339,12 @@ class Harness:
 
     def _cpu_now(self) -> dict[str, float | None]:
         """CPU seconds used so far: each role (allocator replicas summed), nats, the harness
-        (with its checker: its snapshots are the harness's work)."""
+        (with its checker and its ledger: their checks are the harness's work)."""
         out: dict[str, float | None] = {"harness": time.process_time()}
         for child in self.children.children:
             used = cpu_seconds(child.proc.pid) if child.alive else None
             if used is not None:
-                role = "harness" if child.role == "checker" else child.role
+                role = "harness" if child.role in ("checker", "ledger") else child.role
                 out[role] = (out.get(role) or 0.0) + used
         pid = self._nats_pid()
         out["nats"] = cpu_seconds(pid) if pid is not None else None
@@ -443,6 +463,72 @@ class Harness:
         driver.release(probe.request_id)
         return req.assigned - t0
 
+    async def _start_ledger(self, url: str, *, deadline: float) -> None:
+        """The ledger's reader (:mod:`services.loadtest.ledgerwatch`), following before the
+        fleet's first record is read and before any request: every write of the run is in it."""
+        ledger = self.ledger = await self.children.spawn(
+            "ledger",
+            role="ledger",
+            module="services.loadtest.ledgerwatch",
+            config=self._base_config(url),
+            stdin_pipe=True,
+            stdout_pipe=True,
+        )
+        assert ledger.proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        try:
+            line = await asyncio.wait_for(ledger.proc.stdout.readline(), max(1.0, deadline - loop.time()))
+        except TimeoutError as exc:
+            raise LoadtestError(f"the ledger did not start following in time (log: {ledger.log})") from exc
+        if not line:
+            raise ledger.died()
+        try:
+            said = msgspec.json.decode(line, type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise LoadtestError(f"the ledger said {line[:200]!r} (log: {ledger.log})") from exc
+        if said.get("event") != ledgerwatch.READY_EVENT:
+            raise LoadtestError(f"the ledger said {line[:200]!r} (log: {ledger.log})")
+
+    async def _ledger_counts(self) -> LedgerCounts:
+        """The ledger's counts after the drain, with the fleet's: overlaps it refused at apply,
+        cleanups it failed on purpose. A ledger that cannot answer is reported (``error``), the
+        run goes on."""
+        events = self.fleet_events
+        fleet = {
+            "overlap_at_apply": events.seen["overlap"] if events is not None else 0,
+            "cleanup_failures_injected": events.seen["cleanup_failed"] if events is not None else 0,
+        }
+        ledger = self.ledger
+        assert ledger is not None and ledger.proc.stdin is not None and ledger.proc.stdout is not None
+        ledger.proc.stdin.write(ledgerwatch.FINISH_COMMAND + b"\n")
+        await ledger.proc.stdin.drain()
+        error = ""
+        answer: ledgerwatch.LedgerAnswer | None = None
+        try:
+            line = await asyncio.wait_for(ledger.proc.stdout.readline(), LEDGER_TIMEOUT_S)
+        except TimeoutError:
+            error = f"no answer in {LEDGER_TIMEOUT_S:g}s (log: {ledger.log})"
+        else:
+            if not line:
+                raise ledger.died()
+            try:
+                answer = msgspec.json.decode(line, type=ledgerwatch.LedgerAnswer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                error = f"answered {line[:200]!r}: {exc}"
+        if answer is None:
+            answer = ledgerwatch.LedgerAnswer(counts=LedgerCounts(error=error))
+        counts = msgspec.structs.replace(answer.counts, **fleet)
+        if counts.error is not None:
+            self.progress(f"warning: the ledger is incomplete: {counts.error}")
+        if counts.revisions_missed:
+            self.progress(
+                f"warning: the ledger missed {counts.revisions_missed} node-record revisions "
+                "(removed before it read them): it cannot vouch for those"
+            )
+        for example in answer.examples:
+            self.progress(f"ledger: {example}")
+        return counts
+
     def _snapshot_hook(self, name: str) -> Callable[[], None]:
         """A checkpoint hook: check the invariants on a KV snapshot, in the background, taken by
         the checker process (:mod:`services.loadtest.checker`, which says why)."""
@@ -521,6 +607,8 @@ class Harness:
                     lost.append(f"{rid} (released, still on {placed[rid]})")
             elif r.first is None and not held_now:  # never answered, not placed either
                 lost.append(f"{rid} (no answer)")
+            elif r.assigned is not None and not held_now:  # assigned, never released, gone
+                lost.append(f"{rid} (assigned to {r.node}, held by no node)")
         if lost:
             self.progress(f"lost: {', '.join(lost[:10])}{' ...' if len(lost) > 10 else ''}")
         assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
@@ -553,6 +641,7 @@ class Harness:
             double_placed=len(self.violations.double_placed | driver.extra_placements),
             overcommitted=len(self.violations.overcommitted),
             shares=cfg.shares,
+            cleanup_fail_share=cfg.cleanup_fail_share,
             shares_assigned=sum(1 for r in reqs.values() if r.shared and r.assigned is not None),
             released=sum(1 for r in reqs.values() if r.released is not None),
             freed=sum(1 for r in reqs.values() if r.freed is not None),

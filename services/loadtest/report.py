@@ -7,9 +7,12 @@ Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``
 ``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
 ``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
 ``freed``, ``rejected``, ``cancelled``, ``recovered``, ``util_target``, ``util_peak``, ``util_mean``,
-``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``wall_s``, ``cpu_s`` and
+``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``ledger`` (the invariants at
+every write: :class:`~services.loadtest.ledger.LedgerCounts`), ``wall_s``, ``cpu_s`` and
 ``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats``,
-``fleet``, ``harness``). A figure that was not measured is ``null``.
+``fleet``, ``harness``). A figure that was not measured is ``null``. ``shares`` and
+``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
+:class:`Report` lists them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import math
 
 import msgspec
+
+from services.loadtest.ledger import LedgerCounts
 
 
 class Percentiles(msgspec.Struct):
@@ -67,6 +72,7 @@ class Report(msgspec.Struct, kw_only=True):
     double_placed: int = 0  # requests held on two nodes (KV records, or assigned twice)
     overcommitted: int = 0  # GPUs whose shares take more than the GPU has (KV records)
     shares: float = 0.0  # the share of requests that ask a share of a GPU (--shares)
+    cleanup_fail_share: float = 0.0  # releases whose first cleanup the fleet failed (--cleanup-fail-share)
     shares_assigned: int = 0  # of those, assigned
     released: int = 0
     freed: int = 0
@@ -80,6 +86,7 @@ class Report(msgspec.Struct, kw_only=True):
     arrival_wait_s: float = 0.0  # time arrivals waited for room in the fleet (driver gates)
     drained: bool = True  # every request answered and every release freed before the deadline
     snapshots: int = 0  # KV snapshots checked for double_held / double_placed
+    ledger: LedgerCounts = msgspec.field(default_factory=LedgerCounts)  # every write checked (ledger.py)
     wall_s: float = 0.0  # services started → end of the drain
     cpu_s: CpuFigures = msgspec.field(default_factory=CpuFigures)  # CPU seconds in wall_s
     idle_cpu_pct: CpuFigures = msgspec.field(default_factory=CpuFigures)  # % of one core, idle
@@ -122,8 +129,22 @@ def _cpu(c: CpuFigures, unit: str) -> str:
 
 
 def violations(r: Report) -> int:
-    """How many invariant violations the run found (0: they held)."""
-    return r.lost + r.double_held + r.double_placed + r.overcommitted
+    """How many invariant violations the run found (0: they held): the snapshots', the
+    harness's (``lost``) and the ledger's and fleet's (:meth:`LedgerCounts.violations`)."""
+    return r.lost + r.double_held + r.double_placed + r.overcommitted + r.ledger.violations()
+
+
+def _ledger(g: LedgerCounts) -> str:
+    if g.error is not None:
+        return f"  ledger INCOMPLETE ({g.error})"
+    ok = "OK" if g.violations() == 0 else "VIOLATED"
+    missed = f", {g.revisions_missed} MISSED" if g.revisions_missed else ""
+    return (
+        f"  ledger {ok} over {g.revisions_seen} revisions{missed}: double-held devices {g.double_held}, "
+        f"requests on two nodes {g.double_placed}, vanished {g.vanished}, freed unknown {g.freed_unknown}, "
+        f"overlaps refused at apply {g.overlap_at_apply}; cleanups failed on purpose "
+        f"{g.cleanup_failures_injected} (the allocator saw {g.cleanups_unverified} unverified)"
+    )
 
 
 def summary(r: Report) -> str:
@@ -144,6 +165,7 @@ def summary(r: Report) -> str:
         f"  invariants {ok}: lost {r.lost}, double-held devices {r.double_held}, requests on two "
         f"nodes {r.double_placed}, overcommitted GPUs {r.overcommitted} ({r.snapshots} KV "
         f"snapshots){'' if r.drained else '; NOT drained'}",
+        _ledger(r.ledger),
         f"  JetStream ceiling on this server: publish {_num(r.jetstream_ceiling.publish_per_s, '/s')}, "
         f"pull+ack {_num(r.jetstream_ceiling.pull_ack_per_s, '/s')}",
         f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "

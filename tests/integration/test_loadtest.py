@@ -107,6 +107,14 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     assert set(result["jetstream_ceiling"]) == {"publish_per_s", "pull_ack_per_s"}
     assert result["jetstream_ceiling"]["publish_per_s"] > 0
     assert all(result["rss_mb"][k] > 0 for k in ("allocator", "inventory", "nats", "fleet"))
+    # Every revision of the run judged (services/loadtest/ledger.py), 2 % of cleanups failing first.
+    ledger = result["ledger"]
+    assert result["cleanup_fail_share"] == 0.02
+    assert ledger["error"] is None and ledger["revisions_missed"] == 0, ledger
+    faults = ("double_held", "double_placed", "vanished", "freed_unknown", "overlap_at_apply")
+    assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
+    assert ledger["revisions_seen"] > ledger["assignments"] >= result["assigned"]
+    assert ledger["frees"] == ledger["releases"] and ledger["freed_events"] >= ledger["frees"]
 
 
 @pytest.mark.integration
@@ -144,6 +152,8 @@ def test_bad_input_is_one_line() -> None:
     assert (code, out, err.strip()) == (2, "", "tandem: --no-services needs --nats URL")
     code, out, err = loadtest("--shares", "2")
     assert (code, out, err.strip()) == (2, "", "tandem: --shares must be in [0, 1], got 2.0")
+    code, out, err = loadtest("--cleanup-fail-share", "2")
+    assert (code, out, err.strip()) == (2, "", "tandem: --cleanup-fail-share must be in [0, 1], got 2.0")
 
 
 # -- pure pieces ---------------------------------------------------------------------------------
