@@ -1,7 +1,7 @@
 """A small client of a running Tandem system: what the CLI, the demo and the tests speak.
 
-It plays the pod bridge's part on the bus (publish ``AllocationRequest`` / ``Release`` with
-msg ids) and watches outcomes on plain core subscriptions (JetStream publishes are ordinary
+It plays the pod bridge's part on the bus (publish ``AllocationRequest``, ``JobRequest`` and
+``Release`` with msg ids) and watches outcomes on plain core subscriptions (JetStream publishes are ordinary
 NATS messages too), so it never creates durable state of its own.
 """
 
@@ -26,6 +26,8 @@ from schemas.messages import (
     Freed,
     HealthEvent,
     InventoryQuery,
+    JobRecord,
+    JobRequest,
     NodeAllocations,
     NodeRecord,
     PodRef,
@@ -109,6 +111,27 @@ class TandemClient:
     async def submit(self, request: AllocationRequest) -> str:
         """Publish ``request`` in a new trace (span ``client.submit``); returns its trace id.
         Every decision about the request, the apply, release, cleanup and free join it."""
+        return await self._publish_new_trace(
+            subjects.ALLOC_REQUEST,
+            request,
+            msg_id=subjects.msg_id(request.request_id),
+            attributes={"tandem.request_id": request.request_id, "k8s.pod.name": request.pod.name},
+        )
+
+    async def submit_job(self, job: JobRequest) -> str:
+        """Publish a whole job (``tandem.alloc.job``, the bridge's message id) in a new trace;
+        returns its trace id. The allocator answers ``AllocationFailed`` under the job id while
+        it cannot place it, then one ``Assignment`` per pod (``JOB/INDEX``)."""
+        return await self._publish_new_trace(
+            subjects.ALLOC_JOB,
+            job,
+            msg_id=subjects.msg_id("job", job.job_id),
+            attributes={"tandem.job": job.job_id, "tandem.pods": job.pods},
+        )
+
+    async def _publish_new_trace(
+        self, subject: str, message: msgspec.Struct, *, msg_id: str, attributes: dict[str, str | int]
+    ) -> str:
         from opentelemetry.trace import SpanKind
 
         from services.runtime.tracing import current_trace_id, messaging, tracer
@@ -116,11 +139,9 @@ class TandemClient:
         with tracer("tandem.client", service="cli").start_as_current_span(
             "client.submit", kind=SpanKind.PRODUCER
         ) as span:
-            span.set_attributes(messaging(subjects.ALLOC_REQUEST, "publish"))
-            span.set_attributes({"tandem.request_id": request.request_id, "k8s.pod.name": request.pod.name})
-            await self.bus.publish(
-                subjects.ALLOC_REQUEST, request, msg_id=subjects.msg_id(request.request_id)
-            )
+            span.set_attributes(messaging(subject, "publish"))
+            span.set_attributes(attributes)
+            await self.bus.publish(subject, message, msg_id=msg_id)
             return current_trace_id() or ""
 
     async def release(
@@ -165,17 +186,20 @@ class TandemClient:
 
     async def wait_for(
         self,
-        request_id: str,
+        request_id: str | tuple[str, ...],
         kinds: tuple[type, ...] = (Assignment, AllocationFailed),
         *,
         timeout: float = 10.0,
     ) -> Outcome:
-        """The first outcome of one of ``kinds`` for the request (waits for it)."""
+        """The first outcome of one of ``kinds`` for the request (waits for it); given several
+        ids (a job's own and its first pod's), the first such outcome of any of them."""
+        ids = (request_id,) if isinstance(request_id, str) else request_id
 
         def found() -> Outcome | None:
-            for event, _ in self.outcomes.get(request_id, []):
-                if isinstance(event, kinds):
-                    return event
+            for rid in ids:
+                for event, _ in self.outcomes.get(rid, []):
+                    if isinstance(event, kinds):
+                        return event
             return None
 
         async with asyncio.timeout(timeout), self._changed:
@@ -209,14 +233,18 @@ class TandemClient:
         return reply.nodes
 
     async def request_record(self, request_id: str) -> RequestRecord | None:
+        return await self._get(subjects.KV_REQUESTS, request_id, codec.REQUEST_RECORD)
+
+    async def _get(self, bucket: str, key: str, decoder: msgspec.msgpack.Decoder[T]) -> T | None:
+        """One record of ``bucket`` (None when the key does not exist)."""
         from nats.js.errors import KeyNotFoundError
 
-        kv = await self.bus.kv(subjects.KV_REQUESTS)
+        kv = await self.bus.kv(bucket)
         try:
-            entry = await kv.get(subjects.kv_key(request_id))
+            entry = await kv.get(subjects.kv_key(key))
         except KeyNotFoundError:
             return None
-        return codec.REQUEST_RECORD.decode(entry.value or b"")
+        return decoder.decode(entry.value or b"")
 
     async def request_records(self) -> dict[str, RequestRecord]:
         """Every request record, by request id (one pass over the bucket, not a get per key)."""
@@ -231,6 +259,13 @@ class TandemClient:
             return await self._snapshot(subjects.KV_CLAIMS, codec.CLAIM_RECORD)
         except BucketNotFoundError:
             return {}
+
+    async def job_records(self) -> dict[str, JobRecord]:
+        """Every whole job the allocator knows (KV ``tandem-jobs``), by job id."""
+        return await self._snapshot(subjects.KV_JOBS, codec.JOB_RECORD)
+
+    async def job_record(self, job_id: str) -> JobRecord | None:
+        return await self._get(subjects.KV_JOBS, job_id, codec.JOB_RECORD)
 
     async def node_records(self) -> dict[str, NodeRecord]:
         """Every node record (KV ``tandem-nodes``) by node name; needs no inventory service."""
@@ -282,17 +317,12 @@ class TandemClient:
 
     async def allocations(self, nodes: Iterable[str] | None = None) -> list[NodeAllocations]:
         """The allocation records of ``nodes`` (all nodes: one pass over the bucket)."""
-        from nats.js.errors import KeyNotFoundError
-
         if nodes is None:
             every = await self._snapshot(subjects.KV_ALLOCS, codec.NODE_ALLOCS)
             return [every[k] for k in sorted(every)]
-        kv = await self.bus.kv(subjects.KV_ALLOCS)
         out = []
         for key in nodes:
-            try:
-                entry = await kv.get(subjects.kv_key(key))
-            except KeyNotFoundError:
-                continue
-            out.append(codec.NODE_ALLOCS.decode(entry.value or b""))
+            record = await self._get(subjects.KV_ALLOCS, key, codec.NODE_ALLOCS)
+            if record is not None:
+                out.append(record)
         return out

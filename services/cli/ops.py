@@ -3,8 +3,17 @@
 Where the answers come from: request records (KV ``tandem-requests``: pending, claimed,
 freed, cancelled, rejected, with the reason), node allocation records (KV ``tandem-allocs``:
 what each node holds, and whether it is being released), node records (KV ``tandem-nodes``:
-hardware and health) and the events on ``tandem.alloc.*`` and ``tandem.node.*.cleaned``.
-Nothing here writes a record: requests and releases are published as the pod bridge does.
+hardware and health), job records (KV ``tandem-jobs``: where a whole job stands), claim
+records (KV ``tandem-claims``, the bridge's or ``tandem up``'s view of a DeviceClaim) and the
+events on ``tandem.alloc.*`` and ``tandem.node.*.cleaned``. Nothing here writes a record:
+requests, jobs and releases are published as the pod bridge does.
+
+``submit`` sends a pod's request, a claim's or a whole job (:mod:`.workloads` builds them) and
+follows any of them with the same code: the first answer on the ids of
+:attr:`~.workloads.Submission.watch_ids`, ``--wait`` until the assignment of its first placed
+id, then the rest of a job's pods. ``release`` and ``explain`` take a job (``--job``, or its id)
+on a path of their own, since a job has a record of its own and several allocations; a claim
+is a request like a pod's and takes the request's path.
 """
 
 from __future__ import annotations
@@ -16,32 +25,33 @@ import json
 import re
 import sys
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
-
-import msgspec
 
 from schemas import codec, subjects
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     AllocRecord,
+    AssignedGpu,
     Assignment,
     ClaimRecord,
     Cleaned,
     Freed,
-    NetworkSpec,
+    JobRecord,
     NodeAllocations,
     NodeRecord,
     PodRef,
     PreemptionPlan,
     RequestRecord,
 )
+from services.cli import workloads
 from services.cli.conn import CliConnection
 from services.cli.errors import CliError, CliFailure, describe
+from services.cli.refs import check_request_id, parse_pod, parse_ref
 from services.cli.table import render_table
+from services.cli.workloads import LIVE, Submission, plural, rfc3339
 from services.client import ClientError, TandemClient
 
 if TYPE_CHECKING:
@@ -49,8 +59,6 @@ if TYPE_CHECKING:
 
     from services.runtime.settings import Settings
 
-REQUEST_ID = re.compile(r"^[A-Za-z0-9_=.-]{1,200}$")  # schemas.messages.RequestId
-LIVE = frozenset({"pending", "deciding", "assigned", "releasing"})
 DONE = frozenset({"freed", "cancelled", "rejected"})
 FIRST_ANSWER_S = 10.0
 CLI_EXPORT_S = 1.0  # at most this long spent exporting a command's spans
@@ -58,14 +66,17 @@ CLI_EXPORT_S = 1.0  # at most this long spent exporting a command's spans
 Command = Callable[[TandemClient, argparse.Namespace], Awaitable[int]]
 
 
-def cli_settings(service: str, **overrides: Any) -> Settings:
+def cli_settings(
+    service: str, *, config: str | None = None, defaults: dict[str, Any] | None = None, **overrides: Any
+) -> Settings:
     from services.runtime.errors import SettingsError
     from services.runtime.settings import load_settings
 
     try:
-        return load_settings(service, **overrides)
+        return load_settings(service, config=config, defaults=defaults, **overrides)
     except SettingsError as exc:
-        raise CliError(str(exc), hint="check $TANDEM_CONFIG and the TANDEM_* variables") from None
+        where = "--config" if config else "$TANDEM_CONFIG"
+        raise CliError(str(exc), hint=f"check {where} and the TANDEM_* variables") from None
 
 
 async def with_client(args: argparse.Namespace, fn: Command) -> int:
@@ -135,10 +146,6 @@ def age(seconds: float) -> str:
     return f"{s}s"
 
 
-def plural(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
-
-
 def short(text: str, width: int = 70) -> str:
     return text if len(text) <= width else text[: width - 1] + "…"
 
@@ -182,17 +189,29 @@ def trace_id(traceparent: str) -> str:
 ASSIGNMENT_HEADERS = ["pod", "node", "gpu", "nic", "alignment"]
 
 
+def gpu_label(gpu: AssignedGpu) -> str:
+    """A GPU as the assignment tables show it: ``4``, a share ``4 (20480 MiB, 25 %)``, a MIG
+    instance ``1 (MIG 1g.10gb gpu1-mig9-0)``."""
+    if gpu.mig is not None:
+        return f"{gpu.index} (MIG {gpu.mig.profile} {gpu.mig.device})"
+    if gpu.shared:
+        return f"{gpu.index} ({share_size(gpu.memory_mib, gpu.cores_percent)})"
+    return str(gpu.index)
+
+
 def assignment_rows(assignments: list[Assignment]) -> list[list[str]]:
     """One row per GPU/NIC pair (pod and node on the first row of each pod); GPUs without a
-    NIC of their own (GPU-only pods) are listed together on one row."""
+    NIC of their own (GPU-only pods) are listed together on one row. A shared GPU shows the
+    share's size, a MIG instance its profile and id."""
     rows: list[list[str]] = []
     for a in assignments:
         first = [f"{a.pod.namespace}/{a.pod.name}", a.node]
+        by_index = {g.index: gpu_label(g) for g in a.gpus}
         paired = {p.gpu for p in a.pairs}
-        lines = [[str(p.gpu), p.nic, p.scope] for p in a.pairs]
-        lonely = [str(g.index) for g in a.gpus if g.index not in paired]
+        lines = [[by_index.get(p.gpu, str(p.gpu)), p.nic, p.scope] for p in a.pairs]
+        lonely = [gpu_label(g) for g in a.gpus if g.index not in paired]
         if lonely:
-            lines.append([",".join(lonely), "-", "-"])
+            lines.append([", ".join(lonely) if any(" " in x for x in lonely) else ",".join(lonely), "-", "-"])
         for i, line in enumerate(lines or [["-", "-", "-"]]):
             rows.append((first if i == 0 else ["", ""]) + line)
     return rows
@@ -202,81 +221,76 @@ def assignment_rows(assignments: list[Assignment]) -> list[list[str]]:
 # which request
 
 
-# Kubernetes' own rules: a namespace is a DNS label, a pod name a DNS subdomain.
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
-DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-def parse_pod(text: str) -> PodRef:
-    namespace, sep, name = text.partition("/")
-    if not sep or not namespace or not name or "/" in name:
-        raise CliError(f"--pod {text!r} is not NAMESPACE/NAME", hint="e.g. --pod team-a/trainer-0")
-    if len(namespace) > 63 or not DNS_LABEL.match(namespace):
-        raise CliError(
-            f"--pod {text!r}: namespace {namespace!r} is not a Kubernetes namespace name",
-            hint="lowercase letters, digits and '-', starting and ending with a letter or digit, at most 63",
-        )
-    if len(name) > 253 or not DNS_SUBDOMAIN.match(name):
-        raise CliError(
-            f"--pod {text!r}: {name!r} is not a Kubernetes pod name",
-            hint="lowercase letters, digits, '-' and '.', starting and ending with a letter or digit",
-        )
-    return PodRef(namespace=namespace, name=name)
-
-
-def check_request_id(rid: str) -> str:
-    if not REQUEST_ID.match(rid):
-        raise CliError(
-            f"{rid!r} is not a request id",
-            hint="ids are letters, digits and _=.- such as <pod uid>.1; `tandem requests` lists them",
-        )
-    return rid
+TARGET_FLAGS = ("pod", "claim", "job")
 
 
 def check_target(args: argparse.Namespace) -> None:
-    if args.request_id is not None and args.pod is not None:
-        raise CliError("give a request id or --pod, not both")
-    if args.request_id is None and args.pod is None:
+    """Exactly one of an id, ``--pod``, ``--claim``, ``--job``, each well formed."""
+    given = [f"--{f}" for f in TARGET_FLAGS if getattr(args, f, None) is not None]
+    if args.request_id is not None:
+        given.insert(0, "an id")
+    if len(given) > 1:
+        both = "both" if len(given) == 2 else "all"
+        raise CliError(f"give one of an id, --pod, --claim or --job, not {both} ({' and '.join(given)})")
+    if not given:
         raise CliError(
-            "name the request: a REQUEST_ID or --pod NAMESPACE/NAME", hint="`tandem requests` lists them"
+            "name the request: an ID, --pod NAMESPACE/NAME, --claim NAMESPACE/NAME or --job NAMESPACE/NAME",
+            hint="`tandem requests` lists them",
         )
     if args.request_id is not None:
         check_request_id(args.request_id)
-    else:
-        parse_pod(args.pod)
+    for flag in TARGET_FLAGS:
+        if getattr(args, flag, None) is not None:
+            parse_ref(getattr(args, flag), flag=f"--{flag}")
 
 
 async def target(
     client: TandemClient, args: argparse.Namespace, *, live: bool
 ) -> tuple[str, RequestRecord | None]:
-    """The request a command names (its id, or ``--pod``), and its record when there is one.
-    ``live``: with ``--pod``, the pod's request that is still live (release), else its newest."""
+    """The request a command names (its id, ``--pod`` or ``--claim``), and its record when
+    there is one. ``live``: the one still live (release), else the newest."""
     check_target(args)
     if args.request_id is not None:
         rid = args.request_id
         return rid, await client.request_record(rid)
-    pod = parse_pod(args.pod)
-    records = await client.requests_of_pod(pod)
+    if getattr(args, "claim", None) is not None:
+        ref = parse_ref(args.claim, flag="--claim")
+        what, hint = f"claim {ref.namespace}/{ref.name}", "`tandem status` lists the claims"
+        records = workloads.claims_named(await client.request_records(), ref)
+    else:
+        ref = parse_pod(args.pod)
+        what, hint = f"pod {ref.namespace}/{ref.name}", f"`tandem requests -n {ref.namespace}` lists them"
+        records = [r for r in await client.requests_of_pod(ref) if r.request.claim is None]
     if not records:
-        raise CliFailure(
-            f"no request of pod {pod.namespace}/{pod.name} is known",
-            hint=f"`tandem requests -n {pod.namespace}` lists that namespace's requests",
-        )
+        raise CliFailure(f"no request of {what} is known", hint=hint)
     alive = [r for r in records if r.state in LIVE]
     if live and len(alive) > 1:
         ids = ", ".join(r.request.request_id for r in alive)
-        raise CliError(
-            f"pod {pod.namespace}/{pod.name} has {len(alive)} live requests: {ids}", hint="name one by its id"
-        )
+        raise CliError(f"{what} has {len(alive)} live requests: {ids}", hint="name one by its id")
     chosen = (alive or records)[0] if live else records[0]
     if not live and len(alive) > 1:
         others = ", ".join(r.request.request_id for r in alive if r is not chosen)
         print(
-            f"note: pod {pod.namespace}/{pod.name} has {len(alive)} live requests; the newest is shown, "
-            f"the others: {others}",
+            f"note: {what} has {len(alive)} live requests; the newest is shown, the others: {others}",
             file=sys.stderr,
         )
     return chosen.request.request_id, chosen
+
+
+async def job_target(client: TandemClient, args: argparse.Namespace, *, live: bool) -> JobRecord | None:
+    """The whole job a command names (``--job``, or an id that is a job's), or None when it
+    names a request. ``live``: with ``--job``, the one still waiting or holding."""
+    check_target(args)
+    if getattr(args, "job", None) is None:
+        return await client.job_record(args.request_id) if args.request_id is not None else None
+    ref = parse_ref(args.job, flag="--job")
+    records = workloads.jobs_named(await client.job_records(), ref)
+    if not records:
+        raise CliFailure(
+            f"no job {ref.namespace}/{ref.name} is known", hint="`tandem requests` lists the jobs"
+        )
+    alive = [r for r in records if r.state in workloads.JOB_LIVE]
+    return (alive or records)[0] if live else records[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -308,9 +322,9 @@ class Row:
 
     def asks(self) -> str:
         if not self.shares:
-            return f"{self.gpus} GPUs + {self.rdma} NICs"
+            return asks_text(self.gpus, self.rdma)
         mem, cores = next(iter(self.shares.values()))
-        return f"{self.gpus} GPU shares ({mem} MiB, {cores} %) + {self.rdma} NICs"
+        return asks_text(self.gpus, self.rdma, memory_mib=mem, cores_percent=cores)
 
     def as_dict(self, now: float) -> dict[str, Any]:
         shares = {d: {"memory_mib": m, "cores_percent": c} for d, (m, c) in self.shares.items()}
@@ -351,10 +365,13 @@ def build_rows(
     records: dict[str, RequestRecord],
     allocs: list[NodeAllocations],
     claims: dict[str, ClaimRecord] | None = None,
+    jobs: dict[str, JobRecord] | None = None,
 ) -> list[Row]:
     """One row per request; a DeviceClaim's request (``claim-<uid>``) also says which pods use
-    the claim (from the bridge's record in ``tandem-claims``)."""
+    the claim (from the bridge's record in ``tandem-claims``); a whole job has a row per pod once
+    placed (``JOB/INDEX``, saying which job) and one row of its own until then."""
     claims = claims or {}
+    jobs = jobs or {}
     held = {rid: (a.node, rec) for a in allocs for rid, rec in a.allocations.items()}
     rows = []
     for rid in set(records) | set(held):
@@ -395,11 +412,46 @@ def build_rows(
                 trace_id=trace_id(
                     alloc.traceparent if alloc is not None else (record.traceparent if record else "")
                 ),
-                extra=_claim_extra(req, claims.get(rid)),
+                extra=_claim_extra(req, claims.get(rid)) or _job_extra(alloc, jobs),
                 shares=assignment.shares() if assignment is not None else {},
             )
         )
+    rows += [
+        _waiting_job_row(record)
+        for record in jobs.values()
+        if record.state in ("pending", "committing", "aborted")
+    ]
     return sorted(rows, key=lambda r: (r.created_at, r.request_id))
+
+
+def _job_extra(alloc: AllocRecord | None, jobs: dict[str, JobRecord]) -> dict[str, Any]:
+    if alloc is None or not alloc.job:
+        return {}
+    record = jobs.get(alloc.job)
+    return {"job": {"id": alloc.job, "pods": record.job.pods if record is not None else None}}
+
+
+def _waiting_job_row(record: JobRecord) -> Row:
+    """A job not placed yet: one row under the job's id (it holds nothing, so no pod has one)."""
+    job = record.job
+    return Row(
+        request_id=job.job_id,
+        namespace=job.namespace,
+        pod=workloads.job_name(job.job_id),
+        state="deciding" if record.state == "committing" else "pending",
+        node=None,
+        devices=[],
+        created_at=job.created_at,
+        updated_at=record.updated_at,
+        reason=record.reason,
+        gpus=job.gpus,
+        rdma=job.rdma,
+        device_class=job.device_class,
+        priority=job.priority,
+        scope=job.scope,
+        trace_id=trace_id(record.traceparent),
+        extra={"job": {"id": job.job_id, "pods": job.pods}},
+    )
 
 
 def _claim_extra(req: AllocationRequest | None, record: ClaimRecord | None) -> dict[str, Any]:
@@ -417,7 +469,13 @@ def _claim_extra(req: AllocationRequest | None, record: ClaimRecord | None) -> d
 
 
 def claim_note(row: Row) -> str:
-    """``claim, used by a,b`` / ``claim, no pod yet`` for a claim's row (table output)."""
+    """``claim, used by a,b`` / ``claim, no pod yet`` for a claim's row, ``job X of N pods``
+    for a job's (table output)."""
+    job = row.extra.get("job")
+    if job:
+        if job["id"] == row.request_id:
+            return f"job of {plural(job['pods'], 'pod')}"
+        return f"job {job['id']}" + (f" of {plural(job['pods'], 'pod')}" if job["pods"] else "")
     claim = row.extra.get("claim")
     if not claim:
         return ""
@@ -429,9 +487,10 @@ async def requests(client: TandemClient, args: argparse.Namespace) -> int:
     records = await client.request_records()
     allocs = await client.allocations()
     claims = await client.claim_records()
+    jobs = await client.job_records()
     rows = [
         r
-        for r in build_rows(records, allocs, claims)
+        for r in build_rows(records, allocs, claims, jobs)
         if (not args.state or r.state in args.state)
         and (args.node is None or r.node == args.node)
         and (args.namespace is None or r.namespace == args.namespace)
@@ -487,38 +546,18 @@ async def requests(client: TandemClient, args: argparse.Namespace) -> int:
 # submit
 
 
-def new_request(args: argparse.Namespace) -> AllocationRequest:
-    pod = parse_pod(args.pod) if args.pod else PodRef(namespace="default", name=f"pod-{uuid.uuid4().hex[:6]}")
-    uid = str(uuid.uuid4())
-    req = AllocationRequest(
-        request_id=f"{uid}.1",
-        pod=PodRef(namespace=pod.namespace, name=pod.name, uid=uid),
-        gpus=args.gpus,
-        rdma=args.rdma,
-        scope=args.scope,
-        policy=args.policy,
-        pairing=args.pairing,
-        device_class=args.device_class,
-        priority=args.priority,
-        network=NetworkSpec(mtu=args.mtu) if args.mtu else None,
-        preemption=getattr(args, "preemption", None),
-        gpu_memory_mib=getattr(args, "gpu_memory_mib", None),
-        gpu_cores_percent=getattr(args, "gpu_cores_percent", None),
-        mig_profile=getattr(args, "mig_profile", None),
-    )
-    try:
-        return codec.validated(req)
-    except msgspec.ValidationError as exc:
-        raise CliError(f"invalid request: {exc}", hint="see `tandem submit --help`") from None
+new_request = workloads.new_request  # a pod's (or a claim's) request from submit's flags
 
 
-async def never_fits(client: TandemClient, req: AllocationRequest, settings: Settings) -> str | None:
-    """Why no node of the cluster could ever hold ``req`` (all its devices free and healthy),
-    or None when some node could. Decided by the allocator's own core on every node record,
-    with the device classes of this configuration."""
+async def never_fits(client: TandemClient, sub: Submission, settings: Settings) -> str | None:
+    """Why no node of the cluster could ever hold the submission (all its devices free and
+    healthy), or None when some node could. Decided by the allocator's own core on every node
+    record — a job with its gang placement — with the device classes of this configuration."""
     from services.allocator.core import Cluster, InvalidRequest, Unschedulable
+    from services.allocator.core.gang import JobUnschedulable, place_job
 
-    if req.device_class not in settings.device_classes:
+    device_class = sub.job.device_class if sub.job is not None else sub.request.device_class  # type: ignore[union-attr]
+    if device_class not in settings.device_classes:
         # The running system's classes are not this command's ($TANDEM_CONFIG here may differ
         # from the allocator's): judging with a class it does not know would contradict the
         # allocator's own, right, reason. Say nothing more than the allocator did.
@@ -528,50 +567,62 @@ async def never_fits(client: TandemClient, req: AllocationRequest, settings: Set
     for rec in nodes.values():
         cluster.set_node(rec.node, rec.topology)
     try:
-        result = cluster.decide(req)
+        if sub.job is not None:
+            verdict = place_job(cluster, sub.job, tiers=settings.fabric_tiers)
+            never = verdict.reason if isinstance(verdict, JobUnschedulable) else None
+        else:
+            assert sub.request is not None
+            result = cluster.decide(sub.request)
+            never = result.reason if isinstance(result, Unschedulable) else None
     except InvalidRequest as exc:
         return str(exc)
-    if not isinstance(result, Unschedulable):
+    if never is None:
         return None
     if not nodes:
         return "the cluster has no nodes"
-    return result.reason.replace(" free ", " ")
+    return never.replace(" free ", " ")
 
 
 def check_submit(args: argparse.Namespace) -> None:
-    args.request = new_request(args)
+    args.submission = workloads.build(args)
 
 
 async def submit(client: TandemClient, args: argparse.Namespace) -> int:
-    rid = args.request.request_id
+    sub: Submission = args.submission
     submitted: list[str] = []
     try:
         return await _submit(client, args, submitted)
     except (KeyboardInterrupt, asyncio.CancelledError):
         if submitted:  # Ctrl-C stops the waiting, not the request: say so, and how to go on
             print(
-                f"tandem: interrupted; request {rid} goes on without this command "
-                f"(`tandem explain {rid}` follows it, `tandem release {rid}` withdraws it)",
+                f"tandem: interrupted; {sub.noun} {sub.id} goes on without this command "
+                f"(`tandem explain {sub.id}` follows it, `tandem release {sub.id}` withdraws it)",
                 file=sys.stderr,
             )
         raise
 
 
 async def _submit(client: TandemClient, args: argparse.Namespace, submitted: list[str]) -> int:
-    req: AllocationRequest = args.request
-    rid = req.request_id
+    sub: Submission = args.submission
+    rid = sub.id
     structured = args.output in ("json", "yaml")
-    if args.pod and not args.new:
-        await _refuse_second_request(client, req.pod)
+    if getattr(args, sub.kind, None) is not None and not args.new:
+        await _refuse_second(client, sub)
     _traced(args.settings)
-    submitted_trace = await client.submit(req)
+    if sub.job is not None:
+        submitted_trace = await client.submit_job(sub.job)
+    else:
+        assert sub.request is not None
+        submitted_trace = await client.submit(sub.request)
     submitted.append(rid)
     if not structured:
         trace_note = f", trace {submitted_trace}" if submitted_trace else ""
-        print(f"request {rid} (pod {req.pod.namespace}/{req.pod.name}){trace_note}")
+        print(f"{sub.headline()}{trace_note}")
     first = args.timeout if args.timeout is not None and not args.wait else FIRST_ANSWER_S
     try:
-        outcome = await client.wait_for(rid, (Assignment, AllocationFailed, PreemptionPlan), timeout=first)
+        outcome = await client.wait_for(
+            sub.watch_ids, (Assignment, AllocationFailed, PreemptionPlan), timeout=first
+        )
     except TimeoutError:
         raise CliFailure(
             f"no answer about {rid} within {first:g}s",
@@ -579,8 +630,8 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
         ) from None
     start = time.monotonic()
     result: dict[str, Any] = {
-        "request_id": rid,
-        "pod": f"{req.pod.namespace}/{req.pod.name}",
+        ("job_id" if sub.job is not None else "request_id"): rid,
+        sub.kind: f"{sub.ref.namespace}/{sub.ref.name}",
         "trace_id": submitted_trace,
     }
     if isinstance(outcome, PreemptionPlan):
@@ -596,11 +647,11 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
                 hint=f"placed once they are released; `tandem submit --wait` waits, "
                 f"`tandem explain {rid}` follows it",
             )
-        outcome = await _wait_assigned(client, rid, said, args, start=start, structured=structured)
+        outcome = await _wait_assigned(client, rid, said, args, start=start, structured=structured, sub=sub)
     if isinstance(outcome, AllocationFailed) and not outcome.retrying:
         return _said(result, "rejected", without_id(outcome.reason, rid), structured, args.output, code=1)
     if isinstance(outcome, AllocationFailed):
-        never = await never_fits(client, req, args.settings)
+        never = await never_fits(client, sub, args.settings)
         if never is not None:
             result["never_fits"] = never
             if not structured:
@@ -626,37 +677,89 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
             )
         if not structured:
             print(f"pending: {outcome.reason}")
-        outcome = await _wait_assigned(client, rid, outcome.reason, args, start=start, structured=structured)
+        outcome = await _wait_assigned(
+            client, rid, outcome.reason, args, start=start, structured=structured, sub=sub
+        )
     if isinstance(outcome, AllocationFailed):  # rejected while waiting
         return _said(result, "rejected", without_id(outcome.reason, rid), structured, args.output, code=1)
     assert isinstance(outcome, Assignment)
-    tid = submitted_trace or trace_id(client.headers_of(rid, Assignment).get("traceparent", ""))
+    placed = [outcome, *[await _assignment_of(client, pid) for pid in sub.placed_ids[1:]]]
+    tid = submitted_trace or trace_id(
+        client.headers_of(outcome.request_id, Assignment).get("traceparent", "")
+    )
     if not tid:  # the allocation's trace, as its node record keeps it
         for allocs in await client.allocations([outcome.node]):
-            held = allocs.allocations.get(rid)
+            held = allocs.allocations.get(outcome.request_id)
             tid = trace_id(held.traceparent) if held is not None else ""
+    claim = sub.request.claim if sub.request is not None else None
     if structured:
-        emit(
-            {**result, "state": "assigned", "trace_id": tid, "assignment": codec.to_builtins(outcome)},
-            args.output,
-        )
+        done: dict[str, Any] = {**result, "state": "assigned", "trace_id": tid}
+        if sub.job is not None:
+            done["assignments"] = [codec.to_builtins(a) for a in placed]
+        else:
+            done["assignment"] = codec.to_builtins(outcome)
+        if claim is not None:
+            done["expires_at"] = claim.expires_at
+        emit(done, args.output)
         return 0
-    print(f"assigned: node {outcome.node}, scope {outcome.scope}" + (f", trace {tid}" if tid else ""))
-    print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
+    trace_note = f", trace {tid}" if tid else ""
+    if sub.job is not None:
+        nodes = ", ".join(dict.fromkeys(a.node for a in placed))
+        print(f"assigned: {plural(len(placed), 'pod')} on {nodes}{trace_note}")
+    else:
+        print(f"assigned: node {outcome.node}, scope {outcome.scope}{trace_note}")
+    print(render_table(assignment_rows(placed), ASSIGNMENT_HEADERS))
+    if claim is not None:
+        name = f"{sub.ref.namespace}/{sub.ref.name}"
+        if claim.expires_at is not None:
+            print(
+                f"held by claim {name} until {rfc3339(claim.expires_at)} (a reservation: released then "
+                f"if no pod uses it; `tandem release --claim {name}` frees it sooner)"
+            )
+        else:
+            print(f"held by claim {name} until it is released (`tandem release --claim {name}`)")
     return 0
 
 
-async def _refuse_second_request(client: TandemClient, pod: PodRef) -> None:
-    """A pod asks once: a second submit for a pod whose request is live would hold a second
-    set of devices for one pod (and ``explain --pod`` would show only the newest)."""
-    live = [r for r in await client.requests_of_pod(pod) if r.state in LIVE]
-    if not live:
+async def _assignment_of(client: TandemClient, rid: str) -> Assignment:
+    """A job's other pods: their assignments are published together with the first one's."""
+    try:
+        found = await client.wait_for(rid, (Assignment,), timeout=FIRST_ANSWER_S)
+    except TimeoutError:
+        raise CliFailure(
+            f"the job is committed but the assignment of {rid} did not arrive within {FIRST_ANSWER_S:g}s",
+            hint=f"`tandem explain {rid.split('/')[0]}` shows every pod",
+        ) from None
+    assert isinstance(found, Assignment)
+    return found
+
+
+async def _refuse_second(client: TandemClient, sub: Submission) -> None:
+    """A pod (a claim, a job) asks once: a second submit while its request is live would hold a
+    second set of devices for one pod (and ``explain --pod`` would show only the newest)."""
+    ref = f"{sub.ref.namespace}/{sub.ref.name}"
+    flag = f"{sub.flag} {ref}"
+    if sub.job is not None:
+        jobs = workloads.jobs_named(await client.job_records(), sub.ref)
+        held: list[tuple[str, str, str]] = [
+            (j.job.job_id, j.state, "") for j in jobs if j.state in workloads.JOB_LIVE
+        ]
+    else:
+        if sub.kind == "claim":
+            records = workloads.claims_named(await client.request_records(), sub.ref)
+        else:
+            records = [r for r in await client.requests_of_pod(sub.ref) if r.request.claim is None]
+        held = [
+            (r.request.request_id, r.state, f" on {r.node}" if r.node else "")
+            for r in records
+            if r.state in LIVE
+        ]
+    if not held:
         return
-    rec = live[0]
-    where = f" on {rec.node}" if rec.node else ""
+    other, state, where = held[0]
     raise CliFailure(
-        f"pod {pod.namespace}/{pod.name} already has request {rec.request.request_id} ({rec.state}{where})",
-        hint=f"`tandem release --pod {pod.namespace}/{pod.name}` first, or --new for a second request",
+        f"{sub.kind} {ref} already has {sub.noun} {other} ({state}{where})",
+        hint=f"`tandem release {flag}` first, or --new for a second {sub.noun}",
     )
 
 
@@ -689,10 +792,11 @@ async def _wait_assigned(
     *,
     start: float,
     structured: bool,
+    sub: Submission,
 ) -> Assignment | AllocationFailed:
-    """Wait for the assignment, printing each new reason it stays pending for, each
-    preemption made for it and each of its victims as it is freed, and a line every 30 s;
-    gives up after ``--timeout`` when given."""
+    """Wait for the assignment (a job's: its first pod's), printing each new reason it stays
+    pending for, each preemption made for it and each of its victims as it is freed, and a
+    line every 30 s; gives up after ``--timeout`` when given."""
     deadline = None if args.timeout is None else start + args.timeout
     seen = 0
     last_print = time.monotonic()
@@ -724,7 +828,7 @@ async def _wait_assigned(
             )
         step = 1.0 if deadline is None else max(0.05, min(1.0, deadline - time.monotonic()))
         try:
-            outcome = await client.wait_for(rid, (Assignment,), timeout=step)
+            outcome = await client.wait_for(sub.placed_ids[0], (Assignment,), timeout=step)
         except TimeoutError:
             pass
         else:
@@ -753,6 +857,9 @@ async def _wait_assigned(
 
 
 async def release(client: TandemClient, args: argparse.Namespace) -> int:
+    job = await job_target(client, args, live=True)
+    if job is not None:
+        return await _release_job(client, job, args)
     rid, record = await target(client, args, live=True)
     holder = await client.holder(rid)
     if record is None and holder is None:
@@ -785,15 +892,75 @@ async def release(client: TandemClient, args: argparse.Namespace) -> int:
 
 
 def _collect(rid: str, into: list[Cleaned]) -> Callable[[Msg], Awaitable[None]]:
+    return _collect_each({rid: into})
+
+
+def _collect_each(into: dict[str, list[Cleaned]]) -> Callable[[Msg], Awaitable[None]]:
+    """A callback keeping each cleanup report of the requests of ``into`` in its list."""
+
     async def on_msg(msg: Msg) -> None:
         try:
             event = codec.NODE_EVENT.decode(msg.data)
         except codec.DecodeErrors:
             return
-        if isinstance(event, Cleaned) and event.request_id == rid:
-            into.append(event)
+        if isinstance(event, Cleaned) and event.request_id in into:
+            into[event.request_id].append(event)
 
     return on_msg
+
+
+async def _release_job(client: TandemClient, record: JobRecord, args: argparse.Namespace) -> int:
+    """Release a whole job (``Release`` of the job id: every pod, or the job cancelled when it
+    is not placed yet), then wait, pod by pod, for each node's verified cleanup and the free."""
+    job = record.job
+    jid = job.job_id
+    if args.node is not None:
+        raise CliError(f"{jid} is a job: its pods are released on their nodes", hint="drop --node")
+    if record.state not in workloads.JOB_LIVE:
+        print(f"job {jid} is {record.state} already: nothing to release")
+        return 0
+    pods = {
+        rid: a.node
+        for a in await client.allocations(record.nodes or None)
+        for rid, rec in a.allocations.items()
+        if rec.job == jid and rec.state != "prepared"
+    }
+    if record.state == "committed" and not pods:
+        print(f"job {jid} is released already: nothing to release")  # its last pod freed just now
+        return 0
+    cleaned: dict[str, list[Cleaned]] = {rid: [] for rid in pods}
+    sub = (
+        await client.bus.nc.subscribe(subjects.NODE_CLEANED_ALL, cb=_collect_each(cleaned))
+        if args.wait
+        else None
+    )
+    try:
+        _traced(args.settings)
+        await client.release(jid, pod=job.member(0), traceparent=record.traceparent)
+        where = ", ".join(dict.fromkeys(sorted(pods.values())))
+        print(
+            f"release of job {jid} sent"
+            + (f" ({plural(len(pods), 'pod')} on {where})" if pods else " (not placed: cancels it)")
+        )
+        if not args.wait:
+            return 0
+        deadline = time.monotonic() + args.timeout
+        for rid, node in sorted(pods.items(), key=lambda p: int(p[0].rsplit("/", 1)[1])):
+            left = max(0.01, deadline - time.monotonic())
+            await _wait_freed(client, rid, node, cleaned[rid], timeout=left)
+        if pods:
+            print(f"job {jid} released: {plural(len(pods), 'pod')} freed")
+            return 0
+        while (now := await client.job_record(jid)) is None or now.state in workloads.JOB_LIVE:
+            if time.monotonic() >= deadline:
+                state = now.state if now is not None else "unknown"
+                raise CliFailure(f"job {jid} not cancelled within {args.timeout:g}s (state: {state})")
+            await asyncio.sleep(0.2)
+        print(f"{now.state}: job {jid} was not placed; nothing was held")
+        return 0
+    finally:
+        if sub is not None:
+            await sub.unsubscribe()
 
 
 async def _wait_freed(
@@ -845,7 +1012,35 @@ async def _wait_freed(
 # explain
 
 
+def share_size(memory_mib: int | None, cores_percent: int | None) -> str:
+    """``20480 MiB, 25 %`` (what a share asked; 0 or None: not limited)."""
+    parts = [f"{memory_mib} MiB" if memory_mib else "", f"{cores_percent} %" if cores_percent else ""]
+    return ", ".join(p for p in parts if p) or "no limit"
+
+
+def asks_text(
+    gpus: int,
+    rdma: int,
+    *,
+    memory_mib: int | None = None,
+    cores_percent: int | None = None,
+    mig_profile: str | None = None,
+) -> str:
+    """``2 GPUs + 2 NICs``, ``1 GPU share (20480 MiB, 25 % of each GPU) + 0 NICs``,
+    ``2 MIG instances 1g.10gb + 1 NIC``."""
+    if mig_profile is not None:
+        what = f"{plural(gpus, 'MIG instance')} {mig_profile}"
+    elif memory_mib is not None or cores_percent is not None:
+        what = f"{plural(gpus, 'GPU share')} ({share_size(memory_mib, cores_percent)} of each GPU)"
+    else:
+        what = plural(gpus, "GPU")
+    return f"{what} + {plural(rdma, 'NIC')}"
+
+
 async def explain(client: TandemClient, args: argparse.Namespace) -> int:
+    job = await job_target(client, args, live=False)
+    if job is not None:
+        return await _explain_job(client, job, args)
     rid, rec = await target(client, args, live=False)
     holder = await client.holder(rid)
     if rec is None and holder is None:
@@ -854,9 +1049,11 @@ async def explain(client: TandemClient, args: argparse.Namespace) -> int:
             hint="it may not have been decided yet, or the id is wrong; `tandem requests` lists them",
         )
     node, alloc = holder if holder is not None else (None, None)
+    claims = await client.claim_records() if rec is not None and rec.request.claim is not None else {}
     row = build_rows(
         {rid: rec} if rec is not None else {},
         [NodeAllocations(node=node, allocations={rid: alloc})] if node and alloc else [],
+        claims,
     )[0]
     if args.output in ("json", "yaml"):
         doc = row.as_dict(time.time())
@@ -864,20 +1061,28 @@ async def explain(client: TandemClient, args: argparse.Namespace) -> int:
         doc["assignment"] = codec.to_builtins(alloc.assignment) if alloc is not None else None
         emit(doc, args.output)
         return 0
-    print(f"request  {rid}  pod {row.namespace}/{row.pod}")
+    owner = "claim" if rec is not None and rec.request.claim is not None else "pod"
+    print(f"request  {rid}  {owner} {row.namespace}/{row.pod}")
     if rec is not None:
         req = rec.request
-        wanted = f"{plural(req.gpus, 'GPU')} + {plural(req.rdma, 'NIC')}, class {req.device_class}"
+        wanted = asks_text(
+            req.gpus,
+            req.rdma,
+            memory_mib=req.gpu_memory_mib,
+            cores_percent=req.gpu_cores_percent,
+            mig_profile=req.mig_profile,
+        )
         scope = f"scope {req.scope}" if req.scope else "the class's scope"
         policy = f"policy {req.policy}" if req.policy else "the class's policy"
-        print(f"asks     {wanted}, {scope}, {policy}")
-    now = time.time()
-    # How long it has waited counts from the submit; the last write may be a later retry.
-    since = f"submitted {age(now - rec.request.created_at)} ago, " if rec is not None else ""
-    print(
-        f"state    {row.state}"
-        + (f" on {row.node}" if row.node else "")
-        + f" ({since}last update {age(now - row.updated_at)} ago)"
+        print(f"asks     {wanted}, class {req.device_class}, {scope}, {policy}")
+        if req.claim is not None:
+            print(
+                f"claim    {_claim_line(req.claim.shareable, req.claim.expires_at, row.extra.get('claim'))}"
+            )
+    if alloc is not None and alloc.job:
+        print(f"job      {alloc.job} (`tandem explain {alloc.job}` shows the whole job)")
+    _print_state(
+        row.state, node=row.node, created=rec.request.created_at if rec else None, updated=row.updated_at
     )
     if row.reason:
         print(f"reason   {row.reason}")
@@ -888,16 +1093,95 @@ async def explain(client: TandemClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _claim_line(shareable: bool, expires_at: float | None, known: dict[str, Any] | None) -> str:
+    """How a claim holds its devices, and what the bridge (or ``tandem up``) says of it."""
+    held = (
+        f"a reservation until {rfc3339(expires_at)} (released then if no pod uses it)"
+        if expires_at is not None
+        else "held until released"
+    )
+    parts = [held, "shareable" if shareable else "one pod at a time"]
+    if known and known.get("phase"):
+        parts.append(f"phase {known['phase']}, pods {','.join(known['pods']) or '-'}")
+    return "; ".join(parts)
+
+
+def _print_state(state: str, *, node: str | None, created: float | None, updated: float) -> None:
+    now = time.time()
+    # How long it has waited counts from the submit; the last write may be a later retry.
+    since = f"submitted {age(now - created)} ago, " if created is not None else ""
+    print(
+        f"state    {state}"
+        + (f" on {node}" if node else "")
+        + f" ({since}last update {age(now - updated)} ago)"
+    )
+
+
+async def _explain_job(client: TandemClient, record: JobRecord, args: argparse.Namespace) -> int:
+    """A whole job: what it asks, where its record stands, and every pod's assignment."""
+    job = record.job
+    held = [
+        (rec.assignment, rec.state)
+        for a in await client.allocations(record.nodes or None)
+        for rec in a.allocations.values()
+        if rec.job == job.job_id
+    ]
+    held.sort(key=lambda h: int(h[0].request_id.rsplit("/", 1)[1]))
+    if args.output in ("json", "yaml"):
+        doc = {
+            "job_id": job.job_id,
+            "job": f"{job.namespace}/{workloads.job_name(job.job_id)}",
+            "state": record.state,
+            "reason": record.reason,
+            "placement": record.placement,
+            "trace_id": trace_id(record.traceparent),
+            "request": codec.to_builtins(job),
+            "assignments": [{**codec.to_builtins(a), "state": state} for a, state in held],
+        }
+        emit(doc, args.output)
+        return 0
+    print(f"job      {job.job_id}  job {job.namespace}/{workloads.job_name(job.job_id)}")
+    scope = f"scope {job.scope}" if job.scope else "the class's scope"
+    policy = f"policy {job.policy}" if job.policy else "the class's policy"
+    extra = [f"fabric {job.fabric} ({job.fabric_policy})"] if job.fabric else []
+    extra += [f"NVLink domain {job.nvlink_domain}"] if job.nvlink_domain else []
+    each = asks_text(job.gpus, job.rdma)
+    print(
+        f"asks     {plural(job.pods, 'pod')} x ({each}), class {job.device_class}, {scope}, {policy}"
+        + "".join(f", {e}" for e in extra)
+    )
+    nodes = ", ".join(dict.fromkeys(record.placement)) if record.state == "committed" else None
+    _print_state(record.state, node=nodes, created=job.created_at, updated=record.updated_at)
+    if record.reason and record.state != "committed":
+        print(f"reason   {record.reason}")
+    if record.traceparent:
+        print(f"trace    {trace_id(record.traceparent)}")
+    if held:
+        print(render_table(assignment_rows([a for a, _ in held]), ASSIGNMENT_HEADERS))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------
 # status, devices
 
 
 def device_states(rec: NodeRecord, allocs: NodeAllocations | None) -> list[dict[str, Any]]:
-    holders = {
-        d: r.assignment
-        for r in (allocs.allocations.values() if allocs else ())
-        for d in r.assignment.device_ids()
-    }
+    """Every device of a node and who holds it. A GPU may have several holders: the shares
+    on it (each with its size) or its MIG instances (each with its profile); ``pod`` and
+    ``request_id`` name the first, ``holders`` all of them."""
+    holders: dict[str, list[dict[str, Any]]] = {}
+    for r in allocs.allocations.values() if allocs else ():
+        a = r.assignment
+        who = {"pod": f"{a.pod.namespace}/{a.pod.name}", "request_id": a.request_id}
+        for g in a.gpus:
+            held: dict[str, Any] = dict(who)
+            if g.shared:
+                held.update(memory_mib=g.memory_mib or 0, cores_percent=g.cores_percent or 0)
+            if g.mig is not None:
+                held.update(mig_profile=g.mig.profile, mig_device=g.mig.device)
+            holders.setdefault(f"gpu{g.index}", []).append(held)
+        for n in a.nics:
+            holders.setdefault(n.name, []).append(dict(who))
     out = []
     for kind, ids in (
         ("gpu", [g.id for g in rec.topology.gpus()]),
@@ -905,15 +1189,17 @@ def device_states(rec: NodeRecord, allocs: NodeAllocations | None) -> list[dict[
     ):
         for dev in ids:
             h = rec.health.get(dev)
-            held = holders.get(dev)
+            held_by = sorted(holders.get(dev, []), key=lambda x: (x["pod"], x["request_id"]))
+            shared = any("memory_mib" in x for x in held_by)
             out.append(
                 {
                     "node": rec.node,
                     "device": dev,
                     "kind": kind,
-                    "state": "used" if held is not None else "free",
-                    "pod": f"{held.pod.namespace}/{held.pod.name}" if held is not None else None,
-                    "request_id": held.request_id if held is not None else None,
+                    "state": ("shared" if shared else "used") if held_by else "free",
+                    "pod": held_by[0]["pod"] if held_by else None,
+                    "request_id": held_by[0]["request_id"] if held_by else None,
+                    "holders": held_by,
                     "healthy": h.healthy if h else True,
                     "cordoned": h.cordoned if h else False,
                     "reason": h.reason if h else "",
@@ -937,8 +1223,21 @@ async def topology_live(client: TandemClient, args: argparse.Namespace) -> int:
     return 0
 
 
+def _holder_text(holder: dict[str, Any]) -> str:
+    if "memory_mib" in holder:
+        return f"{holder['pod']} ({share_size(holder['memory_mib'], holder['cores_percent'])})"
+    if "mig_profile" in holder:
+        return f"{holder['pod']} (MIG {holder['mig_profile']} {holder['mig_device']})"
+    return str(holder["pod"])
+
+
 def _device_state_text(d: dict[str, Any]) -> str:
-    text = f"used by {d['pod']}" if d["pod"] else "free"
+    holders = d.get("holders") or []
+    if holders:
+        verb = "shared by" if d["state"] == "shared" else "used by"
+        text = f"{verb} " + ", ".join(_holder_text(h) for h in holders)
+    else:
+        text = "free"
     if d["cordoned"]:
         text += ", cordoned"
     if not d["healthy"]:

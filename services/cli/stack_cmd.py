@@ -91,16 +91,26 @@ def _output_arg(p: argparse.ArgumentParser, formats: tuple[str, ...] = READ_FORM
     )
 
 
+def _policy_arg(p: argparse.ArgumentParser, flag: str, help: str) -> None:
+    p.add_argument(flag, choices=["required", "preferred"], help=help)
+
+
 def _target_args(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument(
         "request_id",
         nargs="?",
-        metavar="REQUEST_ID",
-        help=f"the request to {verb} (`tandem requests` lists them); or --pod",
+        metavar="ID",
+        help=f"the request or job to {verb} (`tandem requests` lists them); or --pod, --claim, --job",
     )
     p.add_argument(
         "--pod", metavar="NAMESPACE/NAME", help=f"{verb} the request of this pod instead of naming its id"
     )
+    p.add_argument(
+        "--claim",
+        metavar="NAMESPACE/NAME",
+        help=f"{verb} this DeviceClaim's request (a reservation is a claim: `submit --claim`)",
+    )
+    p.add_argument("--job", metavar="NAMESPACE/NAME", help=f"{verb} this whole job (`submit --job`)")
 
 
 def _ops(name: str) -> Callable[[argparse.Namespace], int]:
@@ -170,6 +180,12 @@ def register(sub: Any) -> None:
         "free one); printed at start",
     )
     up.add_argument(
+        "--config",
+        metavar="FILE",
+        help="settings file, YAML or JSON (default: $TANDEM_CONFIG); its device_classes replace "
+        "the ones served by default: default, shared and shared-mps of docs/sharing.md",
+    )
+    up.add_argument(
         "--jaeger",
         nargs="?",
         const="",
@@ -183,23 +199,33 @@ def register(sub: Any) -> None:
 
     s = sub.add_parser(
         "submit",
-        help="request GPUs/NICs for a pod and say what happened (assigned, pending or rejected)",
-        description="Request GPUs and RDMA NICs for a pod. Prints `assigned: ...`, "
-        "`pending: <why>` or `rejected: <why>`; a request that no node of the cluster could ever "
-        "hold is reported as such. Exit code 0 only when assigned.",
+        help="request GPUs/NICs for a pod, a DeviceClaim (a reservation) or a whole job; say what happened",
+        description="Request GPUs and RDMA NICs for a pod (--pod), for a DeviceClaim that holds them "
+        "until released (--claim; with --expires-after/--expires-at it is a reservation), or for a "
+        "whole job of --pods identical pods placed together or not at all (--job). Prints "
+        "`assigned: ...`, `pending: <why>` or `rejected: <why>`; a request that no node of the "
+        "cluster could ever hold is reported as such. Exit code 0 only when assigned.",
     )
     _nats_arg(s)
-    s.add_argument(
+    what = s.add_mutually_exclusive_group()
+    what.add_argument(
         "--pod", default=None, metavar="NAMESPACE/NAME", help="the pod (default: default/pod-<random>)"
+    )
+    what.add_argument(
+        "--claim",
+        metavar="NAMESPACE/NAME",
+        help="a DeviceClaim instead of a pod: its devices are held until it is released "
+        "(docs/sharing.md; for `tandem up`: in a cluster, a claim is a DeviceClaim object)",
+    )
+    what.add_argument(
+        "--job",
+        metavar="NAMESPACE/NAME",
+        help="a whole job instead of a pod: --pods pods, each asking --gpus/--rdma, placed all or none",
     )
     s.add_argument("--gpus", type=count, required=True, help="number of GPUs (0-64)")
     s.add_argument("--rdma", type=count, default=0, help="number of RDMA NICs (0-64; default 0)")
     s.add_argument("--scope", choices=SCOPES, help="alignment scope of GPU/NIC pairs (default: the class's)")
-    s.add_argument(
-        "--policy",
-        choices=["required", "preferred"],
-        help="whether the scope is a must or a wish (default: the class's)",
-    )
+    _policy_arg(s, "--policy", "whether the scope is a must or a wish (default: the class's)")
     s.add_argument(
         "--pairing",
         choices=["per-gpu", "shared"],
@@ -236,11 +262,34 @@ def register(sub: Any) -> None:
         help="--gpus MIG instances of this profile (e.g. 1g.10gb) instead of whole GPUs",
     )
     s.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the pod's RDMA netdevs (576-9216)")
+    s.add_argument("--pods", type=positive_int, metavar="N", help="with --job: how many pods (1-1024)")
+    s.add_argument(
+        "--fabric", metavar="TIER", help="with --job: keep the job within one block of this fabric tier"
+    )
+    _policy_arg(s, "--fabric-policy", "with --job: whether --fabric is a must or a wish (default: preferred)")
+    _policy_arg(
+        s, "--nvlink-domain", "with --job: all pods in one multi-node NVLink domain, as a must or a wish"
+    )
+    s.add_argument(
+        "--shareable", action="store_true", help="with --claim: several pods may use the claim at once"
+    )
+    until = s.add_mutually_exclusive_group()
+    until.add_argument(
+        "--expires-after",
+        metavar="DURATION",
+        help="with --claim: a reservation, released this long after it is made if no pod uses it "
+        "(90s, 30m, 2h, 1d, 1h30m)",
+    )
+    until.add_argument(
+        "--expires-at",
+        metavar="TIME",
+        help="with --claim: a reservation, released at this RFC 3339 time (2026-12-02T06:00:00Z)",
+    )
     s.add_argument(
         "--new",
         action="store_true",
-        help="submit even when --pod already has a live request (default: refused, naming it; one "
-        "pod, one request, as in Kubernetes)",
+        help="submit even when the --pod, --claim or --job already has a live request (default: "
+        "refused, naming it; one pod, one request, as in Kubernetes)",
     )
     s.add_argument(
         "--wait",

@@ -1,6 +1,13 @@
 """``tandem up``: an embedded nats-server, every service and simulated nodes in one process,
-until Ctrl-C. The fleet (``--node TOPOLOGY[:COUNT[:PREFIX]]``) is checked before anything
-starts, so a typo is one line and exit 2, not a traceback from a half-started system."""
+until Ctrl-C. The fleet (``--node TOPOLOGY[:COUNT[:PREFIX]]``) and the configuration
+(``--config FILE`` or ``TANDEM_CONFIG``) are checked before anything starts, so a typo is one
+line and exit 2, not a traceback from a half-started system.
+
+It serves the device classes docs/sharing.md uses (``default``, ``shared``, ``shared-mps``:
+:func:`services.localstack.local_device_classes`) unless the configuration names others, and
+says at start which ones. Without Kubernetes it also plays the pod bridge's evictions and
+claims (:mod:`services.localstack`), so preemption, DeviceClaims and reservations can be
+tried with the CLI alone."""
 
 from __future__ import annotations
 
@@ -86,7 +93,13 @@ def run_up(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     import msgspec
 
-    from services.localstack import DEFAULT_FLEET, LocalStack, parse_fleet
+    from services.localstack import (
+        DEFAULT_FLEET,
+        LocalStack,
+        describe_classes,
+        local_device_classes,
+        parse_fleet,
+    )
     from services.runtime.embedded import EmbeddedNats
     from services.runtime.jaeger import Jaeger
     from services.runtime.lifecycle import install_signal_handlers
@@ -96,7 +109,13 @@ async def _up(args: argparse.Namespace) -> int:
     fleet = parse_fleet(args.node) if args.node else list(DEFAULT_FLEET)
     # Everything that can be refused is checked before anything starts, so a refusal leaves
     # no process behind.
-    settings = cli_settings("tandem-up", log_json=False)
+    documented = local_device_classes()
+    settings = cli_settings(
+        "tandem-up",
+        config=args.config,
+        defaults={"device_classes": msgspec.to_builtins(documented)},
+        log_json=False,
+    )
     jaeger_binary = _jaeger_binary(args.jaeger) if args.jaeger is not None else None
     jaeger: Jaeger | None = None
     server: EmbeddedNats | None = None
@@ -109,12 +128,19 @@ async def _up(args: argparse.Namespace) -> int:
         settings = msgspec.structs.replace(settings, nats_url=server.url)
         setup_logging(level=settings.log_level, json=False)
         setup_tracing("tandem", otlp_endpoint=settings.otlp_endpoint)
-        # No Kubernetes here: the stack evicts preemption victims itself (LocalEvictor).
-        stack = LocalStack(settings, fleet=fleet, allocators=args.allocators, evict=True)
+        # No Kubernetes here: the stack evicts preemption victims itself (LocalEvictor) and
+        # keeps the claims' records and reservations' deadlines (LocalClaims).
+        stack = LocalStack(settings, fleet=fleet, allocators=args.allocators, evict=True, claims=True)
         await stack.start()
         await stack.wait_ready()
         ops = await stack.serve_ops(port=args.ops_port)
         print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {server.url}", flush=True)
+        source = (
+            "the classes of docs/sharing.md; TANDEM_CONFIG or --config FILE names others"
+            if settings.device_classes == documented
+            else "from the configuration"
+        )
+        print(f"  device classes: {describe_classes(settings.device_classes)}  ({source})", flush=True)
         for name, server_ops in ops.items():
             print(f"  {name}: http://127.0.0.1:{server_ops.port}/metrics  (/healthz, /readyz)", flush=True)
         if jaeger is not None:

@@ -1,4 +1,5 @@
-"""Settings, loaded in one place: defaults ← optional config file ← ``TANDEM_*`` environment.
+"""Settings, loaded in one place: defaults ← optional config file ← ``TANDEM_*`` environment
+(← a caller's explicit overrides; a caller may also bring defaults of its own).
 
 The config file (YAML or JSON; ``TANDEM_CONFIG`` or ``--config``) holds the same keys as
 :class:`Settings`. Everything is validated by msgspec, so a bad file fails at start with the
@@ -146,11 +147,16 @@ def load_settings(
     *,
     config: str | Path | None = None,
     environ: dict[str, str] | None = None,
+    defaults: dict[str, Any] | None = None,
     **overrides: Any,
 ) -> Settings:
-    """Build :class:`Settings` for ``service``; raise :class:`SettingsError` naming the source."""
+    """Build :class:`Settings` for ``service``; raise :class:`SettingsError` naming the source.
+
+    ``defaults``: values that replace :class:`Settings`' own defaults for this caller (the
+    config file and the environment still override them), e.g. the device classes ``tandem
+    up`` serves when its configuration names none."""
     env = dict(os.environ) if environ is None else environ
-    merged: dict[str, Any] = {"service": service}
+    merged: dict[str, Any] = {"service": service, **(defaults or {})}
     source = "defaults"
     path = config or env.get(f"{ENV_PREFIX}CONFIG")
     if path:

@@ -24,15 +24,21 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def start_up(*fleet: str, env: dict[str, str] | None = None) -> Iterator[str]:
-    """``tandem up`` with ``fleet`` (``--node`` specs) in a process of its own; yields its NATS
-    URL and stops it with Ctrl-C (SIGINT) afterwards, which must exit 0. Its output goes to a
-    file: a pipe nobody reads would fill up and stall it."""
+def start_up(
+    *fleet: str,
+    env: dict[str, str] | None = None,
+    args: tuple[str, ...] = (),
+    printed: list[str] | None = None,
+) -> Iterator[str]:
+    """``tandem up`` with ``fleet`` (``--node`` specs; none: its default fleet) and ``args`` in
+    a process of its own; yields its NATS URL and stops it with Ctrl-C (SIGINT) afterwards,
+    which must exit 0. Its output goes to a file: a pipe nobody reads would fill up and stall
+    it. ``printed`` gets what it printed up to its last start-up line."""
     nodes = [a for spec in fleet for a in ("--node", spec)]
     with tempfile.TemporaryFile("w+") as log:
         # --port 0: any free port, read back from what `tandem up` prints.
         up = subprocess.Popen(
-            [TANDEM, "up", "--port", "0", *nodes],
+            [TANDEM, "up", "--port", "0", *nodes, *args],
             stdout=log,
             stderr=subprocess.STDOUT,
             env={**os.environ, **(env or {})},
@@ -41,11 +47,14 @@ def start_up(*fleet: str, env: dict[str, str] | None = None) -> Iterator[str]:
             deadline = time.monotonic() + 60
             while True:
                 log.seek(0)
-                found = re.search(r"Tandem is up: .* NATS at (nats://127\.0\.0\.1:\d+)\n", log.read())
-                if found:
+                text = log.read()
+                found = re.search(r"Tandem is up: .* NATS at (nats://127\.0\.0\.1:\d+)\n", text)
+                if found and "  export TANDEM_NATS_URL=" in text:
                     break
                 assert time.monotonic() < deadline and up.poll() is None, "tandem up did not come up"
                 time.sleep(0.1)
+            if printed is not None:
+                printed.extend(text.splitlines())
             yield found.group(1)
         finally:
             up.send_signal(signal.SIGINT)

@@ -88,7 +88,50 @@ def test_shared_gpus_show_their_share() -> None:
     allocs = [NodeAllocations(node="n1", allocations={"s.1": AllocRecord(assignment=assignment)})]
     (row,) = build_rows({}, allocs)
     assert row.shares == {"gpu4": (20480, 25)}
-    assert row.asks() == "1 GPU shares (20480 MiB, 25 %) + 0 NICs"
+    assert row.asks() == "1 GPU share (20480 MiB, 25 % of each GPU) + 0 NICs"
     assert row.as_dict(0.0)["shares"] == {"gpu4": {"memory_mib": 20480, "cores_percent": 25}}
     whole = build_rows({}, [NodeAllocations(node="n1", allocations={"a.1": held("a.1")})])[0]
-    assert "shares" not in whole.as_dict(0.0) and whole.asks() == "1 GPUs + 1 NICs"
+    assert "shares" not in whole.as_dict(0.0) and whole.asks() == "1 GPU + 1 NIC"
+
+
+def test_a_shared_gpu_lists_every_holder_with_its_share() -> None:
+    """`device list` (and `status --devices`, `topology show --live`): a GPU with two shares has
+    two holders, each with its size; the assignment tables show a share's size by its GPU."""
+    from schemas.messages import AssignedMig, NodeRecord
+    from services.cli.ops import _device_state_text, assignment_rows, device_states
+    from services.topology import load_topology
+
+    def share(rid: str, mem: int | None, cores: int | None) -> AllocRecord:
+        gpu = AssignedGpu(index=2, uuid="GPU-2", memory_mib=mem, cores_percent=cores)
+        return AllocRecord(
+            assignment=Assignment(request_id=rid, pod=PodRef("inf", rid[0]), node="n1", gpus=[gpu])
+        )
+
+    mig = AssignedGpu(
+        index=1, uuid="GPU-1", mig=AssignedMig(profile="1g.10gb", uuid="MIG-1", device="gpu1-mig9-0")
+    )
+    allocs = NodeAllocations(
+        node="n1",
+        allocations={
+            "b.1": share("b.1", 10240, 50),
+            "a.1": share("a.1", 20480, None),
+            "m.1": AllocRecord(
+                assignment=Assignment(request_id="m.1", pod=PodRef("inf", "m"), node="n1", gpus=[mig])
+            ),
+            "w.1": held("w.1"),
+        },
+    )
+    record = NodeRecord(node="n1", topology=load_topology("pcie-4gpu-2nic"))
+    states = {d["device"]: d for d in device_states(record, allocs)}
+    gpu2 = states["gpu2"]
+    assert gpu2["state"] == "shared" and gpu2["pod"] == "inf/a"
+    assert gpu2["holders"] == [
+        {"pod": "inf/a", "request_id": "a.1", "memory_mib": 20480, "cores_percent": 0},
+        {"pod": "inf/b", "request_id": "b.1", "memory_mib": 10240, "cores_percent": 50},
+    ]
+    assert _device_state_text(gpu2) == "shared by inf/a (20480 MiB), inf/b (10240 MiB, 50 %)"
+    assert _device_state_text(states["gpu1"]) == "used by inf/m (MIG 1g.10gb gpu1-mig9-0)"
+    assert _device_state_text(states["gpu3"]) == "used by team/w" and states["gpu3"]["state"] == "used"
+    assert states["gpu0"]["state"] == "free" and states["gpu0"]["holders"] == []
+    rows = assignment_rows([allocs.allocations["b.1"].assignment, allocs.allocations["w.1"].assignment])
+    assert rows == [["inf/b", "n1", "2 (10240 MiB, 50 %)", "-", "-"], ["team/w", "n1", "3", "-", "-"]]
