@@ -80,16 +80,18 @@ class ShareRoom(msgspec.Struct, frozen=True):
 
 def _clash(base: NodeAllocations, assignment: Assignment) -> set[str]:
     """Devices of ``assignment`` another allocation of ``base`` holds: any device held whole
-    by either side. Two shares of one GPU do not clash here; whether the GPU has room for one
-    more is :func:`_no_room`'s question."""
+    by either side, and a GPU shared in another mode (HAMi-core and MPS limit a GPU's shares in
+    different ways; the node agent runs one per GPU). Two shares of one mode on one GPU do not
+    clash here; whether the GPU has room for one more is :func:`_no_room`'s question."""
     mine = set(assignment.device_ids())
     my_shares = assignment.shares()
     whole: set[str] = set()
     shared: set[str] = set()
     for other in base.allocations.values():
         theirs = other.assignment.shares()
+        same_mode = other.assignment.sharing == assignment.sharing
         for dev in other.assignment.device_ids():
-            (shared if dev in theirs else whole).add(dev)
+            (shared if dev in theirs and same_mode else whole).add(dev)
     return (mine & whole) | ((mine - set(my_shares)) & shared)
 
 
@@ -143,9 +145,7 @@ def add_allocation(
     return mutate
 
 
-def set_state(
-    request_id: str, state: AllocState, *, only_from: frozenset[str]
-) -> Mutation[NodeAllocations]:
+def set_state(request_id: str, state: AllocState, *, only_from: frozenset[str]) -> Mutation[NodeAllocations]:
     """Move one allocation to ``state`` when it is in one of ``only_from`` (else no change)."""
 
     def mutate(current: NodeAllocations | None) -> NodeAllocations | None:

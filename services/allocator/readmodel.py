@@ -323,6 +323,7 @@ class ReadModel:
                 # A job pod in the first phase of its commit is not an allocation yet.
                 preemptible=rec.preemptible and rec.state not in ("releasing", "prepared"),
                 shares=rec.assignment.shares(),
+                sharing=rec.assignment.sharing or "hami",
             )
         if allocations:
             self._applied[node] = dict(allocations)
@@ -338,12 +339,14 @@ class ReadModel:
         devices: list[str],
         *,
         shares: dict[str, tuple[int, int]] | None = None,
+        sharing: str = "",
     ) -> None:
-        """``shares``: the GPUs held as shares (:meth:`Assignment.shares`), the rest whole."""
+        """``shares``: the GPUs held as shares (:meth:`Assignment.shares`), the rest whole;
+        ``sharing``: their mode (the assignment's)."""
         self._catch_up_node(node)
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
-        self.cluster.hold(node, request_id, devs, shares=shares)
+        self.cluster.hold(node, request_id, devs, shares=shares, sharing=sharing or "hami")
 
     def reserve(self, node: str, key: str, devices: list[str]) -> None:
         """Keep ``devices`` from every decision under ``key`` (not a request id) until

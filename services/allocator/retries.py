@@ -127,7 +127,9 @@ class PendingRetries:
                 continue
             if isinstance(decision, Placement):
                 # Held now, before the next decision (the task holds it again, idempotently).
-                self.model.hold_tentative(decision.node, rid, decision.devices(), shares=decision.shares())
+                self.model.hold_tentative(
+                    decision.node, rid, decision.devices(), shares=decision.shares(), sharing=decision.sharing
+                )
             # Held in ``tasks`` and gathered below: not a bare task.
             tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
         results = await asyncio.gather(*tasks, return_exceptions=True)

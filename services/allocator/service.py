@@ -461,7 +461,9 @@ class Allocator(Service):
                 node = decision.node
                 assignment = build_assignment(req, decision, instance=self.instance)
                 # Until the commit lands, the next decisions must see these devices as used.
-                self.model.hold_tentative(node, rid, assignment.device_ids(), shares=assignment.shares())
+                self.model.hold_tentative(
+                    node, rid, assignment.device_ids(), shares=assignment.shares(), sharing=assignment.sharing
+                )
                 try:
                     if self.before_commit is not None:
                         await self.before_commit(req, decision)

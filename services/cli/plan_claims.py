@@ -140,7 +140,14 @@ class ClaimBook:
             return self.make_line(rid, "unschedulable", reason=result.reason)
         # A claim's hold is never a victim (not preemptible); shares are held as shares, so
         # the rest of such a GPU stays free for other shares, as for a pod's share.
-        self.cluster.hold(result.node, rid, result.devices(), priority=req.priority, shares=result.shares())
+        self.cluster.hold(
+            result.node,
+            rid,
+            result.devices(),
+            priority=req.priority,
+            shares=result.shares(),
+            sharing=result.sharing or "hami",
+        )
         deadline = self.now + float(after) if after is not None else None
         self.claims[rid] = _Claim(rid, result, deadline, shareable, req)
         self.counts["claimed"] += 1

@@ -123,3 +123,28 @@ async def test_two_replicas_racing_for_one_gpus_memory_never_overcommit_it(
         for dev, (m, _) in rec.assignment.shares().items():
             on_gpu[dev] = on_gpu.get(dev, 0) + m
     assert list(on_gpu.values()) == [mem]  # one share of 50 GiB, not 100 GiB on an 80 GiB GPU
+
+
+@pytest.fixture
+async def two_modes(nats_url: str, clean_jetstream: None) -> AsyncIterator[tuple[LocalStack, TandemClient]]:
+    classes = {**CLASSES, "mps": DeviceClass(sharing="mps", max_shares_per_gpu=4)}
+    async with one_dgx(nats_url, classes=classes) as running:
+        yield running
+
+
+async def test_hami_and_mps_shares_never_share_a_gpu(two_modes: tuple[LocalStack, TandemClient]) -> None:
+    """The node agent limits a GPU's shares with HAMi-core or with its MPS daemon, not both:
+    an MPS share goes to another GPU than a HAMi share's (binpack would have stacked it), and
+    a second HAMi share still stacks on the first (seen with `tandem up`'s two share classes)."""
+    _s, client = two_modes
+    placed: dict[str, Assignment] = {}
+    for name, device_class in (("h1", "shared"), ("m1", "mps"), ("h2", "shared"), ("m2", "mps")):
+        req = request(name, 1, device_class=device_class, gpu_memory_mib=1024)
+        await client.submit(req)
+        got = await client.wait_for(req.request_id)
+        assert isinstance(got, Assignment), got
+        placed[name] = got
+    gpu = {name: a.gpus[0].uuid for name, a in placed.items()}
+    assert gpu["h1"] != gpu["m1"]
+    assert gpu["h2"] == gpu["h1"] and gpu["m2"] == gpu["m1"]  # binpack, each within its mode
+    assert {placed["m1"].sharing, placed["h1"].sharing} == {"mps", "hami"}

@@ -262,7 +262,14 @@ def test_mig_instances_exclusive_mig_gpus_never_whole_and_alignment_exact(seed: 
             assert cross_key(got.quality[:10], S) == best_cross
         if isinstance(got, Placement):
             ledger.add(got, req)
-            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), preemptible=True)
+            cluster.hold(
+                got.node,
+                rid,
+                got.devices(),
+                shares=got.shares(),
+                sharing=got.sharing or "hami",
+                preemptible=True,
+            )
         # The core's view agrees with the ledger: no MIG-mode GPU is ever free whole, and the
         # free instances are exactly those the ledger says.
         for node in topos:

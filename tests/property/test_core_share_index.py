@@ -101,7 +101,7 @@ def _best_fit(cluster: Cluster, spec: Spec) -> tuple[int, int, int] | None:
         node = cluster._nodes[name]
         shape = node.shape
         ok = shape.view(spec.device_class, spec.dc).gpu_ok
-        for s, (mem, cores, count) in gpu_use(shape, node.mask).items():
+        for s, (mem, cores, count) in gpu_use(shape, node.mask, sharing=spec.dc.sharing).items():
             if not ok >> s & 1 or count >= spec.dc.max_shares_per_gpu:
                 continue
             left = (shape.gpu_memory[s] - mem, 100 - cores, -count)
@@ -162,5 +162,5 @@ def test_share_decisions_equal_the_brute_force_best_over_all_nodes(seed: int, po
                     elif policy == "binpack":
                         assert fit is None, "binpack opened a fresh GPU while a shared one fits"
         if isinstance(got, Placement):
-            cluster.hold(got.node, rid, got.devices(), shares=got.shares())
+            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
             live[rid] = got.node

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -64,6 +65,7 @@ class Ledger:
         self.whole: dict[str, dict[str, str]] = {n: {} for n in topos}  # device -> request
         self.shares: dict[str, dict[str, dict[str, tuple[int, int]]]] = {n: {} for n in topos}
         self.live: dict[str, tuple[str, list[str], dict[str, tuple[int, int]]]] = {}
+        self.mode: dict[str, str] = {}  # request -> the sharing mode of its shares
         self.unavailable: dict[str, set[str]] = {n: set() for n in topos}
 
     def share_use(self, node: str) -> dict[str, tuple[int, int, int]]:
@@ -76,13 +78,24 @@ class Ledger:
                 u[2] += 1
         return {d: (u[0], u[1], u[2]) for d, u in out.items()}
 
+    def gpu_modes(self, node: str) -> dict[str, set[str]]:
+        """Each shared GPU of ``node``: the sharing modes of its shares (one, if all is well)."""
+        out: dict[str, set[str]] = {}
+        for rid, per in self.shares[node].items():
+            for dev in per:
+                out.setdefault(dev, set()).add(self.mode[rid])
+        return out
+
     def add(self, p: Placement, req: AllocationRequest, cluster: Cluster) -> None:
         node = p.node
         shares = p.shares()
         spec = cluster.normalise(req)
         use = self.share_use(node)
+        modes = self.gpu_modes(node)
         for dev in p.devices():
             assert dev not in self.whole[node], f"{dev} on {node} already held whole"
+            # One sharing mode per GPU: the node agent runs HAMi-core or MPS on it, not both.
+            assert modes.get(dev, {p.sharing}) == {p.sharing}, f"{dev} on {node} shared in two modes"
             assert dev not in self.unavailable[node], f"{dev} on {node} is unavailable"
             if dev in shares:
                 m, c = shares[dev]
@@ -97,6 +110,7 @@ class Ledger:
                 self.whole[node][dev] = req.request_id
         if shares:
             self.shares[node][req.request_id] = shares
+            self.mode[req.request_id] = p.sharing
         self.live[req.request_id] = (node, p.devices(), shares)
 
     def remove(self, rid: str) -> tuple[str, list[str]]:
@@ -105,6 +119,7 @@ class Ledger:
             if self.whole[node].get(dev) == rid:
                 del self.whole[node][dev]
         self.shares[node].pop(rid, None)
+        self.mode.pop(rid, None)
         return node, devs
 
     def check_core(self, cluster: Cluster) -> None:
@@ -134,14 +149,23 @@ def _fleet(seed: int, n: int, policy: str) -> tuple[Cluster, dict[str, NodeTopol
     return cluster, topos
 
 
-def _rebuilt(cluster: Cluster, topos: dict[str, NodeTopology], *, shares_whole: bool) -> Cluster:
-    """The same state in a new cluster; ``shares_whole``: every shared GPU held whole instead."""
+def _rebuilt(
+    cluster: Cluster, topos: dict[str, NodeTopology], *, shares_whole: bool, modes: dict[str, str]
+) -> Cluster:
+    """The same state in a new cluster; ``shares_whole``: every shared GPU held whole instead;
+    ``modes``: each share hold's sharing mode (the ledger's)."""
     fresh = Cluster(policy=cluster.policy, device_classes=SHARE_CLASSES, pinned_max=cluster.pinned_max)
     for name, topo in topos.items():
         fresh.set_node(name, topo, labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name))
         shares = cluster.shares(name)
         for rid, devs in cluster.holds(name).items():
-            fresh.hold(name, rid, devs, shares=None if shares_whole else shares.get(rid))
+            fresh.hold(
+                name,
+                rid,
+                devs,
+                shares=None if shares_whole else shares.get(rid),
+                sharing=modes.get(rid, "hami"),
+            )
     return fresh
 
 
@@ -175,14 +199,14 @@ def test_shares_never_overcommit_and_index_stays_consistent(seed: int, policy: s
             got = cluster.decide(req)
         except InvalidRequest:
             continue
-        again = _rebuilt(cluster, topos, shares_whole=False).decide(req)
+        again = _rebuilt(cluster, topos, shares_whole=False, modes=ledger.mode).decide(req)
         assert type(got) is type(again)
         if isinstance(got, Placement):
             assert isinstance(again, Placement)
             assert got.quality == again.quality
             if not req.shared:
                 # Whole-GPU decisions: as good as if every shared GPU were held whole.
-                ref = _rebuilt(cluster, topos, shares_whole=True).decide(req)
+                ref = _rebuilt(cluster, topos, shares_whole=True, modes=ledger.mode).decide(req)
                 assert isinstance(ref, Placement)
                 assert ref.quality == got.quality
                 assert not got.shares()
@@ -191,7 +215,7 @@ def test_shares_never_overcommit_and_index_stays_consistent(seed: int, policy: s
                 assert all(g.memory_mib == req.gpu_memory_mib for g in got.gpus)
                 assert all(g.cores_percent == req.gpu_cores_percent for g in got.gpus)
             ledger.add(got, req, cluster)
-            cluster.hold(got.node, rid, got.devices(), shares=got.shares())
+            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
             ledger.check_core(cluster)
         else:
             assert isinstance(again, Unschedulable)
@@ -206,10 +230,13 @@ def _fits(ledger: Ledger, cluster: Cluster, req: AllocationRequest) -> tuple[boo
     shared_fits = fresh_fits = False
     for node, topo in ledger.topos.items():
         use = cluster.gpu_shares(node)
+        modes = ledger.gpu_modes(node)
         free = set(cluster.free_devices(node))
         for g in topo.gpus():
             if models and not any(m in g.model.lower() for m in models):
                 continue
+            if g.id in use and modes.get(g.id) != {spec.dc.sharing}:
+                continue  # shared in the other mode: no share of this class goes there
             if g.id in use:
                 m, c, n = use[g.id]
                 if (
@@ -257,7 +284,7 @@ def test_binpack_fills_shared_gpus_and_spread_opens_fresh_ones(seed: int, policy
         if policy == "spread" and fresh_fits:
             assert not was_shared, "spread stacked a share while a fresh GPU could take it"
         ledger.add(got, req, cluster)
-        cluster.hold(got.node, rid, got.devices(), shares=got.shares())
+        cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
         ledger.check_core(cluster)
 
 
@@ -270,3 +297,52 @@ def test_a_class_without_sharing_refuses_shares_with_a_clear_message() -> None:
         assert "'default' does not allow GPU shares" in str(exc)
     else:
         raise AssertionError("a share request against a class without sharing was accepted")
+
+
+@pytest.mark.parametrize("pinned", [False, True])
+@pytest.mark.parametrize("nics", [0, 1])
+def test_a_gpu_takes_shares_of_one_mode_only(pinned: bool, nics: int) -> None:
+    """A HAMi share on a GPU; a binpack decision for an MPS share would stack on it (best
+    fit), but the node agent runs HAMi-core or an MPS daemon per GPU, not both: the MPS share
+    opens another GPU, and later shares of each mode go only where their mode is. Through
+    every path a share is decided by: the class's fit index (one GPU, no NIC, no selector),
+    the stacking index (one GPU with a NIC), and the share index (pinned to the node)."""
+    from services.topology import load_topology
+
+    classes = {
+        "default": DeviceClass(),
+        "hami": DeviceClass(sharing="hami", max_shares_per_gpu=8),
+        "mps": DeviceClass(sharing="mps", max_shares_per_gpu=8),
+    }
+    cluster = Cluster(device_classes=classes)
+    cluster.set_node("n0", load_topology("dgx-h100"), labels={HOSTNAME: "n0"})
+    selector = {HOSTNAME: "n0"} if pinned else {}
+
+    def ask(rid: str, device_class: str) -> AllocationRequest:
+        return AllocationRequest(
+            request_id=rid,
+            pod=PodRef("ns", rid),
+            gpus=1,
+            rdma=nics,
+            device_class=device_class,
+            gpu_memory_mib=1024,
+            node_selector=selector,
+        )
+
+    first = cluster.decide(ask("h1", "hami"))
+    assert isinstance(first, Placement) and first.sharing == "hami"
+    cluster.hold("n0", "h1", first.devices(), shares=first.shares(), sharing=first.sharing)
+    (hami_gpu,) = first.shares()
+    mps = cluster.decide(ask("m1", "mps"))
+    assert isinstance(mps, Placement) and mps.sharing == "mps"
+    assert hami_gpu not in mps.shares(), "an MPS share stacked on a GPU with a HAMi share"
+    cluster.hold("n0", "m1", mps.devices(), shares=mps.shares(), sharing=mps.sharing)
+    (mps_gpu,) = mps.shares()
+    again = cluster.decide(ask("h2", "hami"))
+    more = cluster.decide(ask("m2", "mps"))
+    assert isinstance(again, Placement) and isinstance(more, Placement)
+    assert mps_gpu not in again.shares() and hami_gpu not in more.shares()
+    if not nics:
+        # Binpack stacks on a GPU of the share's own mode (with a NIC, the NIC the first share
+        # took may make a fresh GPU the better-aligned choice).
+        assert list(again.shares()) == [hami_gpu] and list(more.shares()) == [mps_gpu]

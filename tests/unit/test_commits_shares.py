@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import pytest
 
 from schemas.messages import AllocRecord, AssignedGpu, Assignment, NodeAllocations, PodRef
@@ -70,3 +71,18 @@ def test_shares_on_other_gpus_do_not_count_and_whole_gpus_still_clash() -> None:
 def test_a_share_without_the_gpus_room_is_a_programming_error() -> None:
     with pytest.raises(ValueError, match="needs the GPUs' room"):
         commits.add_allocation("n1", "b", share("b", 0, 1_000))(None)
+
+
+def test_a_share_never_joins_shares_of_the_other_mode() -> None:
+    """HAMi-core and MPS limit a GPU's shares in different ways and the node agent runs one
+    per GPU: a commit that would mix them on one GPU is refused, on another GPU it goes."""
+
+    def moded(rid: str, gpu: int, sharing: str) -> AllocRecord:
+        rec = share(rid, gpu, 1_000)
+        return AllocRecord(assignment=msgspec.structs.replace(rec.assignment, sharing=sharing))
+
+    held = record(a=moded("a", 0, "hami"))
+    with pytest.raises(Conflict, match="gpu0 held by another allocation"):
+        add(held, "b", moded("b", 0, "mps"))
+    assert add(held, "b", moded("b", 1, "mps")) is not None
+    assert add(held, "b", moded("b", 0, "hami")) is not None

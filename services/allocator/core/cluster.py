@@ -308,7 +308,8 @@ class Cluster:
         self._pv_groups: dict[PreemptionView, dict[str, None]] = {}
         self._pv_dirty: set[str] = set()
         # node -> request -> its shared GPUs as (device id, memory MiB, compute percent)
-        self._shares: dict[str, dict[str, tuple[tuple[str, int, int], ...]]] = {}
+        # node -> request -> its shares: (GPU device id, memory MiB, compute %, an MPS share)
+        self._shares: dict[str, dict[str, tuple[tuple[str, int, int, bool], ...]]] = {}
         self._mig = MigIndex()  # MIG instances of nodes with GPUs in MIG mode (see .mig)
         self._shapes: dict[tuple[object, ...], Shape] = {}
         self._hw_ids: dict[tuple[int, tuple[tuple[str, str], ...]], int] = {}
@@ -418,6 +419,7 @@ class Cluster:
         priority: int = 0,
         preemptible: bool = False,
         shares: Mapping[str, tuple[int, int]] | None = None,
+        sharing: str = "hami",
     ) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
 
@@ -429,7 +431,9 @@ class Cluster:
         ``shares``: the GPUs of ``devices`` held as shares, device id -> (memory MiB, compute
         percent), as :meth:`Placement.shares` gives them; the other devices are held whole. A
         preemptible hold with shares may be a victim like any other: its GPUs count as held,
-        so only evicting every share of a GPU frees it (:mod:`.preempt`)."""
+        so only evicting every share of a GPU frees it (:mod:`.preempt`). ``sharing``: how the
+        shares are limited (``hami`` or ``mps``, the class's mode, as the assignment says); a
+        GPU takes further shares of its shares' mode only (:mod:`.shares`)."""
         devs = tuple(sorted(set(devices)))
         if preemptible and not any(is_mig_device(d) for d in devs):
             self._victims.setdefault(name, {})[request_id] = priority
@@ -437,7 +441,8 @@ class Cluster:
         else:
             self._drop_victim(name, request_id)
         holds = self._holds.setdefault(name, {})
-        shared = tuple(sorted((d, m, c) for d, (m, c) in shares.items())) if shares else ()
+        mps = sharing == "mps"
+        shared = tuple(sorted((d, m, c, mps) for d, (m, c) in shares.items())) if shares else ()
         node_shares = self._shares.get(name)
         old_shared = node_shares.get(request_id, ()) if node_shares else ()
         if holds.get(request_id) == devs and old_shared == shared:
@@ -492,7 +497,7 @@ class Cluster:
 
     def shares(self, name: str) -> dict[str, dict[str, tuple[int, int]]]:
         """The share holds of ``name``: request -> GPU device id -> (memory MiB, compute %)."""
-        return {rid: {d: (m, c) for d, m, c in per} for rid, per in self._shares.get(name, {}).items()}
+        return {rid: {d: (m, c) for d, m, c, _ in per} for rid, per in self._shares.get(name, {}).items()}
 
     def gpu_shares(self, name: str) -> dict[str, GpuUse]:
         """Shared GPUs of ``name`` that can take more shares, by device id: (used memory MiB,
@@ -1096,7 +1101,7 @@ class Cluster:
         )
 
     def _share_mask(
-        self, node: _Node, blocked: int, node_shares: Mapping[str, tuple[tuple[str, int, int], ...]]
+        self, node: _Node, blocked: int, node_shares: Mapping[str, tuple[tuple[str, int, int, bool], ...]]
     ) -> int:
         """The group mask of a node with shares: shared GPUs leave the free slots like held
         ones, and their usage goes into the share bits (:func:`.shares.pack`), except for a
@@ -1104,8 +1109,9 @@ class Cluster:
         shape = node.shape
         slot_of = shape.slot_of
         use: dict[int, list[int]] = {}
+        mps = hami = 0  # slots with shares of each mode
         for per in node_shares.values():
-            for dev, mem, cores in per:
+            for dev, mem, cores, is_mps in per:
                 s = slot_of.get(dev)
                 if s is not None and s < shape.n_gpus:
                     u = use.get(s)
@@ -1114,15 +1120,23 @@ class Cluster:
                     u[0] += mem
                     u[1] += cores
                     u[2] += 1
+                    if is_mps:
+                        mps |= 1 << s
+                    else:
+                        hami |= 1 << s
+        # A GPU with shares of both modes (records no commit lets through) takes no more.
+        blocked |= mps & hami
         for rid, devs in self._holds.get(node.name, {}).items():
-            shared = {d for d, _m, _c in node_shares.get(rid, ())}
+            shared = {d for d, _m, _c, _x in node_shares.get(rid, ())}
             for dev in devs:
                 if dev in shared:
                     continue
                 s = slot_of.get(dev)
                 if s is not None:
                     blocked |= 1 << s
-        share_bits = pack(shape, {s: (u[0], u[1], u[2]) for s, u in use.items() if not blocked >> s & 1})
+        share_bits = pack(
+            shape, {s: (u[0], u[1], u[2]) for s, u in use.items() if not blocked >> s & 1}, mps=mps
+        )
         for s in use:
             blocked |= 1 << s
         return shape.effective_free(blocked) | share_bits

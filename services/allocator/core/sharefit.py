@@ -96,7 +96,8 @@ class FitIndex:
                 head = (free_n, -free_g, -free_n, name)
             now = tuple(
                 ((memory[s] - mem, 100 - cores, -count), (*head, s))
-                for s, (mem, cores, count) in gpu_use(shape, mask).items()
+                # Only GPUs whose shares have this class's mode (one mode per GPU: .shares).
+                for s, (mem, cores, count) in gpu_use(shape, mask, sharing=self.dc.sharing).items()
                 if gpu_ok >> s & 1
             )
         old = self._by_node.get(name, ())
@@ -201,7 +202,7 @@ class StackIndex:
             memory = shape.gpu_memory
             scope = int(spec.scope)
             rows = []
-            for s, (mem, cores, count) in gpu_use(shape, mask).items():
+            for s, (mem, cores, count) in gpu_use(shape, mask, sharing=spec.dc.sharing).items():
                 if not gpu_ok >> s & 1:
                     continue
                 got = self.evaluate(shape, nics | 1 << s)

@@ -17,8 +17,9 @@ three states: whole-free, held whole, or shared (one or more shares on it). The 
 Why in the group key. The cluster index groups nodes by ``(hardware, free mask)`` and caches
 one search per (request key, shape, mask) (see :mod:`.cluster`). The share state of a node is
 packed into the same integer *above* the slot bits: GPU slot ``s`` owns the
-:data:`FIELD`-bit field at ``n_slots + s * FIELD`` holding its used memory (MiB), used
-compute (percent) and share count; a GPU without shares has a zero field, so a node without
+:data:`FIELD`-bit field at ``n_slots + s * FIELD`` holding its sharing mode (one bit: MPS or
+HAMi), used memory (MiB), used compute (percent) and share count; a GPU without shares has a
+zero field, so a node without
 shares has exactly the mask it had before shares existed. Two nodes with the same shape,
 free devices and share usage are then one group, the change log, the signature heaps and the
 lazy evaluation work unchanged, and a share decision costs what a whole-GPU decision costs:
@@ -45,6 +46,11 @@ index of shared GPUs, one-GPU shares with NICs (binpack) by a per-GPU stacking i
 by the better of a fresh-GPU tier (the whole-GPU index, one signature for every size) and a
 stacking tier (this module's search on the nodes that have a shared GPU the share fits on);
 with a node selector, or when nothing can take it (for the reasons), by the share index below.
+
+One mode per GPU: the node agent limits a GPU's shares either through HAMi-core in each
+container or through the GPU's MPS daemon, not both, so a share goes only on a fresh GPU or on
+a GPU whose shares have its class's mode (:func:`fit_mask`, :func:`gpu_use` with
+``sharing``); the allocation commit refuses a mix too (services/allocator/commits.py).
 
 Limits of the model: a share request's memory and compute are per GPU and the same on each of
 its GPUs; a request that leaves one out reserves none of it (and gets no limit for it).
@@ -75,10 +81,11 @@ __all__ = [
     "stacked_with_nics",
 ]
 
-FIELD = 48  # bits per GPU: used memory MiB (32), used compute percent (8), share count (8)
+FIELD = 48  # bits per GPU: MPS (1), used memory MiB (31), used compute percent (8), share count (8)
 _COUNT_BITS = 8
 _CORE_BITS = 8
-_MEM_BITS = FIELD - _COUNT_BITS - _CORE_BITS
+_MEM_BITS = FIELD - 1 - _COUNT_BITS - _CORE_BITS
+_MPS_BIT = 1 << (FIELD - 1)
 _FIELD_MASK = (1 << FIELD) - 1
 _COUNT_MASK = (1 << _COUNT_BITS) - 1
 _CORE_MASK = (1 << _CORE_BITS) - 1
@@ -92,8 +99,9 @@ def slot_bits(shape: Shape, mask: int) -> int:
     return mask & ((1 << shape.n_slots) - 1)
 
 
-def pack(shape: Shape, use: dict[int, GpuUse]) -> int:
-    """The share bits of a node: ``use`` maps GPU slot to its usage (zero usage: no field)."""
+def pack(shape: Shape, use: dict[int, GpuUse], *, mps: int = 0) -> int:
+    """The share bits of a node: ``use`` maps GPU slot to its usage (zero usage: no field);
+    ``mps``: the slots whose shares are MPS shares (the others' are HAMi's)."""
     out = 0
     base = shape.n_slots
     for s, (mem, cores, count) in use.items():
@@ -105,22 +113,28 @@ def pack(shape: Shape, use: dict[int, GpuUse]) -> int:
             | (min(cores, _CORE_MASK) << _COUNT_BITS)
             | min(count, _COUNT_MASK)
         )
+        if mps >> s & 1:
+            field |= _MPS_BIT
         out |= field << (base + s * FIELD)
     return out
 
 
-def gpu_use(shape: Shape, mask: int) -> dict[int, GpuUse]:
-    """The shared GPUs of a group mask and their usage (the inverse of :func:`pack`)."""
-    return {s: (m, c, n) for s, m, c, n in _decoded(shape, mask >> shape.n_slots)}
+def gpu_use(shape: Shape, mask: int, *, sharing: str | None = None) -> dict[int, GpuUse]:
+    """The shared GPUs of a group mask and their usage (the inverse of :func:`pack`); with
+    ``sharing`` (a class's mode, ``hami`` or ``mps``) only the GPUs whose shares have it."""
+    if sharing is None:
+        return {s: (m, c, n) for s, m, c, n, _ in _decoded(shape, mask >> shape.n_slots)}
+    mps = sharing == "mps"
+    return {s: (m, c, n) for s, m, c, n, x in _decoded(shape, mask >> shape.n_slots) if x is mps}
 
 
 # Decoded share bits, by the bits alone (they do not depend on the shape): every signature
 # that meets a group decodes it, so the decode is cached (bounded like the search cache).
-_DECODED: dict[int, tuple[tuple[int, int, int, int], ...]] = {}
+_DECODED: dict[int, tuple[tuple[int, int, int, int, bool], ...]] = {}
 _DECODED_MAX = 50_000
 
 
-def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int], ...]:
+def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int, bool], ...]:
     got = _DECODED.get(hi)
     if got is None:
         out = []
@@ -132,9 +146,10 @@ def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int], ...]:
                 out.append(
                     (
                         s,
-                        field >> (_CORE_BITS + _COUNT_BITS),
+                        (field >> (_CORE_BITS + _COUNT_BITS)) & _MEM_MAX,
                         (field >> _COUNT_BITS) & _CORE_MASK,
                         field & _COUNT_MASK,
+                        bool(field & _MPS_BIT),
                     )
                 )
             bits >>= FIELD
@@ -147,15 +162,17 @@ def _decoded(shape: Shape, hi: int) -> tuple[tuple[int, int, int, int], ...]:
 
 
 def fit_mask(shape: Shape, mask: int, spec: Spec) -> int:
-    """GPU slots a share of ``spec`` may go on: shared GPUs with enough memory, compute and
-    share count left, and whole-free GPUs with at least the share's memory."""
+    """GPU slots a share of ``spec`` may go on: shared GPUs of its class's mode with enough
+    memory, compute and share count left, and whole-free GPUs with at least the share's
+    memory."""
     out = 0
     limit = spec.dc.max_shares_per_gpu
     need_mem = spec.memory_mib
     max_cores = 100 - spec.cores_percent
     memory = shape.gpu_memory
-    for s, mem, cores, count in _decoded(shape, mask >> shape.n_slots):
-        if count < limit and memory[s] - mem >= need_mem and cores <= max_cores:
+    mps = spec.dc.sharing == "mps"
+    for s, mem, cores, count, mode in _decoded(shape, mask >> shape.n_slots):
+        if mode is mps and count < limit and memory[s] - mem >= need_mem and cores <= max_cores:
             out |= 1 << s
     free_gpus = mask & shape.gpu_all
     if need_mem and free_gpus:
