@@ -345,6 +345,9 @@ class Assignment(_Msg, tag="alloc.assigned"):
     # ``memory_limit``); empty for whole GPUs.
     sharing: Literal["", "hami", "mps"] = ""
     memory_limit: Literal["hard", "soft"] = "hard"
+    # Why the pairs are coarser than the request's scope, for people (``tandem explain``);
+    # empty when the scope was met.
+    scope_note: Text = ""
 
     def device_ids(self) -> list[str]:
         return [g.device_id for g in self.gpus] + [n.name for n in self.nics]

@@ -459,7 +459,12 @@ class Allocator(Service):
                     }
                 )
                 node = decision.node
-                assignment = build_assignment(req, decision, instance=self.instance)
+                # Rare (a preferred scope missed), and it may decide once more: only then.
+                note = ""
+                if not decision.met:
+                    self.model.catch_up()  # the reason looks beyond this replica's shard
+                    note = self.cluster.scope_reason(req, decision)
+                assignment = build_assignment(req, decision, instance=self.instance, scope_note=note)
                 # Until the commit lands, the next decisions must see these devices as used.
                 self.model.hold_tentative(
                     node, rid, assignment.device_ids(), shares=assignment.shares(), sharing=assignment.sharing

@@ -708,6 +708,8 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
         print(f"assigned: {plural(len(placed), 'pod')} on {nodes}{trace_note}")
     else:
         print(f"assigned: node {outcome.node}, scope {outcome.scope}{trace_note}")
+        if outcome.scope_note:
+            print(f"  scope {outcome.scope}, not as asked: {outcome.scope_note}")
     print(render_table(assignment_rows(placed), ASSIGNMENT_HEADERS))
     if claim is not None:
         name = f"{sub.ref.namespace}/{sub.ref.name}"
@@ -1088,6 +1090,8 @@ async def explain(client: TandemClient, args: argparse.Namespace) -> int:
         print(f"reason   {row.reason}")
     if row.trace_id:
         print(f"trace    {row.trace_id}")
+    if alloc is not None and alloc.assignment.scope_note:
+        print(f"scope    {alloc.assignment.scope}, not as asked: {alloc.assignment.scope_note}")
     if alloc is not None:
         print(render_table(assignment_rows([alloc.assignment]), ASSIGNMENT_HEADERS))
     return 0

@@ -408,3 +408,30 @@ def test_refusal_says_when_failed_devices_are_part_of_why() -> None:
     cluster.hold("sick", "x", ["gpu3"])
     out = cluster.decide(req("all4b", gpus=4, rdma=0))
     assert isinstance(out, Unschedulable) and "unhealthy" not in out.reason
+
+
+def test_scope_reason_says_why_a_preferred_scope_was_missed() -> None:
+    """Default node order (used-first): on an empty mixed cluster a 2+2 request takes the
+    smallest free server, a PCIe box pairing across its root complex, while a DGX could pair
+    both on their switches; the reason names that server and the class option. When no node
+    could do better, it says so; a placement that met its scope has no reason."""
+    c = Cluster(
+        device_classes={"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
+    )
+    c.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
+    c.set_node("h100-0", load_topology("dgx-h100"))
+    r = req("r", 2, 2)
+    p = placed(c.decide(r))
+    assert (p.node, p.scope, p.met) == ("pcie-0", "pcie-root", False)
+    why = c.scope_reason(r, p)
+    assert why.startswith("pcie-switch pairs were possible on h100-0, a server not in use"), why
+    assert "node_order: used-first" in why
+    # The alignment-first class goes to the DGX and meets the scope: nothing to explain.
+    a = req("a", 2, 2, device_class="aligned")
+    q = placed(c.decide(a))
+    assert (q.node, q.met) == ("h100-0", True) and c.scope_reason(a, q) == ""
+    # Only PCIe boxes: nothing could pair at pcie-switch.
+    only = Cluster()
+    only.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
+    p = placed(only.decide(r))
+    assert only.scope_reason(r, p) == "no node could pair at pcie-switch now"

@@ -123,9 +123,11 @@ from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+import msgspec
+
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, AssignedNic, Pair
-from schemas.topology import Gpu, Nic, NodeTopology, ScopeName
+from schemas.topology import Gpu, Nic, NodeTopology, Scope, ScopeName
 
 from .errors import InvalidRequest
 from .index import GroupIndex, GroupKey
@@ -711,6 +713,46 @@ class Cluster:
             return self._unschedulable(spec, st.refused, st.codes, impaired)
         node, status, candidates = top
         return self._placement(node, status, spec, candidates=candidates)
+
+    def scope_reason(self, request: AllocationRequest, placement: Placement) -> str:
+        """Why ``placement``, just decided for ``request``, pairs at a coarser scope than the
+        request asked ("" when it met it), for the person reading ``tandem explain``.
+
+        With ``binpack`` and the default node order (``used-first``) a ``preferred`` request
+        goes to a used server that can take it before a free one, which may be better aligned
+        (docs/benchmarks.md, "Node order"). Whether that is why is found by deciding again with
+        the alignment-first order (a signature state of its own, built on first use): only for
+        placements that missed their scope, which are rare."""
+        if placement.met:
+            return ""
+        spec = normalise(request, self.device_classes)
+        asked = spec.scope.wire
+        if spec.shared or spec.mig_profile or spec.selector:
+            return f"no node it may use could pair at {asked} now"
+        if self.policy == "binpack" and self._pressure():
+            return (
+                f"few servers can still host a large aligned job, so placements that keep them whole "
+                f"came first; none of those pairs at {asked}"
+            )
+        if self.policy != "binpack" or spec.dc.node_order == "alignment-first":
+            return f"no node could pair at {asked} now"
+        aligned = replace(
+            spec,
+            device_class=f"{spec.device_class}\x00alignment-first",
+            dc=msgspec.structs.replace(spec.dc, node_order="alignment-first"),
+        )
+        top = self._top(aligned)
+        if isinstance(top, _SigState):
+            return f"no node could pair at {asked} now"
+        node, status, _ = top
+        if status.scope >= Scope.parse(placement.scope) or node.name == placement.node:
+            return f"no node could pair at {asked} now"
+        return (
+            f"{_SCOPE[status.scope]} pairs were possible on {node.name}, a server not in use: the "
+            f"class {spec.device_class!r} places on servers in use, else on the smallest free one "
+            "(node_order: used-first), keeping big servers whole for large aligned jobs; a class "
+            "with node_order: alignment-first puts alignment first"
+        )
 
     def _top(self, spec: Spec, *, last_of_equals: bool = False) -> tuple[_Node, Choice, int] | _SigState:
         """The best node of the index for ``spec`` (node, in-node choice, candidates), or the
