@@ -1214,7 +1214,7 @@ def device_states(rec: NodeRecord, allocs: NodeAllocations | None) -> list[dict[
 
 async def topology_live(client: TandemClient, args: argparse.Namespace) -> int:
     """``tandem topology show NODE --live``: the node's tree with each device's state now."""
-    from services.cli.topology_cmd import draw
+    from services.topology.picture import render_as
 
     record = (await client.node_records()).get(args.source)
     if record is None:
@@ -1223,7 +1223,7 @@ async def topology_live(client: TandemClient, args: argparse.Namespace) -> int:
     states = {d["device"]: _device_state_text(d) for d in device_states(record, allocs.get(record.node))}
     if record.status != "ready":
         print(f"note: node {record.node} is {record.status}", file=sys.stderr)
-    sys.stdout.write(draw(record.topology, args.output, states=states))
+    sys.stdout.write(render_as(record.topology, args.output, states=states))
     return 0
 
 

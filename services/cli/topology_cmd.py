@@ -175,22 +175,10 @@ def _show(args: argparse.Namespace) -> int:
         from services.cli import ops
 
         return asyncio.run(ops.with_client(args, ops.topology_live))
-    sys.stdout.write(draw(_load(args.source), args.output))
+    from services.topology.picture import render_as
+
+    sys.stdout.write(render_as(_load(args.source), args.output))
     return 0
-
-
-def draw(topo: Any, fmt: str, *, states: dict[str, str] | None = None) -> str:
-    """``topo`` as ``fmt`` (tree, json, yaml, dot, svg); ``states``: each device's state now."""
-    from services.topology import dump_topology, render_tree
-    from services.topology.picture import render_dot, render_svg
-
-    if fmt == "tree":
-        return render_tree(topo, states=states)
-    if fmt == "dot":
-        return render_dot(topo, states=states)
-    if fmt == "svg":
-        return render_svg(topo, states=states)
-    return dump_topology(topo, fmt="json" if fmt == "json" else "yaml")
 
 
 def _validate(args: argparse.Namespace) -> int:

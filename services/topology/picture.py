@@ -17,7 +17,7 @@ from xml.sax.saxutils import escape
 from schemas.topology import NodeTopology
 from services.topology.render import TreeNode, summary, tree_of
 
-__all__ = ["render_dot", "render_svg"]
+__all__ = ["render_as", "render_dot", "render_svg"]
 
 # Fill colours by state (first word of the state text); structure boxes are grey.
 COLOURS = {"free": "#d8f0d2", "used": "#cfe0fb", "unhealthy": "#f8cccc", "cordoned": "#fde3bd"}
@@ -151,3 +151,18 @@ def render_svg(topo: NodeTopology, *, states: Mapping[str, str] | None = None) -
         out.append("</g>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def render_as(topo: NodeTopology, fmt: str, *, states: Mapping[str, str] | None = None) -> str:
+    """``topo`` as ``fmt`` (tree, json, yaml, dot, svg); ``states``: each device's state now
+    (``tandem topology show``, with ``--live`` the states)."""
+    from services.topology.files import dump_topology
+    from services.topology.render import render_tree
+
+    if fmt == "tree":
+        return render_tree(topo, states=states)
+    if fmt == "dot":
+        return render_dot(topo, states=states)
+    if fmt == "svg":
+        return render_svg(topo, states=states)
+    return dump_topology(topo, fmt="json" if fmt == "json" else "yaml")
