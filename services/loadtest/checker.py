@@ -27,7 +27,6 @@ goes on, one check fewer). It exits when stdin closes. Logs go to stderr.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import sys
@@ -38,12 +37,10 @@ import nats.errors
 
 from schemas import codec, subjects
 from services.loadtest import invariants
+from services.loadtest.child import child_main
 from services.runtime.bus import Bus
-from services.runtime.errors import SettingsError
 from services.runtime.kvwatch import read_paced
-from services.runtime.lifecycle import run_loop
-from services.runtime.logging import setup_logging
-from services.runtime.settings import Settings, load_settings
+from services.runtime.settings import Settings
 
 AUTOGROUP = "/proc/self/autogroup"
 PACE_BATCH = 250
@@ -121,30 +118,8 @@ async def _read(bus: Bus) -> dict[str, bytes]:
             await asyncio.sleep(READ_RETRY_S)
 
 
-async def _stdin() -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    return reader
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.loadtest.checker")
-    parser.add_argument("--config", help="YAML/JSON settings file (nats_url)")
-    args = parser.parse_args(argv)
-    try:
-        settings = load_settings("loadtest-checker", config=args.config)
-    except SettingsError as exc:
-        print(f"loadtest-checker: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(level=settings.log_level, json=settings.log_json, service=settings.service)
-    lower_priority()
-
-    async def checker_main() -> None:
-        await serve(settings, await _stdin())
-
-    run_loop(checker_main())
-    return 0
+    return child_main("checker", "loadtest-checker", serve, argv, before=lower_priority)
 
 
 if __name__ == "__main__":

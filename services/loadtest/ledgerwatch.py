@@ -32,7 +32,6 @@ not catch up). It exits when stdin closes. Logs go to stderr.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import sys
@@ -47,14 +46,13 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import Freed
+from services.loadtest.child import child_main
 from services.loadtest.ledger import Ledger, LedgerCounts
 from services.runtime.bus import Bus
-from services.runtime.errors import SettingsError
 from services.runtime.jsack import position
 from services.runtime.kvwatch import WATCH_INACTIVE_THRESHOLD_S, kv_change
-from services.runtime.lifecycle import run_loop
-from services.runtime.logging import get_logger, setup_logging
-from services.runtime.settings import Settings, load_settings
+from services.runtime.logging import get_logger
+from services.runtime.settings import Settings
 
 log = get_logger(__name__)
 
@@ -282,29 +280,8 @@ async def serve(settings: Settings, commands: asyncio.StreamReader) -> None:
         await bus.close()
 
 
-async def _stdin() -> asyncio.StreamReader:
-    loop = asyncio.get_running_loop()
-    reader = asyncio.StreamReader()
-    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
-    return reader
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m services.loadtest.ledgerwatch")
-    parser.add_argument("--config", help="YAML/JSON settings file (nats_url)")
-    args = parser.parse_args(argv)
-    try:
-        settings = load_settings("loadtest-ledger", config=args.config)
-    except SettingsError as exc:
-        print(f"loadtest-ledger: {exc}", file=sys.stderr)
-        return 2
-    setup_logging(level=settings.log_level, json=settings.log_json, service=settings.service)
-
-    async def ledger_main() -> None:
-        await serve(settings, await _stdin())
-
-    run_loop(ledger_main())
-    return 0
+    return child_main("ledgerwatch", "loadtest-ledger", serve, argv)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,19 @@ def samples(state: metrics.AllocatorState, name: str) -> dict[tuple[str, ...], f
     }
 
 
+def counted_nodes(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The nodes whose counts the collector computes from now on, in order."""
+    calls: list[str] = []
+    real = metrics.node_device_states
+
+    def counting(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
+        calls.append(record.node)
+        return real(record, allocs)
+
+    monkeypatch.setattr(metrics, "node_device_states", counting)
+    return calls
+
+
 @pytest.mark.parametrize(("nodes", "per_node"), [(3, True), (4, False)])
 def test_per_node_series_only_up_to_the_limit_cluster_totals_always(nodes: int, per_node: bool) -> None:
     state = metrics.AllocatorState(allocator(nodes), node_metrics_max=3)
@@ -64,14 +77,7 @@ def test_a_nodes_counts_are_computed_again_only_when_its_records_change(
 ) -> None:
     a = allocator(3)
     state = metrics.AllocatorState(a)
-    calls: list[str] = []
-    real = metrics.node_device_states
-
-    def counting(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
-        calls.append(record.node)
-        return real(record, allocs)
-
-    monkeypatch.setattr(metrics, "node_device_states", counting)
+    calls = counted_nodes(monkeypatch)
     samples(state, "tandem_node_devices")
     samples(state, "tandem_node_devices")
     assert sorted(calls) == ["n0", "n1", "n2"]  # the second scrape read them all from the cache
@@ -113,14 +119,7 @@ def test_a_scrape_of_a_large_fleet_looks_only_at_the_nodes_that_changed(
     a = allocator(2000)
     state = metrics.AllocatorState(a, node_metrics_max=1000)
     assert samples(state, "tandem_cluster_devices")["gpu", "allocated"] == 1  # the first scrape: all
-    calls: list[str] = []
-    real = metrics.node_device_states
-
-    def counting(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
-        calls.append(record.node)
-        return real(record, allocs)
-
-    monkeypatch.setattr(metrics, "node_device_states", counting)
+    calls = counted_nodes(monkeypatch)
     a.model.nodes = Walked(a.model.nodes)
     held = a.allocs["n0"][0].allocations["r"]
     a.allocs["n7"] = (NodeAllocations(node="n7", allocations={"q": held}), 1)  # a second hold, on n7

@@ -1,0 +1,57 @@
+"""The main of a harness helper process that answers commands on its stdin: the snapshot
+checker (:mod:`services.loadtest.checker`) and the ledger (:mod:`services.loadtest.ledgerwatch`).
+
+Each reads its settings (``--config``, the environment), logs like a service, and runs its
+``serve(settings, stdin)`` until stdin closes; a bad settings file is one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+from services.runtime.errors import SettingsError
+from services.runtime.lifecycle import run_loop
+from services.runtime.logging import setup_logging
+from services.runtime.settings import Settings, load_settings
+
+__all__ = ["child_main"]
+
+Serve = Callable[[Settings, asyncio.StreamReader], Awaitable[None]]
+
+
+async def _stdin() -> asyncio.StreamReader:
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    return reader
+
+
+def child_main(
+    module: str,
+    service: str,
+    serve: Serve,
+    argv: Sequence[str] | None,
+    *,
+    before: Callable[[], None] = lambda: None,
+) -> int:
+    """Run ``serve`` as ``python -m services.loadtest.<module>`` (settings service name
+    ``service``); ``before``: what to do once logging is set up (e.g. lower the priority)."""
+    parser = argparse.ArgumentParser(prog=f"python -m services.loadtest.{module}")
+    parser.add_argument("--config", help="YAML/JSON settings file (nats_url)")
+    args = parser.parse_args(argv)
+    try:
+        settings = load_settings(service, config=args.config)
+    except SettingsError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        return 2
+    setup_logging(level=settings.log_level, json=settings.log_json, service=settings.service)
+    before()
+
+    async def child() -> None:
+        await serve(settings, await _stdin())
+
+    run_loop(child())
+    return 0
