@@ -156,9 +156,7 @@ def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, 
         c1 = time.thread_time_ns()
         placed = isinstance(got, Placement)
         if isinstance(got, Placement):
-            cluster.hold(
-                got.node, req.request_id, got.devices(), shares=got.shares(), sharing=got.sharing or "hami"
-            )
+            cluster.hold(got.node, req.request_id, got.devices(), shares=got.shares(), sharing=got.sharing)
         t2 = time.perf_counter_ns()
         if isinstance(got, Placement):
             weight = req.gpus * (req.gpu_cores_percent or 100) / 100

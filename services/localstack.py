@@ -290,6 +290,9 @@ class LocalClaims:
         self.requests: dict[str, RequestRecord] = {}  # claim requests, by KV key
         self.written: dict[str, ClaimRecord] = {}
         self.released: dict[str, str] = {}  # request id -> why this keeper released it
+        # request id -> (node, its assignment there), once read: every settle looks at every
+        # claim, and an assignment does not change while its record stays assigned there
+        self._held: dict[str, tuple[str, Assignment]] = {}
         self._changed = asyncio.Event()
 
     def on_record(self, key: str, record: RequestRecord | None, _: int) -> None:
@@ -349,13 +352,21 @@ class LocalClaims:
             spec=claims.ClaimSpec(shareable=marker.shareable),
         )
         state = claims.ClaimState(view=view, request=req, reason=record.reason)
+        if record.state != "assigned":
+            self._held.pop(req.request_id, None)
         if record.state in ("freed", "cancelled"):
             why = self.released.get(req.request_id, "released")
             state.phase, state.released, state.reason = "Released", True, why
         elif record.state == "rejected":
             state.phase = "Invalid"
         elif record.state == "assigned" and record.node:
-            state.assignment = await self._assignment(record.node, req.request_id)
+            held = self._held.get(req.request_id)
+            if held is None or held[0] != record.node:
+                found = await self._assignment(record.node, req.request_id)
+                held = (record.node, found) if found is not None else None
+                if held is not None:
+                    self._held[req.request_id] = held
+            state.assignment = held[1] if held is not None else None
             if state.assignment is not None:
                 state.phase, state.reason = "Allocated", ""
             else:

@@ -323,7 +323,7 @@ class ReadModel:
                 # A job pod in the first phase of its commit is not an allocation yet.
                 preemptible=rec.preemptible and rec.state not in ("releasing", "prepared"),
                 shares=rec.assignment.shares(),
-                sharing=rec.assignment.sharing or "hami",
+                sharing=rec.assignment.sharing,
             )
         if allocations:
             self._applied[node] = dict(allocations)
@@ -346,7 +346,7 @@ class ReadModel:
         self._catch_up_node(node)
         devs = tuple(devices)
         self._tentative.setdefault(node, {})[request_id] = devs
-        self.cluster.hold(node, request_id, devs, shares=shares, sharing=sharing or "hami")
+        self.cluster.hold(node, request_id, devs, shares=shares, sharing=sharing)
 
     def reserve(self, node: str, key: str, devices: list[str]) -> None:
         """Keep ``devices`` from every decision under ``key`` (not a request id) until

@@ -146,7 +146,7 @@ class ClaimBook:
             result.devices(),
             priority=req.priority,
             shares=result.shares(),
-            sharing=result.sharing or "hami",
+            sharing=result.sharing,
         )
         deadline = self.now + float(after) if after is not None else None
         self.claims[rid] = _Claim(rid, result, deadline, shareable, req)

@@ -7,15 +7,13 @@ Each reads its settings (``--config``, the environment), logs like a service, an
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
-from services.runtime.errors import SettingsError
-from services.runtime.lifecycle import run_loop
+from services.runtime.lifecycle import run_loop, settings_from_argv
 from services.runtime.logging import setup_logging
-from services.runtime.settings import Settings, load_settings
+from services.runtime.settings import Settings
 
 __all__ = ["child_main"]
 
@@ -39,13 +37,8 @@ def child_main(
 ) -> int:
     """Run ``serve`` as ``python -m services.loadtest.<module>`` (settings service name
     ``service``); ``before``: what to do once logging is set up (e.g. lower the priority)."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.loadtest.{module}")
-    parser.add_argument("--config", help="YAML/JSON settings file (nats_url)")
-    args = parser.parse_args(argv)
-    try:
-        settings = load_settings(service, config=args.config)
-    except SettingsError as exc:
-        print(f"{service}: {exc}", file=sys.stderr)
+    settings = settings_from_argv(f"python -m services.loadtest.{module}", service, argv)
+    if settings is None:
         return 2
     setup_logging(level=settings.log_level, json=settings.log_json, service=settings.service)
     before()

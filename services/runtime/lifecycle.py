@@ -122,6 +122,19 @@ class ReportsReadiness(Protocol):
     def unready(self) -> str | None: ...
 
 
+def settings_from_argv(prog: str, service: str, argv: Sequence[str] | None) -> Settings | None:
+    """``PROG [--config FILE]``: the settings of ``service``, or None after one line on stderr
+    naming what was wrong (the caller exits 2): a bad config file fails at start, with its path."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--config", help="YAML/JSON config file (default: $TANDEM_CONFIG)")
+    args = parser.parse_args(argv)
+    try:
+        return load_settings(service, config=args.config)
+    except SettingsError as exc:
+        print(f"{service}: {exc}", file=sys.stderr)
+        return None
+
+
 def service_main(
     service: str,
     build: Callable[[Bus, Settings], Awaitable[Runnable]],
@@ -132,13 +145,8 @@ def service_main(
     """``python -m services.<service> [--config FILE]``: load settings (a bad file fails here,
     naming the path), connect, provision (unless ``provision_streams`` is false: the node
     agent's NATS user may not create streams), build the service and run it until SIGTERM."""
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
-    parser.add_argument("--config", help="YAML/JSON config file (default: $TANDEM_CONFIG)")
-    args = parser.parse_args(argv)
-    try:
-        settings = load_settings(service, config=args.config)
-    except SettingsError as exc:
-        print(f"{service}: {exc}", file=sys.stderr)
+    settings = settings_from_argv(f"python -m services.{service}", service, argv)
+    if settings is None:
         return 2
 
     async def main(stop: asyncio.Event) -> None:

@@ -267,7 +267,7 @@ def test_mig_instances_exclusive_mig_gpus_never_whole_and_alignment_exact(seed: 
                 rid,
                 got.devices(),
                 shares=got.shares(),
-                sharing=got.sharing or "hami",
+                sharing=got.sharing,
                 preemptible=True,
             )
         # The core's view agrees with the ledger: no MIG-mode GPU is ever free whole, and the

@@ -162,5 +162,5 @@ def test_share_decisions_equal_the_brute_force_best_over_all_nodes(seed: int, po
                     elif policy == "binpack":
                         assert fit is None, "binpack opened a fresh GPU while a shared one fits"
         if isinstance(got, Placement):
-            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
+            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing)
             live[rid] = got.node

@@ -215,7 +215,7 @@ def test_shares_never_overcommit_and_index_stays_consistent(seed: int, policy: s
                 assert all(g.memory_mib == req.gpu_memory_mib for g in got.gpus)
                 assert all(g.cores_percent == req.gpu_cores_percent for g in got.gpus)
             ledger.add(got, req, cluster)
-            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
+            cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing)
             ledger.check_core(cluster)
         else:
             assert isinstance(again, Unschedulable)
@@ -284,7 +284,7 @@ def test_binpack_fills_shared_gpus_and_spread_opens_fresh_ones(seed: int, policy
         if policy == "spread" and fresh_fits:
             assert not was_shared, "spread stacked a share while a fresh GPU could take it"
         ledger.add(got, req, cluster)
-        cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing or "hami")
+        cluster.hold(got.node, rid, got.devices(), shares=got.shares(), sharing=got.sharing)
         ledger.check_core(cluster)
 
 

@@ -421,7 +421,7 @@ class Cluster:
         priority: int = 0,
         preemptible: bool = False,
         shares: Mapping[str, tuple[int, int]] | None = None,
-        sharing: str = "hami",
+        sharing: str = "",
     ) -> None:
         """Mark ``devices`` used by ``request_id`` on ``name`` (replaces that request's hold).
 
@@ -434,8 +434,8 @@ class Cluster:
         percent), as :meth:`Placement.shares` gives them; the other devices are held whole. A
         preemptible hold with shares may be a victim like any other: its GPUs count as held,
         so only evicting every share of a GPU frees it (:mod:`.preempt`). ``sharing``: how the
-        shares are limited (``hami`` or ``mps``, the class's mode, as the assignment says); a
-        GPU takes further shares of its shares' mode only (:mod:`.shares`)."""
+        shares are limited (the assignment's ``sharing``: ``mps``, else HAMi-core); a GPU takes
+        further shares of its shares' mode only (:mod:`.shares`)."""
         devs = tuple(sorted(set(devices)))
         if preemptible and not any(is_mig_device(d) for d in devs):
             self._victims.setdefault(name, {})[request_id] = priority
