@@ -26,6 +26,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY schemas schemas
 COPY services services
+COPY tools tools
 # pip trusts the system CA bundle when there is one (a build host may bind-mount its own over
 # it), not only its vendored certifi; the variable lives for this command only. No cache is
 # kept, and pip/setuptools leave the venv once the install is done: the final stage gets no

@@ -28,7 +28,7 @@ demo: $(STAMP)
 	$(BIN)/tandem demo
 
 lint: $(STAMP)
-	$(BIN)/ruff check schemas services tests bench
+	$(BIN)/ruff check schemas services tools tests bench
 	$(BIN)/lint-imports
 
 typecheck: $(STAMP)

@@ -1,7 +1,7 @@
 """``python -m bench.claims`` (``make bench-claims``): claims and reservations in the core.
 
 Figures of the *core in one process* with the planner's claim book
-(:class:`services.cli.plan_claims.ClaimBook`, the rules ``tandem plan`` replays), not of the
+(:class:`tools.cli.plan_claims.ClaimBook`, the rules ``tandem plan`` replays), not of the
 running system: no NATS, no bridge, no Kubernetes. A claim is an ordinary request to the core
 (the allocator does not know claims), so what this measures is what claims add on top: a claim
 decided and held, a pod bound to a claim's devices (no decision), a reservation expiring on a
@@ -35,8 +35,8 @@ from bench.fleet import fleet as build_fleet
 from bench.fleet import requests as request_stream
 from schemas.config import default_device_classes
 from services.allocator.core import Cluster, Placement
-from services.cli.plan import _ALLOC_KEYS, _line, _no_extra, _request
-from services.cli.plan_claims import ClaimBook
+from tools.cli.plan import _ALLOC_KEYS, _line, _no_extra, _request
+from tools.cli.plan_claims import ClaimBook
 
 
 def percentile(values: list[float], q: float) -> float:

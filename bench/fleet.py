@@ -13,8 +13,8 @@ import msgspec
 
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import Gpu, Nic, NodeTopology, NumaNode, PcieRoot, PcieSwitch, Socket
-from services.loadtest.mix import Workload  # the request mix, shared with tandem loadtest
 from services.topology import import_nvidia_smi, load_topology
+from tools.loadtest.mix import Workload  # the request mix, shared with tandem loadtest
 
 # (built-in topology, share of the fleet)
 MIX: tuple[tuple[str, float], ...] = (

@@ -2,7 +2,7 @@
 
 Figures of the *core* in one process (``services.allocator.core``: ``place_job`` for whole
 jobs, ``Cluster.decide`` for pods), driven through the same job book as ``tandem plan``
-(:mod:`services.cli.plan_jobs`); no NATS, no service, no commit protocol. As in the allocator
+(:mod:`tools.cli.plan_jobs`); no NATS, no service, no commit protocol. As in the allocator
 service, the loaded fleet is frozen out of the garbage collector (``gc.freeze``) and the
 service's GC thresholds apply.
 
@@ -55,8 +55,8 @@ from bench.fleet import _topology
 from schemas.messages import AllocationRequest, JobRequest, PodRef
 from services.allocator.core import Cluster, Placement
 from services.allocator.core.gang import fabric_label, fabric_span, place_job
-from services.cli.plan_jobs import JobBook, JobMode
 from services.runtime.lifecycle import GC_THRESHOLDS
+from tools.cli.plan_jobs import JobBook, JobMode
 
 ROOT = Path(__file__).resolve().parent
 TIERS = ("leaf", "spine", "pod", "zone")

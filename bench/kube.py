@@ -10,7 +10,7 @@ One configuration = N kwok nodes of 8 GPUs + 8 NICs (``dgx-h100``) and M pods as
    would be the kubelet's choice, which kwok does not make: no alignment is measured here).
 2. **Tandem**: the chart installed (one allocator, one inventory, the default two admission
    replicas, run as local processes as in tests/cluster), a simulated fleet of the same N nodes
-   speaking NATS (services/loadtest/fleet.py), the same pods created in a namespace Tandem
+   speaking NATS (tools/loadtest/fleet.py), the same pods created in a namespace Tandem
    manages: webhook → bridge → allocator → gate removed with node affinity → the same
    scheduler binds.
 
@@ -52,14 +52,14 @@ import yaml
 from bench import cpu
 from schemas import codec, subjects
 from services.admission import names
-from services.cli.conn import CliConnection
 from services.client import ClientError, TandemClient
-from services.loadtest.mix import fleet_plan
 from services.runtime.embedded import EmbeddedNats
 from tests.cluster.build import build_all
 from tests.cluster.controlplane import CONTROL_PLANE, ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints
 from tests.cluster.release import install, uninstall
+from tools.cli.conn import CliConnection
+from tools.loadtest.mix import fleet_plan
 
 KIND = "dgx-h100"
 SIZES = (1, 2, 4, 8)
@@ -373,7 +373,7 @@ def start_tandem(
         [
             sys.executable,
             "-m",
-            "services.loadtest.fleet",
+            "tools.loadtest.fleet",
             "--config",
             str(config),
             "--nodes",

@@ -37,8 +37,8 @@ from bench.fleet import HOSTNAME_LABEL, fleet, requests
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
 from services.allocator.core import Cluster, Placement
-from services.loadtest.mix import Workload
 from services.runtime.lifecycle import GC_THRESHOLDS
+from tools.loadtest.mix import Workload
 
 ROOT = Path(__file__).resolve().parent
 UTILS = (0.50, 0.85)

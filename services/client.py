@@ -39,7 +39,7 @@ from services.runtime.kvread import last_raw_values
 
 if TYPE_CHECKING:
     # Types only: the CLI imports this module before it has decided how to load nats-py
-    # (services.cli.conn), and never loads the service kit behind Bus.
+    # (tools.cli.conn), and never loads the service kit behind Bus.
     from nats.aio.client import Client
     from nats.aio.msg import Msg
     from nats.aio.subscription import Subscription
@@ -54,7 +54,7 @@ T = TypeVar("T")
 
 class Connection(Protocol):
     """What the client needs of a connection: a service's ``Bus`` or the CLI's own
-    (``services.cli.conn.CliConnection``)."""
+    (``tools.cli.conn.CliConnection``)."""
 
     nc: Client
     js: JetStreamContext

@@ -49,7 +49,7 @@ def secured_server(directory: Path, *, nodes: tuple[str, ...] = NODES) -> Iterat
     args = ["nats-config", "--out", str(conf), "--credentials", str(creds), "--server", "nats://x:1"]
     args += [a for n in nodes for a in ("--node", n)]
     # As an operator runs it (a process of its own: the CLI sets up logging for its process).
-    subprocess.run([sys.executable, "-m", "services.cli.main", *args], check=True, timeout=60)
+    subprocess.run([sys.executable, "-m", "tools.cli.main", *args], check=True, timeout=60)
     assert conf.stat().st_mode & 0o077 == 0 and creds.stat().st_mode & 0o077 == 0
     passwords = {u: e["password"] for u, e in yaml.safe_load(creds.read_text()).items()}
     with EmbeddedNats(config_file=str(conf)) as server:

@@ -7,15 +7,14 @@
   that starts the allocation's trace (span ``admission.admit``). It never publishes: in
   mutating admission a pod from ``generateName`` has no name or UID yet, and the create can
   still fail later.
-* :mod:`.kube` — the thin project-owned Kubernetes wrapper (:class:`~.kube.KubeApi`) over
-  kubernetes-asyncio; unit tests fake it, integration tests run it against an API emulator.
+* the Kubernetes API is reached through the adapter :mod:`services.kube` (client, Lease-based
+  leader election so only one bridge replica acts, the errors ``KubeError``/``NotFound``/``Conflict``).
 * :mod:`.bridge` — turns persisted gated pods into ``alloc.request``, applies ``assigned`` back
   onto the pod (node affinity, assignment annotation, gate removed), records ``failed`` as one
   updated Event, publishes ``alloc.release`` when a pod is deleted or finishes, and resyncs
   pods against the request records at start.
 * :mod:`.claims` — pure rules for ``DeviceClaim``\\ s (spec, request, expiry, who may use one,
   the status written); :mod:`.claimbridge` applies them (claims watch, pods that use a claim).
-* :mod:`.leader` — Lease-based leader election so only one bridge replica acts.
 
 Error tree::
 
@@ -25,19 +24,15 @@ Error tree::
     ├── InvalidClaim   a DeviceClaim's spec is invalid (names the claim and the field)
     ├── ReviewError    the body is not an AdmissionReview v1 request (400)
     │   └── BodyTooLarge   over the size limit (413)
-    └── KubeError      the Kubernetes API answered with an error
-        ├── NotFound   404
-        └── Conflict   409 (exists already / resourceVersion moved on)
+
+(The Kubernetes API's own errors are ``services.kube.errors``.)
 """
 
 from services.admission.errors import (
     AdmissionError,
     BodyTooLarge,
-    Conflict,
     InvalidClaim,
     InvalidPod,
-    KubeError,
-    NotFound,
     PolicyError,
     ReviewError,
 )
@@ -45,11 +40,8 @@ from services.admission.errors import (
 __all__ = [
     "AdmissionError",
     "BodyTooLarge",
-    "Conflict",
     "InvalidClaim",
     "InvalidPod",
-    "KubeError",
-    "NotFound",
     "PolicyError",
     "ReviewError",
 ]

@@ -17,9 +17,9 @@ from typing import Any
 
 from services.admission.args import add_arguments
 from services.admission.bridge import Bridge
-from services.admission.kube import KubeClient
-from services.admission.leader import LeaderElector
 from services.admission.webhook import CertReloader, RunningServer, Webhook, start_server
+from services.kube.client import KubeClient
+from services.kube.leader import LeaderElector
 from services.runtime import lifecycle
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger

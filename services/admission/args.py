@@ -1,5 +1,5 @@
 """The admission process's command-line options, apart from :mod:`.app` so that ``tandem
---help`` can list them without importing the Kubernetes client (services/cli/main.py)."""
+--help`` can list them without importing the Kubernetes client (tools/cli/main.py)."""
 
 from __future__ import annotations
 

@@ -56,9 +56,10 @@ from schemas.messages import (
 )
 from services.admission import claims, evictions, jobs, metrics, names, policy
 from services.admission.claimbridge import ClaimBridge
-from services.admission.errors import Conflict, InvalidPod, KubeError, NotFound, PolicyError
-from services.admission.kube import KubeApi
+from services.admission.errors import InvalidPod, PolicyError
 from services.admission.nodelabels import NodeLabelMirror
+from services.kube.client import KubeApi
+from services.kube.errors import Conflict, KubeError, NotFound
 from services.runtime.bus import Bus, Delivery, Retry
 from services.runtime.kvwatch import read_bucket
 from services.runtime.logging import get_logger

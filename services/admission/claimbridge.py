@@ -40,8 +40,9 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
 from services.admission import claims, names, policy
 from services.admission.claims import ClaimState
-from services.admission.errors import Conflict, InvalidClaim, KubeError, NotFound, PolicyError
-from services.admission.kube import KubeApi
+from services.admission.errors import InvalidClaim, PolicyError
+from services.kube.client import KubeApi
+from services.kube.errors import Conflict, KubeError, NotFound
 from services.runtime.bus import Bus
 from services.runtime.logging import get_logger
 

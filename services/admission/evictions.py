@@ -30,8 +30,8 @@ from typing import Protocol
 
 from schemas.messages import PodRef, PreemptionPlan, Victim
 from services.admission import metrics, names, policy
-from services.admission.errors import Conflict, KubeError, NotFound
-from services.admission.kube import KubeApi
+from services.kube.client import KubeApi
+from services.kube.errors import Conflict, KubeError, NotFound
 from services.runtime.bus import Delivery, Retry
 from services.runtime.logging import get_logger
 

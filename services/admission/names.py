@@ -7,6 +7,8 @@ All keys carry the ``tandem.io/`` prefix.
 
 from __future__ import annotations
 
+from services.kube import resources
+
 PREFIX = "tandem.io/"
 
 # Extended resources a container asks for in ``resources.limits`` (requests, if given, equal).
@@ -42,11 +44,12 @@ MIG_PROFILE = f"{PREFIX}mig-profile"
 # devices and makes no allocation request of its own (docs/sharing.md "Claims").
 CLAIM = f"{PREFIX}claim"
 
-# The DeviceClaim custom resource (deploy/helm/tandem/crds/deviceclaims.yaml).
-CLAIM_GROUP = "tandem.io"
-CLAIM_VERSION = "v1alpha1"
-CLAIM_PLURAL = "deviceclaims"
-CLAIM_KIND = "DeviceClaim"
+# The DeviceClaim custom resource: its API coordinates live with the Kubernetes adapter that
+# calls it (services.kube.resources); the pod-side code reads them here with the other names.
+CLAIM_GROUP = resources.CLAIM_GROUP
+CLAIM_VERSION = resources.CLAIM_VERSION
+CLAIM_PLURAL = resources.CLAIM_PLURAL
+CLAIM_KIND = resources.CLAIM_KIND
 # Holds a deleted claim until no pod uses it, so its devices are never cleaned up under a
 # running pod; the bridge removes it once it has released the claim.
 CLAIM_FINALIZER = f"{PREFIX}claim-release"

@@ -23,8 +23,8 @@ from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import NodeLabels
-from services.admission.errors import KubeError
-from services.admission.kube import KubeApi
+from services.kube.client import KubeApi
+from services.kube.errors import KubeError
 from services.runtime.bus import Bus
 from services.runtime.kvwatch import read_bucket
 from services.runtime.logging import get_logger

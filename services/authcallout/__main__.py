@@ -7,9 +7,9 @@ from pathlib import Path
 
 import nkeys
 
-from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
+from services.kube.client import KubeClient
 from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
 from services.runtime.lifecycle import service_main

@@ -41,9 +41,9 @@ from nats.errors import Error as NatsError
 from prometheus_client import Counter
 
 from schemas import permissions
-from services.admission.errors import KubeError
-from services.admission.kube import KubeApi
 from services.authcallout import natsjwt
+from services.kube.client import KubeApi
+from services.kube.errors import KubeError
 from services.runtime.logging import get_logger
 
 log = get_logger(__name__)

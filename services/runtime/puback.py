@@ -103,7 +103,7 @@ class AckInbox:
         """Send a request and return once it is sent, with the future of its reply: the reply
         message, or ``nats.errors.TimeoutError`` when none came within ``timeout``. For a
         sender that keeps many requests in flight without a task for each
-        (:class:`services.loadtest.publisher.AsyncPublisher`)."""
+        (:class:`tools.loadtest.publisher.AsyncPublisher`)."""
         prefix = await self._start()
         token = str(next(self._tokens))
         loop = asyncio.get_running_loop()

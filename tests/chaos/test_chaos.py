@@ -31,10 +31,10 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.chaos import checker
-from services.chaos.victims import COMPONENTS, KINDS, NATS_LEADERS, Schedule
 from services.runtime.bus import Bus
 from tests.conftest import BusFactory
+from tools.chaos import checker
+from tools.chaos.victims import COMPONENTS, KINDS, NATS_LEADERS, Schedule
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 # Rounds: allocator-1, the leader of KV_tandem-allocs, the fleet, the inventory.

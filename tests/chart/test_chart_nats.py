@@ -32,9 +32,9 @@ import pytest
 
 from schemas import permissions
 from schemas.messages import Assignment, Freed
-from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
+from services.kube.client import KubeClient
 from services.runtime.bus import Bus, ConnectError
 from services.runtime.embedded import free_ports
 from services.runtime.settings import Settings, load_settings
@@ -91,7 +91,7 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Rendered:
     root = tmp_path_factory.mktemp("mounts")
     docs = render({"nats": {"replicas": SERVERS}})
     # The install hook's command, as the Job runs it (without --secret: files are enough here).
-    hook = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(root / "hook")]
+    hook = [sys.executable, "-m", "tools.cli.main", "nats-config", "--auth-callout", str(root / "hook")]
     subprocess.run(hook, check=True, timeout=60)
     write(root / "etc/tandem/nats-ca/ca.crt", secret_files(docs, f"{RELEASE}-nats-tls")["ca.crt"])
     for key in ("issuer.nk", "auth.nk"):

@@ -23,13 +23,13 @@ import helm_python as helm
 
 from schemas.messages import PodRef, RequestRecord
 from services.admission import names
-from services.cli.conn import CliConnection
 from services.client import TandemClient
 from services.runtime.embedded import EmbeddedNats
 from services.runtime.jaeger import Jaeger
 from tests.cluster.controlplane import ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints
 from tests.waiting import wait_until_sync
+from tools.cli.conn import CliConnection
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
 RELEASE, NAMESPACE = "tandem", "tandem-system"

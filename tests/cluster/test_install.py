@@ -28,8 +28,8 @@ from typing import Any
 import nats
 import pytest
 
-from services.admission.kube import KubeClient
 from services.authcallout.service import Denied, Reviewer
+from services.kube.client import KubeClient
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.kubelet import RunningPod
 from tests.cluster.release import Release, eventually, install, uninstall

@@ -14,8 +14,8 @@ import asyncio
 import json
 
 from services.admission import names
-from services.admission.errors import KubeError
-from services.admission.kube import KubeClient
+from services.kube.client import KubeClient
+from services.kube.errors import KubeError
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.release import Release, eventually
 from tests.cluster.test_pod_life import fill_every_node, make_namespace, pod_of, training_pod

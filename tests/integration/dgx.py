@@ -1,5 +1,5 @@
 """The services in-process around one simulated DGX H100 (or ``nodes`` of them), and a client: the stack the
-preemption and sharing flow tests start (``services.localstack``, a real nats-server)."""
+preemption and sharing flow tests start (``tools.localstack``, a real nats-server)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 
 from schemas.config import DeviceClass
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
 from tests.conftest import make_settings
+from tools.localstack import FleetEntry, LocalStack
 
 
 @contextlib.asynccontextmanager

@@ -14,9 +14,9 @@ import pytest
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef
 from services.allocator.metrics import AllocatorState
 from services.client import TandemClient
-from services.localstack import LocalStack
 from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
+from tools.localstack import LocalStack
 
 pytestmark = pytest.mark.integration
 

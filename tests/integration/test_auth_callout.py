@@ -26,9 +26,9 @@ import pytest
 
 from schemas import permissions, subjects
 from schemas.messages import Assignment, Freed
-from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Denied, Reviewer
+from services.kube.client import KubeClient
 from services.runtime.bus import Bus, ConnectError
 from services.runtime.embedded import EmbeddedNats
 from tests.conftest import make_settings
@@ -53,7 +53,7 @@ async def apiserver() -> AsyncIterator[tuple[TokenReviews, str]]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmbeddedNats, bytes, str]]:
     """A nats-server configured by ``tandem nats-config --auth-callout``, as an operator runs it."""
     d = tmp_path_factory.mktemp("nats-callout")
-    cmd = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(d)]
+    cmd = [sys.executable, "-m", "tools.cli.main", "nats-config", "--auth-callout", str(d)]
     subprocess.run(cmd, check=True, timeout=60)
     assert all((d / f).stat().st_mode & 0o077 == 0 for f in ("server.conf", "issuer.nk", "auth.nk"))
     with EmbeddedNats(config_file=str(d / "server.conf")) as s:

@@ -41,7 +41,7 @@ from schemas.messages import (
 )
 from services.admission import names, policy
 from services.admission.bridge import Bridge
-from services.admission.kube import KubeClient
+from services.kube.client import KubeClient
 from services.runtime.bus import Bus
 from services.runtime.tracing import current_traceparent, extract, setup_tracing, tracer
 from tests.conftest import BusFactory

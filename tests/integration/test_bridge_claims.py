@@ -25,8 +25,7 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, AllocRecord, Freed, NodeAllocations, Release, RequestRecord
 from services.admission import names, policy
 from services.admission.bridge import Bridge
-from services.admission.kube import KubeClient
-from services.localstack import FleetEntry, LocalStack
+from services.kube.client import KubeClient
 from services.nodeagent.deviceplugin import logic as plugin
 from services.runtime.bus import Bus
 from tests.conftest import BusFactory, make_settings
@@ -45,6 +44,7 @@ from tests.integration.test_bridge import (
 )
 from tests.unit.test_admission_helpers import deployment_pod
 from tests.waiting import wait_until
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = pytest.mark.integration
 

@@ -15,13 +15,13 @@ import pytest
 from schemas import codec, subjects
 from schemas.messages import JobRecord, JobRequest
 from services.admission import jobs, names, policy
-from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
 from services.runtime.kvwatch import read_bucket
 from tests.conftest import BusFactory, make_settings
 from tests.integration.test_bridge import CLASSES, StartBridge, apiserver, start_bridge, stream_messages
 from tests.unit.test_admission_helpers import deployment_pod
 from tests.waiting import wait_until
+from tools.localstack import FleetEntry, LocalStack
 
 __all__ = ["apiserver", "start_bridge"]  # fixtures shared with test_bridge
 

@@ -15,7 +15,6 @@ from prometheus_client import REGISTRY
 from schemas import subjects
 from schemas.messages import PreemptionPlan, Release, Victim
 from services.admission import names
-from services.localstack import FleetEntry, LocalStack
 from tests.conftest import BusFactory, make_settings
 from tests.integration.test_bridge import (
     NODE,
@@ -28,6 +27,7 @@ from tests.integration.test_bridge import (
 )
 from tests.integration.test_bridge import apiserver as apiserver
 from tests.integration.test_bridge import start_bridge as start_bridge
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,10 @@ import pytest
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, PodRef, RequestRecord
-from services.cli.conn import CliConnection
-from services.cli.errors import CliError, CliFailure, describe
 from services.client import TandemClient
 from tests.conftest import BusFactory
+from tools.cli.conn import CliConnection
+from tools.cli.errors import CliError, CliFailure, describe
 
 pytestmark = pytest.mark.integration
 

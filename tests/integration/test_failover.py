@@ -45,10 +45,10 @@ from schemas.messages import (
     PodRef,
 )
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
 from services.runtime.embedded import EmbeddedNatsCluster
 from tests.conftest import BusFactory, make_settings
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -492,7 +492,7 @@ async def test_stream_leader_killed_under_the_load_harness(
     harness = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.cli.main",
+        "tools.cli.main",
         "loadtest",
         "--nats",
         cluster.url,

@@ -27,10 +27,10 @@ from schemas.messages import (
 )
 from services.allocator.core import Placement
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
 from services.runtime import tracing
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = pytest.mark.integration
 

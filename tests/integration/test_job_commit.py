@@ -18,11 +18,11 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, JobRecord, JobRequest, NodeAllocations, PodRef, Release
-from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
 from services.runtime.kvwatch import read_bucket
 from tests.conftest import make_settings
 from tests.waiting import wait_until
+from tools.localstack import FleetEntry, LocalStack
 
 # Generous: four allocator processes start one after another, and this machine is shared.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]

@@ -25,9 +25,12 @@ from opentelemetry import trace
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
-from services.loadtest import checker, harness, invariants
-from services.loadtest.driver import LoadDriver
-from services.loadtest.mix import (
+from services.runtime.tracing import context_from_traceparent
+from tests.conftest import BusFactory, make_settings
+from tests.waiting import wait_until
+from tools.loadtest import checker, harness, invariants
+from tools.loadtest.driver import LoadDriver
+from tools.loadtest.mix import (
     FLEET_MIX,
     SHARE_SIZES,
     SHARED_CLASS,
@@ -39,11 +42,8 @@ from services.loadtest.mix import (
     node_topology,
     weight,
 )
-from services.loadtest.publisher import AsyncPublisher
-from services.loadtest.report import percentiles
-from services.runtime.tracing import context_from_traceparent
-from tests.conftest import BusFactory, make_settings
-from tests.waiting import wait_until
+from tools.loadtest.publisher import AsyncPublisher
+from tools.loadtest.report import percentiles
 
 TANDEM = str(Path(sys.executable).parent / "tandem")
 ISSUE_KEYS = [
@@ -107,7 +107,7 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     assert set(result["jetstream_ceiling"]) == {"publish_per_s", "pull_ack_per_s"}
     assert result["jetstream_ceiling"]["publish_per_s"] > 0
     assert all(result["rss_mb"][k] > 0 for k in ("allocator", "inventory", "nats", "fleet"))
-    # Every revision of the run judged (services/loadtest/ledger.py), 2 % of cleanups failing first.
+    # Every revision of the run judged (tools/loadtest/ledger.py), 2 % of cleanups failing first.
     ledger = result["ledger"]
     assert result["cleanup_fail_share"] == 0.02
     assert ledger["error"] is None and ledger["revisions_missed"] == 0, ledger
@@ -340,7 +340,7 @@ def _checker_answers(capsysbinary: pytest.CaptureFixture[bytes]) -> list[invaria
 async def test_the_checker_answers_each_snapshot_with_what_the_records_violate(
     bus_factory: BusFactory, nats_url: str, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    """The checker process's loop (``python -m services.loadtest.checker``), on a real server:
+    """The checker process's loop (``python -m tools.loadtest.checker``), on a real server:
     one JSON answer per ``snapshot`` line, read from KV ``tandem-allocs`` as it is then; an
     unknown command gets none."""
     bus = await bus_factory()
@@ -443,7 +443,7 @@ def test_the_autogroup_file_is_read_as_the_kernel_writes_it(
 
 def _probe(code: str, *, own_session: bool) -> list[str]:
     return subprocess.run(
-        [sys.executable, "-c", f"from services.loadtest import checker; {code}"],
+        [sys.executable, "-c", f"from tools.loadtest import checker; {code}"],
         capture_output=True,
         text=True,
         timeout=60,

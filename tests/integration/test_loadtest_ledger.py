@@ -32,15 +32,15 @@ from schemas.messages import (
     RequestRecord,
 )
 from services.client import TandemClient
-from services.loadtest import fleet, harness, invariants, ledgerwatch
-from services.loadtest.fleet import Fleet
-from services.loadtest.ledgerwatch import LedgerAnswer, LedgerWatch
-from services.loadtest.mix import fleet_plan
-from services.localstack import FleetEntry, LocalStack
 from services.runtime.bus import Bus
 from services.runtime.settings import load_settings
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
+from tools.loadtest import fleet, harness, invariants, ledgerwatch
+from tools.loadtest.fleet import Fleet
+from tools.loadtest.ledgerwatch import LedgerAnswer, LedgerWatch
+from tools.loadtest.mix import fleet_plan
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = pytest.mark.integration
 
@@ -181,7 +181,7 @@ def _lines(capsysbinary: pytest.CaptureFixture[bytes]) -> list[dict[str, Any]]:
 async def test_the_ledger_process_says_ready_then_answers_finish_with_its_counts(
     bus_factory: BusFactory, nats_url: str, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    """The protocol of ``python -m services.loadtest.ledgerwatch`` with the harness: ready once
+    """The protocol of ``python -m tools.loadtest.ledgerwatch`` with the harness: ready once
     following, one answer per ``finish``, nothing for an unknown command, done at EOF."""
     bus = await bus_factory("test")
     commands, serving = await _start_serving(nats_url)

@@ -1,6 +1,6 @@
 """MIG instances through the running system over a real nats-server.
 
-Inventory, allocator and a simulated node agent in-process (services.localstack) on the
+Inventory, allocator and a simulated node agent in-process (tools.localstack) on the
 documented DGX H100 whose GPUs 0-3 are in MIG mode (docs/examples/mig/dgx-h100-mig.yaml): a
 ``mig_profile`` request is assigned existing instances with NICs on their GPUs' PCIe switches,
 the assignment names each instance (profile, MIG- UUID, device id), the node's allocation
@@ -17,9 +17,9 @@ import pytest
 
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef
 from services.client import TandemClient
-from services.localstack import FleetEntry, LocalStack
 from tests.conftest import make_settings
 from tests.waiting import wait_until
+from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = pytest.mark.integration
 

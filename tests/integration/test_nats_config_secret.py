@@ -20,10 +20,10 @@ from typing import Any
 import kmock
 import pytest
 
-from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
-from services.cli.nats_cmd import store_callout_secret
+from services.kube.client import KubeClient
 from tests.integration.test_bridge import Apiserver
+from tools.cli.nats_cmd import store_callout_secret
 
 pytestmark = pytest.mark.integration
 
@@ -96,7 +96,7 @@ async def test_the_cli_writes_the_secret_through_the_kubeconfig(
         "contexts: [{name: emu, context: {cluster: emu, user: emu}}]\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-    cmd = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(tmp_path / "out")]
+    cmd = [sys.executable, "-m", "tools.cli.main", "nats-config", "--auth-callout", str(tmp_path / "out")]
     proc = await asyncio.create_subprocess_exec(
         *cmd, "--secret", f"{NS}/{NAME}", env={**env, "KUBECONFIG": str(kubeconfig)}, stderr=subprocess.PIPE
     )
@@ -115,7 +115,7 @@ async def test_the_cli_writes_the_secret_through_the_kubeconfig(
 )
 def test_a_bad_secret_reference_is_a_usage_error(tmp_path: Path, args: list[str], error: str) -> None:
     args = [str(tmp_path / "d") if a == "DIR" else a for a in args]
-    cmd = [sys.executable, "-m", "services.cli.main", "nats-config", *args]
+    cmd = [sys.executable, "-m", "tools.cli.main", "nats-config", *args]
     bad = subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 2 and error in bad.stderr, bad.stderr
     assert not (tmp_path / "d").exists()  # refused before anything was written

@@ -38,10 +38,10 @@ import structlog
 from schemas import codec, subjects
 from schemas.messages import NodeInventory
 from schemas.topology import NodeTopology, Socket
-from services.admission.kube import KubeClient
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
 from services.inventory.service import Inventory
+from services.kube.client import KubeClient
 from services.runtime.bus import PUBLISH_ATTEMPT_TIMEOUT_S, Bus
 from services.runtime.embedded import EmbeddedNats, free_ports
 from tests.conftest import make_settings
@@ -151,7 +151,7 @@ def test_sigterm_to_the_auth_callout_during_a_nats_outage_exits_0(tmp_path: Path
     # The server as `tandem nats-config --auth-callout` writes it; the callout connects with its
     # own nkey (the one user the server does not hand to the callout).
     conf = tmp_path / "nats"
-    cmd = [sys.executable, "-m", "services.cli.main", "nats-config", "--auth-callout", str(conf)]
+    cmd = [sys.executable, "-m", "tools.cli.main", "nats-config", "--auth-callout", str(conf)]
     subprocess.run(cmd, check=True, timeout=60)
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(KUBECONFIG)

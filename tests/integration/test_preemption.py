@@ -19,10 +19,10 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
 from services.allocator.preemption import reservation_key
 from services.client import TandemClient
-from services.localstack import LocalStack
 from tests.conftest import BusFactory
 from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
+from tools.localstack import LocalStack
 
 pytestmark = pytest.mark.integration
 

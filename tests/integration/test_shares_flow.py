@@ -1,6 +1,6 @@
 """Shares of GPUs through the running system over a real nats-server.
 
-Inventory, allocator and a simulated node agent in-process (services.localstack), a device
+Inventory, allocator and a simulated node agent in-process (tools.localstack), a device
 class that allows sharing: two share requests land on one GPU, each assignment carries its
 share and the class's sharing mode, the node's allocation record holds both (the commit lets
 two shares of one GPU through), a whole-GPU request never gets that GPU, and releasing both
@@ -18,9 +18,9 @@ from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef
 from services.allocator.core import Placement
 from services.client import TandemClient
-from services.localstack import LocalStack
 from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
+from tools.localstack import LocalStack
 
 pytestmark = pytest.mark.integration
 

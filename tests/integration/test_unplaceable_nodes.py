@@ -24,9 +24,9 @@ import pytest
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, AllocationRequest, Assignment, Freed, PodRef
 from services.client import TandemClient
-from services.localstack import LocalStack
 from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
+from tools.localstack import LocalStack
 
 pytestmark = pytest.mark.integration
 

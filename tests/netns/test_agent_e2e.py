@@ -19,13 +19,13 @@ from schemas import codec, subjects
 from schemas.messages import AllocationRequest, Applied, Assignment, Cleaned, Freed, NetworkSpec, PodRef
 from schemas.topology import Gpu, Nic, NodeTopology, NumaNode, PcieRoot, PcieSwitch, Socket, VirtualFunction
 from services.client import TandemClient
-from services.localstack import LocalStack
 from services.nodeagent.backends.simulated import SimulatedBackend
 from services.nodeagent.netns import NamedNetnsResolver, VfApplier
 from services.nodeagent.service import NodeAgent
 from services.nodeagent.state import StateFile
 from tests.conftest import BusFactory, make_settings
 from tests.netns.conftest import Lab, Vf, addrs_in, link_in, sh
+from tools.localstack import LocalStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.netns]
 NODE = "vf-node-0"

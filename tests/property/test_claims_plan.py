@@ -27,8 +27,8 @@ from hypothesis import strategies as st
 
 from schemas.config import default_device_classes
 from services.allocator.core import Cluster
-from services.cli.plan import run_plan
 from services.topology import load_topology
+from tools.cli.plan import run_plan
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 Dev = tuple[str, str, str]  # (node, "gpu"/"nic", id)

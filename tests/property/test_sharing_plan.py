@@ -7,7 +7,7 @@ small fleet whose last GPU on each node is in MIG mode — whole-GPU pods of sev
 (some allowed to preempt), pods asking a *share* of each GPU, pods asking MIG instances of a
 profile, claims (some shareable, some reservations that expire), pods on claims, frees and
 clock ticks — and
-the real core decides every line through the planner (``services/cli/plan.py``), as the
+the real core decides every line through the planner (``tools/cli/plan.py``), as the
 allocator would. Read back from the output alone, what must hold after every line:
 
 * a GPU is never both held whole and shared, and its shares never add up to more than its
@@ -33,8 +33,8 @@ from hypothesis import strategies as st
 from schemas.config import DeviceClass
 from schemas.topology import MigInstance, NodeTopology, locate
 from services.allocator.core import Cluster
-from services.cli.plan import run_plan
 from services.topology import load_topology
+from tools.cli.plan import run_plan
 
 SETTINGS = settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TOPOLOGY = "pcie-4gpu-2nic"

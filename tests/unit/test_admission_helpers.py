@@ -139,7 +139,7 @@ async def _silent_watch() -> Any:
 
 
 class FakeKube:
-    """In-memory stand-in for :class:`services.admission.kube.KubeApi` (the project's wrapper).
+    """In-memory stand-in for :class:`services.kube.client.KubeApi` (the project's wrapper).
 
     Objects are JSON dicts keyed by (kind, namespace, name); every write bumps a resourceVersion,
     and a merge patch that carries ``metadata.resourceVersion`` fails with Conflict when stale,
@@ -160,7 +160,7 @@ class FakeKube:
         return copy.deepcopy(obj)
 
     def _get(self, kind: str, namespace: str, name: str) -> dict[str, Any]:
-        from services.admission.errors import NotFound
+        from services.kube.errors import NotFound
 
         self.calls.append(("get", kind, name))
         try:
@@ -169,7 +169,7 @@ class FakeKube:
             raise NotFound(f"{kind} {namespace}/{name} not found", status=404) from None
 
     def _create(self, kind: str, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        from services.admission.errors import Conflict, KubeError
+        from services.kube.errors import Conflict, KubeError
 
         self.calls.append(("create", kind, body["metadata"]["name"]))
         if self.fail_writes:
@@ -181,7 +181,7 @@ class FakeKube:
         return self._bump(self.objects[key])
 
     def _patch(self, kind: str, namespace: str, name: str, patch: dict[str, Any]) -> dict[str, Any]:
-        from services.admission.errors import Conflict, KubeError, NotFound
+        from services.kube.errors import Conflict, KubeError, NotFound
 
         self.calls.append(("patch", kind, name))
         if self.fail_writes:

@@ -1,4 +1,4 @@
-"""The Kubernetes wrapper's watch reader, line by line (services/admission/kube.py): what the
+"""The Kubernetes wrapper's watch reader, line by line (services/kube/client.py): what the
 API server sends on a watch stream, and what a broken or hostile stream becomes."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from services.admission.errors import KubeError
-from services.admission.kube import _watch_event
+from services.kube.client import _watch_event
+from services.kube.errors import KubeError
 
 
 def line(doc: object) -> bytes:

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from services.admission.leader import LeaderElector, LeaseView, decide
+from services.kube.leader import LeaderElector, LeaseView, decide
 from tests.unit.test_admission_helpers import FakeKube
 
 

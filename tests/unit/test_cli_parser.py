@@ -10,8 +10,8 @@ from typing import get_args, get_type_hints
 
 from schemas.messages import RequestRecord
 from schemas.topology import SCOPES
-from services.cli import stack_cmd
-from services.cli.main import build_parser
+from tools.cli import stack_cmd
+from tools.cli.main import build_parser
 
 
 def test_constants_spelled_out_for_speed_agree_with_the_schemas() -> None:
@@ -60,7 +60,7 @@ def test_options_that_take_time_say_seconds() -> None:
 def test_help_imports_no_heavy_library() -> None:
     code = (
         "import sys\n"
-        "from services.cli.main import build_parser\n"
+        "from tools.cli.main import build_parser\n"
         "build_parser()\n"
         "heavy = [m for m in ('nats', 'msgspec', 'structlog', 'opentelemetry', 'kubernetes_asyncio',"
         " 'aiohttp', 'yaml', 'asyncio') if m in sys.modules]\n"
@@ -71,7 +71,7 @@ def test_help_imports_no_heavy_library() -> None:
 
 
 def test_chaos_components_spelled_in_the_cli_are_the_runners() -> None:
-    from services.chaos.victims import COMPONENTS
-    from services.cli.chaos_cmd import COMPONENTS as SPELLED
+    from tools.chaos.victims import COMPONENTS
+    from tools.cli.chaos_cmd import COMPONENTS as SPELLED
 
     assert SPELLED == COMPONENTS

@@ -12,7 +12,7 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.cli.ops import age, build_rows, compact, without_id
+from tools.cli.ops import age, build_rows, compact, without_id
 
 
 def request(rid: str, *, created: float) -> AllocationRequest:
@@ -98,8 +98,8 @@ def test_a_shared_gpu_lists_every_holder_with_its_share() -> None:
     """`device list` (and `status --devices`, `topology show --live`): a GPU with two shares has
     two holders, each with its size; the assignment tables show a share's size by its GPU."""
     from schemas.messages import AssignedMig, NodeRecord
-    from services.cli.ops import _device_state_text, assignment_rows, device_states
     from services.topology import load_topology
+    from tools.cli.ops import _device_state_text, assignment_rows, device_states
 
     def share(rid: str, mem: int | None, cores: int | None) -> AllocRecord:
         gpu = AssignedGpu(index=2, uuid="GPU-2", memory_mib=mem, cores_percent=cores)

@@ -1,5 +1,5 @@
 """What `tandem submit` builds from its flags for a pod, a claim (a reservation) and a job, and
-what it refuses before connecting (services/cli/workloads.py); no NATS."""
+what it refuses before connecting (tools/cli/workloads.py); no NATS."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import time
 import pytest
 
 from schemas.messages import AllocationRequest, JobRecord, JobRequest, PodRef, RequestRecord
-from services.cli.errors import CliError
-from services.cli.main import build_parser
-from services.cli.workloads import build, claims_named, job_name, jobs_named
+from tools.cli.errors import CliError
+from tools.cli.main import build_parser
+from tools.cli.workloads import build, claims_named, job_name, jobs_named
 
 
 def submission(*args: str):  # type: ignore[no-untyped-def]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 # The real `nvidia-smi topo -m` matrices (copied into the repository by the topology tests).
 SHARED = Path(__file__).resolve().parent / "test_topology_matrices"

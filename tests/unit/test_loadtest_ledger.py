@@ -1,9 +1,9 @@
-"""The ledger of ``tandem loadtest`` (services/loadtest/ledger.py), fed crafted revision sequences.
+"""The ledger of ``tandem loadtest`` (tools/loadtest/ledger.py), fed crafted revision sequences.
 
 Each invariant gets the fault it exists to catch — written into a revision as a broken
 allocator would write it — and must count it; the legal lives next to each fault must count
 nothing. Several faults here are invisible to a snapshot of the records' latest values (the
-checks of services/loadtest/invariants.py), which the tests show where it matters.
+checks of tools/loadtest/invariants.py), which the tests show where it matters.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.loadtest import invariants
-from services.loadtest.fleet import fails_first
-from services.loadtest.ledger import DeviceHolds, Ledger, LedgerCounts
-from services.loadtest.report import CeilingFigures, Percentiles, Report, RssFigures, violations
+from tools.loadtest import invariants
+from tools.loadtest.fleet import fails_first
+from tools.loadtest.ledger import DeviceHolds, Ledger, LedgerCounts
+from tools.loadtest.report import CeilingFigures, Percentiles, Report, RssFigures, violations
 
 
 def alloc(

@@ -11,8 +11,8 @@ import msgspec
 import yaml
 
 from schemas.config import DeviceClass
-from services.localstack import describe_classes, local_device_classes
 from services.runtime.settings import load_settings
+from tools.localstack import describe_classes, local_device_classes
 
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 

@@ -10,10 +10,10 @@ from pathlib import Path
 import pynvml
 import pytest
 
-from services.cli import gpu_cmd
-from services.cli.errors import CliError
 from tests import fake_pynvml
 from tests.sysfs_tree import hgx_8gpu
+from tools.cli import gpu_cmd
+from tools.cli.errors import CliError
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -11,7 +11,7 @@ import structlog
 import yaml
 
 from schemas import permissions, subjects
-from services.cli.main import main as cli_main
+from tools.cli.main import main as cli_main
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 KEYS = ["id", "status", "node", "gpus", "nics", "pairs", "reason"]

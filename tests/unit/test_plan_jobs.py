@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 CLUSTER = """
 - topology: dgx-h100
@@ -109,8 +109,8 @@ def test_job_line_errors_name_the_line(tmp_path: Path, capsys: pytest.CaptureFix
 def test_per_pod_job_waits_holding_its_pods_and_resumes() -> None:
     from schemas.messages import AllocationRequest, PodRef
     from services.allocator.core import Cluster, Placement
-    from services.cli.plan_jobs import JobBook
     from services.topology import load_topology
+    from tools.cli.plan_jobs import JobBook
 
     c = Cluster()
     for i in range(3):

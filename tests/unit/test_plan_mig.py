@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "mig"
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, list[dict[str, object]], str]:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
+from tools.cli.main import main
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "docs" / "examples" / "shares"
 

@@ -11,7 +11,7 @@ import yaml
 
 from schemas.config import DeviceClass
 from services.admission import policy
-from services.cli.main import main
+from tools.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 

@@ -47,8 +47,8 @@ def test_bad_value_names_the_annotation() -> None:
 
 
 def test_cli_submit_carries_preemption() -> None:
-    from services.cli.main import build_parser
-    from services.cli.ops import new_request
+    from tools.cli.main import build_parser
+    from tools.cli.ops import new_request
 
     args = build_parser().parse_args(
         ["submit", "--gpus", "2", "--priority", "9", "--preemption", "lower-priority"]

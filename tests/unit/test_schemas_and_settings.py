@@ -10,9 +10,9 @@ import pytest
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, PodRef
-from services.cli.main import main
 from services.runtime.errors import SettingsError
 from services.runtime.settings import load_settings
+from tools.cli.main import main
 
 
 def test_node_names_with_dots_map_to_one_token_and_back() -> None:

@@ -1,5 +1,5 @@
 """``tandem topology``: import → validate round trip and the user-facing errors, through the
-real entry point ``services.cli.main.main``."""
+real entry point ``tools.cli.main.main``."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from services.cli.main import main
 from services.topology import decode_topology, load_topology, matrix_relations, parse_matrix, relations
+from tools.cli.main import main
 
 HERE = Path(__file__).parent / "test_topology_matrices"
 MATRICES = sorted(HERE.glob("*.txt"))

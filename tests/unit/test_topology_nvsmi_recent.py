@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from schemas.topology import Scope, locate
-from services.cli.main import main
 from services.topology import (
     decode_topology,
     dump_topology,
@@ -27,6 +26,7 @@ from services.topology import (
     tree_relation,
 )
 from services.topology.nvsmi import ImportResult
+from tools.cli.main import main
 
 RECENT = Path(__file__).parent / "test_topology_matrices" / "recent"
 CAPTURES = sorted(RECENT.glob("*.txt"))

@@ -1,0 +1,10 @@
+"""API coordinates of the Kubernetes resources Tandem defines (constants only, so that code
+naming them — the webhook's names, the CLI — does not load the Kubernetes client)."""
+
+from __future__ import annotations
+
+# The DeviceClaim custom resource (deploy/helm/tandem/crds/deviceclaims.yaml).
+CLAIM_GROUP = "tandem.io"
+CLAIM_VERSION = "v1alpha1"
+CLAIM_PLURAL = "deviceclaims"
+CLAIM_KIND = "DeviceClaim"

@@ -1,0 +1,166 @@
+"""``tandem loadtest``: run the whole system under load and print one JSON line of figures.
+
+The harness is :mod:`tools.loadtest` (what it starts, measures and checks is documented
+there and in ``docs/benchmarks.md``, "Running system (end to end)"). Progress goes to stderr;
+stdout gets a short summary and the JSON line, or only the JSON line with ``--json``.
+
+Ctrl-C (or SIGTERM) stops the run: the fleet and the services get SIGTERM, SIGKILL after a
+grace period, and the embedded server is stopped; a second Ctrl-C kills them at once. Exit
+code 0 when the invariants held (``lost``, ``double_held``, ``double_placed``, ``overcommitted``
+and the ledger's faults — checked at every write — all 0), 1 when one did not, 2 when the
+run could not be done (one line on stderr), 130 when interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tools.cli.errors import CliError
+
+if TYPE_CHECKING:  # imported when the command runs (tools/cli/main.py: fast --help)
+    from tools.loadtest import LoadConfig
+
+
+def register(sub: Any) -> None:
+    p = sub.add_parser(
+        "loadtest",
+        help="the running system under load: decisions/s, latencies, invariants (one JSON line)",
+        description=(
+            "Start nats-server, inventory and allocator processes and a simulated fleet, drive "
+            "allocation requests through them and print one JSON line of figures."
+        ),
+    )
+    p.add_argument("--nats", metavar="URL", help="use this NATS server (default: start an embedded one)")
+    p.add_argument(
+        "--no-services",
+        action="store_true",
+        help="with --nats: inventory and allocators already run there; start only the fleet",
+    )
+    p.add_argument("--nodes", type=int, default=100, help="simulated nodes (default 100)")
+    p.add_argument("--replicas", type=int, default=1, help="allocator processes (default 1)")
+    p.add_argument("--requests", type=int, default=1000, help="requests to submit (default 1000)")
+    p.add_argument("--rate", type=float, help="requests per second (default: open loop)")
+    p.add_argument(
+        "--max-in-flight",
+        type=int,
+        help="open loop: requests awaiting their first answer at most (default: 5%% of the fleet's GPUs)",
+    )
+    p.add_argument("--util", type=float, default=0.85, help="share of fleet GPUs kept held (default 0.85)")
+    p.add_argument(
+        "--give-up",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="cancel a request still pending after this many seconds, as a user would (0: never; default 5)",
+    )
+    p.add_argument("--pinned", type=float, default=0.0, help="share of requests pinned to one node")
+    p.add_argument(
+        "--shares",
+        type=float,
+        default=0.0,
+        help="share of requests asking a share of one GPU instead of whole GPUs (default 0)",
+    )
+    p.add_argument("--seed", type=int, default=1, help="seed of the request stream (default 1)")
+    p.add_argument("--drain", type=float, default=60.0, help="seconds to wait for the last answers")
+    p.add_argument(
+        "--ceiling-msgs",
+        type=int,
+        default=20_000,
+        help="messages for the JetStream ceiling measurement (0: skip it)",
+    )
+    p.add_argument("--apply-ms", type=float, default=0.0, help="simulated apply time per allocation")
+    p.add_argument(
+        "--cleanup-fail-share",
+        type=float,
+        default=0.02,
+        metavar="F",
+        help="share of releases whose first cleanup the fleet reports unverified, then retries "
+        "(default 0.02)",
+    )
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="before the load, measure CPU shares for this many seconds with heartbeats only (default: skip)",
+    )
+    p.add_argument(
+        "--start-timeout",
+        type=float,
+        help="seconds for the fleet to register and the allocator to decide (default 60 + 0.02/node)",
+    )
+    p.add_argument("--log-dir", help="write the children's logs and configs here (kept)")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory after a good run")
+    p.add_argument("--json", action="store_true", help="print only the JSON line on stdout")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress on stderr")
+    p.set_defaults(func=_run)
+
+
+def _config(args: argparse.Namespace) -> LoadConfig:
+    from tools.loadtest import LoadConfig
+
+    return LoadConfig(
+        nodes=args.nodes,
+        replicas=args.replicas,
+        requests=args.requests,
+        rate=args.rate,
+        util=args.util,
+        seed=args.seed,
+        max_in_flight=args.max_in_flight,
+        give_up_s=args.give_up,
+        pinned=args.pinned,
+        shares=args.shares,
+        nats_url=args.nats,
+        start_services=not args.no_services,
+        drain_s=args.drain,
+        ceiling_msgs=args.ceiling_msgs,
+        apply_ms=args.apply_ms,
+        cleanup_fail_share=args.cleanup_fail_share,
+        idle_s=args.idle,
+        start_timeout=args.start_timeout,
+        log_dir=args.log_dir,
+        keep_logs=args.keep_logs,
+    )
+
+
+def _run(args: argparse.Namespace) -> int:
+    from services.runtime.errors import SettingsError
+    from services.runtime.lifecycle import GC_THRESHOLDS, run_loop
+    from services.runtime.settings import load_settings
+    from tools.cli.interrupt import until_interrupted
+    from tools.loadtest import Harness, LoadtestError, summary, to_json_line, violations
+
+    cfg = _config(args)
+    try:
+        cfg.check()
+        settings = load_settings("loadtest")
+    except (LoadtestError, SettingsError) as exc:
+        raise CliError(str(exc)) from exc
+
+    def progress(line: str) -> None:
+        if not args.quiet:
+            print(f"loadtest: {line}", file=sys.stderr, flush=True)
+
+    harness = Harness(cfg, settings, progress=progress)
+    # The harness stamps every answer when its loop handles it, so a pause of its own is added
+    # to the latency of each answer that arrives meanwhile. With Python's default thresholds
+    # its full collections (every request's bookkeeping is kept to the end) took up to 41 ms,
+    # four times in a --rate 500 run; with the services' thresholds they are ten times rarer.
+    gc.set_threshold(*GC_THRESHOLDS)
+    try:
+        # uvloop, as the services run: the harness shares the cores
+        report = run_loop(until_interrupted(harness.run(), harness))
+    except LoadtestError as exc:
+        raise CliError(str(exc)) from exc
+    finally:
+        harness.kill_now()  # no-op unless the loop died before the teardown finished
+    if report is None:
+        print("tandem: loadtest interrupted; services and fleet stopped", file=sys.stderr)
+        return 130
+    if not args.json:
+        print(summary(report))
+    print(to_json_line(report), flush=True)
+    return 0 if violations(report) == 0 else 1

@@ -1,0 +1,46 @@
+"""``tandem loadtest``: the running system under load, measured from outside.
+
+Where the core benchmark (``bench/``) times the allocator's decision function in-process, this
+harness runs what users run — ``nats-server``, the inventory and the allocator replicas as
+separate processes started the way the chart starts them, and a simulated fleet that really
+publishes inventory and heartbeats and applies and cleans up its allocations over NATS — and
+measures it from outside: decisions per second, submit → assigned and submit → applied
+latencies, readiness time, peak memory per process, and the JetStream ceiling of the same
+server beside them. It also checks the safety invariants on the system's own records (no
+device held twice, no GPU shared past what it has, no request placed twice, none lost):
+on a few snapshots, and at every write of every node and request record (the ledger).
+
+Modules::
+
+    harness     one run: server, ceiling, services, fleet, probe, load, drain, teardown
+    procs       child processes: config file + environment, readiness, SIGTERM → SIGKILL, RSS
+    fleet       ``python -m tools.loadtest.fleet``: one process speaking for N nodes
+    driver      submits, releases, paces, observes outcomes on core subscriptions
+    invariants  KV snapshots of ``tandem-allocs``: double-held devices, overcommitted GPUs, double placements
+    checker     ``python -m tools.loadtest.checker``: the checks during the load, at a pace
+    ledger      every revision judged: held twice, vanished, freed unknown (pure)
+    ledgerwatch ``python -m tools.loadtest.ledgerwatch``: the ledger fed from the KV streams
+    ceiling     async-publish and pull+ack rates of a scratch stream
+    mix         fleet composition and the seeded request stream (pure)
+    publisher   many JetStream publishes in flight, retried with their msg id
+    report      the JSON line and the human summary (pure)
+
+Errors: :class:`LoadtestError` (one line, names the stage and the log to read).
+"""
+
+from __future__ import annotations
+
+from tools.loadtest.errors import LoadtestError
+from tools.loadtest.harness import Harness, LoadConfig, run_loadtest
+from tools.loadtest.report import Report, summary, to_json_line, violations
+
+__all__ = [
+    "Harness",
+    "LoadConfig",
+    "LoadtestError",
+    "Report",
+    "run_loadtest",
+    "summary",
+    "to_json_line",
+    "violations",
+]

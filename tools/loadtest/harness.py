@@ -1,0 +1,735 @@
+"""One run of ``tandem loadtest``, start to finish.
+
+1. **Server.** An embedded ``nats-server`` (JetStream, private store, 127.0.0.1, any free
+   port) unless a URL is given.
+2. **Ceiling.** The JetStream ceiling of that server (:mod:`tools.loadtest.ceiling`), while
+   nothing else runs on it.
+3. **Services** (clock ``t0`` starts here): the inventory and ``replicas`` allocators, each its
+   own ``python -m services.<name> --config FILE`` process with its own ``TANDEM_INSTANCE``
+   (:mod:`tools.loadtest.procs`); each must answer ``/readyz`` on its ops port.
+4. **Fleet.** ``python -m tools.loadtest.fleet`` for all nodes
+   (:mod:`tools.loadtest.fleet`); it says ``ready`` once every inventory is stored. Then the
+   harness waits until inventory has registered every node (keys of KV ``tandem-nodes``).
+5. **Ready.** A probe request pinned to the last node registered: ``ready_s`` = ``t0`` → its
+   assignment, i.e. until the allocator knows the whole fleet and decides. The probe is then
+   released; it is not part of the figures. With ``idle_s``, the CPU share of every process
+   is then measured over that long with heartbeats only (``idle_cpu_pct``).
+6. **Load** (:mod:`tools.loadtest.driver`), with KV snapshots checking the invariants
+   (:mod:`tools.loadtest.invariants`) at a quarter, half and three quarters of the
+   requests, and the ledger (:mod:`tools.loadtest.ledger`, read by the process
+   :mod:`tools.loadtest.ledgerwatch`, started before the fleet) judging every revision of
+   every node and request record; then a **drain** until everything is answered and freed
+   (bounded), the ledger's counts, a final snapshot, and peak RSS of every process.
+7. **Teardown**, whatever happened: fleet first, then allocators and inventory (SIGTERM, then
+   SIGKILL after a grace period), then the server. Logs of the children stay in the run
+   directory when the run failed (the error names them) or ``keep_logs`` is set.
+
+A stage that fails raises :class:`~tools.loadtest.errors.LoadtestError` with one line that
+says which stage, what was seen and which log to read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import nats
+from nats.js import JetStreamContext
+from nats.js.errors import BucketNotFoundError
+
+from schemas import subjects
+from services.runtime.bus import Bus
+from services.runtime.embedded import EmbeddedNats, free_ports
+from services.runtime.errors import EmbeddedServerError
+from services.runtime.settings import Settings
+from services.runtime.tasks import Supervisor
+from tools.loadtest import ceiling, invariants, ledgerwatch
+from tools.loadtest.driver import LoadDriver, Req
+from tools.loadtest.errors import LoadtestError
+from tools.loadtest.ledger import LedgerCounts
+from tools.loadtest.mix import (
+    SHARED_CLASS,
+    SHARED_DEVICE_CLASS,
+    RequestStream,
+    Workload,
+    fleet_gpus,
+    fleet_plan,
+    probe_request,
+)
+from tools.loadtest.procs import Child, Children, cpu_seconds, rss_mb
+from tools.loadtest.publisher import AsyncPublisher
+from tools.loadtest.report import CeilingFigures, CpuFigures, Report, RssFigures, percentiles
+
+Progress = Callable[[str], None]
+SERVICE_READY_S = 60.0
+CONNECT_S = 5.0
+PROGRESS_EVERY_S = 5.0
+SNAPSHOT_TIMEOUT_S = 60.0  # for the checker's answer to one snapshot in the middle of the run
+LEDGER_TIMEOUT_S = ledgerwatch.FINISH_TIMEOUT_S + 10.0  # for the ledger's answer at the end
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoadConfig:
+    nodes: int = 100
+    replicas: int = 1
+    requests: int = 1000
+    rate: float | None = None  # None: open loop
+    util: float = 0.85
+    seed: int = 1
+    max_in_flight: int | None = None  # None: 5 % of the fleet's GPUs in requests (8 to 1024)
+    give_up_s: float = 5.0  # cancel requests pending this long (<= 0: never)
+    pinned: float = 0.0
+    shares: float = 0.0  # requests for a share of one GPU (mix.SHARED_CLASS)
+    nats_url: str | None = None  # None: start an embedded nats-server
+    start_services: bool = True  # False: inventory and allocators already run on nats_url
+    drain_s: float = 60.0
+    ceiling_msgs: int = 20_000
+    apply_ms: float = 0.0
+    cleanup_fail_share: float = 0.02  # releases whose first cleanup the fleet fails (then retries)
+    idle_s: float = 0.0  # > 0: measure CPU shares over this long with heartbeats only
+    start_timeout: float | None = None  # None: 60 s + 20 ms per node
+    log_dir: str | None = None
+    keep_logs: bool = False
+
+    def check(self) -> None:
+        """Raise :class:`LoadtestError` for the first bad value (one line, names the flag)."""
+        problems = [
+            (self.nodes < 1, f"--nodes must be at least 1, got {self.nodes}"),
+            (self.replicas < 1, f"--replicas must be at least 1, got {self.replicas}"),
+            (self.requests < 1, f"--requests must be at least 1, got {self.requests}"),
+            (self.rate is not None and not self.rate > 0, f"--rate must be above 0, got {self.rate}"),
+            (not 0 < self.util <= 1, f"--util must be in (0, 1], got {self.util}"),
+            (
+                self.max_in_flight is not None and self.max_in_flight < 1,
+                f"--max-in-flight must be at least 1, got {self.max_in_flight}",
+            ),
+            (not 0 <= self.pinned <= 1, f"--pinned must be in [0, 1], got {self.pinned}"),
+            (not 0 <= self.shares <= 1, f"--shares must be in [0, 1], got {self.shares}"),
+            (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
+            (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
+            (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
+            (
+                not 0 <= self.cleanup_fail_share <= 1,
+                f"--cleanup-fail-share must be in [0, 1], got {self.cleanup_fail_share}",
+            ),
+            (self.idle_s < 0, f"--idle must not be negative, got {self.idle_s}"),
+            (not self.start_services and self.nats_url is None, "--no-services needs --nats URL"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise LoadtestError(message)
+
+    @property
+    def startup_timeout(self) -> float:
+        return self.start_timeout if self.start_timeout is not None else 60.0 + 0.02 * self.nodes
+
+
+class FleetEvents:
+    """The fleet's JSON lines on its stdout, by event name."""
+
+    def __init__(self, child: Child) -> None:
+        self.child = child
+        self.events: dict[str, dict[str, Any]] = {}  # the last of each name
+        self.seen: Counter[str] = Counter()  # how many of each name (overlap, cleanup_failed)
+        self.changed = asyncio.Event()
+        self.closed = asyncio.Event()
+
+    async def read(self) -> None:
+        stdout = self.child.proc.stdout
+        assert stdout is not None
+        try:
+            while line := await stdout.readline():
+                with contextlib.suppress(msgspec.DecodeError):
+                    event = msgspec.json.decode(line, type=dict[str, Any])
+                    name = str(event.get("event"))
+                    self.events[name] = event
+                    self.seen[name] += 1
+                    self.changed.set()
+        finally:
+            self.closed.set()
+
+    async def wait(self, name: str, *, deadline: float, alive: Callable[[], None]) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        while name not in self.events:
+            alive()
+            if loop.time() > deadline:
+                raise LoadtestError(
+                    f"fleet did not report {name!r} in time"
+                    f"{': ' + self.child.tail() if self.child.tail() else ''} (log: {self.child.log})"
+                )
+            self.changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), 0.5)
+        return self.events[name]
+
+
+class Harness:
+    def __init__(self, cfg: LoadConfig, settings: Settings, *, progress: Progress) -> None:
+        self.cfg = cfg
+        self.settings = settings
+        self.progress = progress
+        self.run_id = f"lt{uuid.uuid4().hex[:8]}"
+        self.own_dir = cfg.log_dir is None
+        self.run_dir = Path(cfg.log_dir or tempfile.mkdtemp(prefix="tandem-loadtest-"))
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.children = Children(self.run_dir)
+        self.tasks = Supervisor("loadtest")
+        self.server: EmbeddedNats | None = None
+        self.bus: Bus | None = None
+        self.violations = invariants.Violations()
+        self.checker: Child | None = None  # takes the snapshots during the load
+        self.ledger: Child | None = None  # follows every write (tools.loadtest.ledgerwatch)
+        self._checker_turn = asyncio.Lock()
+        self._checks: list[asyncio.Task[None]] = []  # the mid-run checks, awaited before the final one
+        self.plan = fleet_plan(cfg.nodes)
+        self.names = [spec.name for spec in self.plan]
+        self.failed = True
+        self.fleet_events: FleetEvents | None = None
+        self._cpu_t0: dict[str, float | None] = {}
+
+    # -- the run ----------------------------------------------------------------------------
+
+    async def run(self) -> Report:
+        try:
+            report = await self._run()
+            self.failed = False
+            return report
+        finally:
+            await self._teardown()
+
+    async def _run(self) -> Report:
+        cfg = self.cfg
+        url = cfg.nats_url or await self._start_server()
+        bus = self.bus = await self._connect(url)
+        self.progress(f"measuring the JetStream ceiling ({cfg.ceiling_msgs} messages)")
+        ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs)
+        self.progress(f"JetStream ceiling: publish {ceil.publish_per_s}/s, pull+ack {ceil.pull_ack_per_s}/s")
+
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        self._cpu_t0 = self._cpu_now()  # nats and the harness already worked for the ceiling
+        deadline = loop.time() + cfg.startup_timeout
+        if cfg.start_services:
+            await self._start_services(url)
+            took = time.perf_counter() - t0
+            self.progress(f"inventory + {cfg.replicas} allocator(s) ready after {took:.1f} s")
+        await self._check_provisioned()
+        await self._start_ledger(url, deadline=deadline)
+        fleet = await self.children.spawn(
+            "fleet",
+            role="fleet",
+            module="tools.loadtest.fleet",
+            config=self._base_config(url),
+            args=[
+                *("--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)),
+                *("--cleanup-fail-share", str(cfg.cleanup_fail_share)),
+            ],
+            stdout_pipe=True,
+        )
+        self.checker = await self.children.spawn(
+            "checker",
+            role="checker",
+            module="tools.loadtest.checker",
+            config=self._base_config(url),
+            stdin_pipe=True,
+            stdout_pipe=True,
+        )
+        events = self.fleet_events = FleetEvents(fleet)
+        self.tasks.spawn("fleet-stdout", events.read, restart=False)
+        ready = await events.wait("ready", deadline=deadline, alive=self.children.check)
+        self.progress(f"fleet: {cfg.nodes} inventories stored in {ready.get('seconds')} s")
+        await self._wait_registered(deadline=deadline)
+        self.progress(f"inventory registered {cfg.nodes} nodes after {time.perf_counter() - t0:.1f} s")
+
+        publisher = AsyncPublisher(bus.acks, window=1024)
+        self.tasks.spawn("publish", publisher.run)
+        workload = Workload(pinned=cfg.pinned, shares=cfg.shares)
+        gpus = fleet_gpus(self.plan)
+        driver = LoadDriver(
+            bus.nc,
+            publisher,
+            stream=RequestStream(seed=cfg.seed, run=self.run_id, nodes=self.names, workload=workload),
+            fleet_gpus=gpus,
+            util=cfg.util,
+            requests=cfg.requests,
+            rate=cfg.rate,
+            max_in_flight=cfg.max_in_flight or auto_in_flight(gpus, workload),
+            seed=cfg.seed,
+            give_up=cfg.give_up_s,
+        )
+        await driver.observe()
+        try:
+            ready_s = await self._probe(driver, t0=t0, deadline=deadline)
+            self.progress(f"allocator deciding {ready_s:.2f} s after the services started")
+            idle = await self._idle() if cfg.idle_s > 0 else CpuFigures()
+            report = await self._load(driver, publisher, ceil=ceil, ready_s=ready_s)
+            report.idle_cpu_pct = idle
+            report.wall_s = round(time.perf_counter() - t0, 3)
+            return report
+        finally:
+            await driver.close()
+
+    async def _load(
+        self, driver: LoadDriver, publisher: AsyncPublisher, *, ceil: ceiling.Ceiling, ready_s: float
+    ) -> Report:
+        cfg = self.cfg
+        bus = self.bus
+        assert bus is not None
+        load = f"open loop, {driver.max_in_flight} in flight" if cfg.rate is None else f"{cfg.rate:g}/s"
+        self.progress(f"load: {cfg.requests} requests, {load}, fleet kept at {cfg.util:.0%} of its GPUs")
+        checkpoints = {max(1, cfg.requests * k // 4): self._snapshot_hook(f"snapshot-{k}") for k in (1, 2, 3)}
+        self.tasks.spawn("progress", lambda: self._report_progress(driver), restart=False)
+        await driver.run(checkpoints=checkpoints, alive=self.children.check)
+        self.progress(f"all {cfg.requests} submitted; draining (up to {cfg.drain_s:g} s)")
+        drained = await driver.drain(timeout=cfg.drain_s, alive=self.children.check)
+        if not await publisher.flush(timeout=10.0):
+            self.progress(f"warning: publishes still unacknowledged: {publisher.stats.last_error}")
+        await self._finish_checks()
+        ledger = await self._ledger_counts()
+        placed = invariants.check(
+            await invariants.snapshot(bus.js), self.violations, shares=invariants.LOADTEST_SHARES
+        )
+        self.children.check()
+        self.children.sample_rss()
+        report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
+        report.ledger = ledger
+        now = self._cpu_now()
+        since_t0 = {k: _minus(v, self._cpu_t0.get(k)) for k, v in now.items()}
+        report.cpu_s = self._cpu_figures(since_t0)
+        return report
+
+    async def _finish_checks(self) -> None:
+        """Wait (bounded) for the mid-run checks still reading, so that every snapshot taken is
+        counted and the final check does not compete with one for the server."""
+        running = [t for t in self._checks if not t.done()]
+        if not running:
+            return
+        _, stuck = await asyncio.wait(running, timeout=SNAPSHOT_TIMEOUT_S)
+        if stuck:
+            self.progress(f"warning: {len(stuck)} mid-run check(s) unanswered after {SNAPSHOT_TIMEOUT_S:g}s")
+
+    async def _idle(self) -> CpuFigures:
+        """CPU share of every process over ``idle_s`` of heartbeats only (no requests)."""
+        self.progress(f"idle for {self.cfg.idle_s:g} s: heartbeats only")
+        before = self._cpu_now()
+        began = time.perf_counter()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.cfg.idle_s
+        while loop.time() < deadline:
+            self.children.check()
+            await asyncio.sleep(min(0.5, max(0.0, deadline - loop.time())))
+        took = time.perf_counter() - began
+        after = self._cpu_now()
+        pct: dict[str, float | None] = {}
+        for key, used_before in before.items():
+            used_after = after.get(key)
+            if used_before is not None and used_after is not None:
+                pct[key] = (used_after - used_before) / took * 100
+        return self._cpu_figures(pct)
+
+    def _cpu_now(self) -> dict[str, float | None]:
+        """CPU seconds used so far: each role (allocator replicas summed), nats, the harness
+        (with its checker and its ledger: their checks are the harness's work)."""
+        out: dict[str, float | None] = {"harness": time.process_time()}
+        for child in self.children.children:
+            used = cpu_seconds(child.proc.pid) if child.alive else None
+            if used is not None:
+                role = "harness" if child.role in ("checker", "ledger") else child.role
+                out[role] = (out.get(role) or 0.0) + used
+        pid = self._nats_pid()
+        out["nats"] = cpu_seconds(pid) if pid is not None else None
+        return out
+
+    @staticmethod
+    def _cpu_figures(values: dict[str, float | None]) -> CpuFigures:
+        def get(key: str) -> float | None:
+            v = values.get(key)
+            return None if v is None else round(v, 2)
+
+        return CpuFigures(
+            allocator=get("allocator"),
+            inventory=get("inventory"),
+            nats=get("nats"),
+            fleet=get("fleet"),
+            harness=get("harness"),
+        )
+
+    def _nats_pid(self) -> int | None:
+        # EmbeddedNats has no public pid (see the report of issue 8's harness).
+        proc = self.server._proc if self.server is not None else None
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+    # -- stages -----------------------------------------------------------------------------
+
+    async def _start_server(self) -> str:
+        self.server = EmbeddedNats()
+        try:
+            await asyncio.to_thread(self.server.start)
+        except EmbeddedServerError as exc:
+            raise LoadtestError(f"embedded nats-server: {str(exc).splitlines()[0]}") from exc
+        self.progress(f"nats-server at {self.server.url}")
+        return self.server.url
+
+    async def _connect(self, url: str) -> Bus:
+        settings = msgspec.structs.replace(self.settings, nats_url=url, service="loadtest")
+        try:
+            return await asyncio.wait_for(Bus.open(settings, provision_streams=False), CONNECT_S)
+        except TimeoutError as exc:
+            raise LoadtestError(f"cannot reach NATS at {url}: no connection within {CONNECT_S:g}s") from exc
+        except (OSError, nats.errors.Error) as exc:
+            raise LoadtestError(f"cannot reach NATS at {url}: {exc}") from exc
+
+    def _base_config(self, url: str) -> dict[str, object]:
+        s = self.settings
+        return {
+            "nats_url": url,
+            "log_level": s.log_level,
+            "log_json": True,
+            "heartbeat_interval": s.heartbeat_interval,
+        }
+
+    async def _start_services(self, url: str) -> None:
+        s = self.settings
+        ports = free_ports(1 + self.cfg.replicas)
+        names = [("inventory", "inventory", "inventory-0")] + [
+            ("allocator", f"allocator-{i}", f"allocator-{i}") for i in range(self.cfg.replicas)
+        ]
+        started: list[Child] = []
+        for (role, name, instance), port in zip(names, ports, strict=True):
+            config = {
+                **self._base_config(url),
+                "ops_port": port,
+                "stream_replicas": s.stream_replicas,
+                "node_policy": s.node_policy,
+                "node_lost_after": s.node_lost_after,
+                # The class of the harness's share requests, beside the configured ones.
+                "device_classes": {**s.device_classes, SHARED_CLASS: SHARED_DEVICE_CLASS},
+            }
+            started.append(
+                await self.children.spawn(
+                    name,
+                    role=role,
+                    module=f"services.{role}",
+                    config=config,
+                    env={"TANDEM_INSTANCE": instance},
+                )
+            )
+        await asyncio.gather(*(self.children.wait_ready(c, timeout=SERVICE_READY_S) for c in started))
+
+    async def _check_provisioned(self) -> None:
+        """The buckets the fleet and the checks read exist (the services create them)."""
+        assert self.bus is not None
+        for bucket in (subjects.KV_NODES, subjects.KV_ALLOCS):
+            try:
+                await self.bus.js.key_value(bucket)
+            except BucketNotFoundError as exc:
+                raise LoadtestError(
+                    f"no KV bucket {bucket} on the server: are inventory and the allocators running there?"
+                ) from exc
+
+    async def _wait_registered(self, *, deadline: float) -> None:
+        assert self.bus is not None
+        await wait_registered(
+            self.bus.js,
+            self.names,
+            deadline=deadline,
+            alive=self.children.check,
+            why=f"after {self.cfg.startup_timeout:g}s (see --start-timeout; logs: {self.run_dir})",
+        )
+
+    async def _probe(self, driver: LoadDriver, *, t0: float, deadline: float) -> float:
+        loop = asyncio.get_running_loop()
+        probe = probe_request(run=self.run_id, node=self.names[-1])
+        req: Req = driver.submit(probe, measured=False)
+        while req.assigned is None:
+            self.children.check()
+            if loop.time() > deadline:
+                why = "unschedulable" if req.failed else "no answer"
+                raise LoadtestError(
+                    f"the allocator placed no probe request on {self.names[-1]} within "
+                    f"{self.cfg.startup_timeout:g}s ({why}; logs: {self.run_dir})"
+                )
+            await asyncio.sleep(0.01)
+        driver.release(probe.request_id)
+        return req.assigned - t0
+
+    async def _start_ledger(self, url: str, *, deadline: float) -> None:
+        """The ledger's reader (:mod:`tools.loadtest.ledgerwatch`), following before the
+        fleet's first record is read and before any request: every write of the run is in it."""
+        ledger = self.ledger = await self.children.spawn(
+            "ledger",
+            role="ledger",
+            module="tools.loadtest.ledgerwatch",
+            config=self._base_config(url),
+            stdin_pipe=True,
+            stdout_pipe=True,
+        )
+        assert ledger.proc.stdout is not None
+        loop = asyncio.get_running_loop()
+        try:
+            line = await asyncio.wait_for(ledger.proc.stdout.readline(), max(1.0, deadline - loop.time()))
+        except TimeoutError as exc:
+            raise LoadtestError(f"the ledger did not start following in time (log: {ledger.log})") from exc
+        if not line:
+            raise ledger.died()
+        try:
+            said = msgspec.json.decode(line, type=dict[str, Any])
+        except msgspec.DecodeError as exc:
+            raise LoadtestError(f"the ledger said {line[:200]!r} (log: {ledger.log})") from exc
+        if said.get("event") != ledgerwatch.READY_EVENT:
+            raise LoadtestError(f"the ledger said {line[:200]!r} (log: {ledger.log})")
+
+    async def _ledger_counts(self) -> LedgerCounts:
+        """The ledger's counts after the drain, with the fleet's: overlaps it refused at apply,
+        cleanups it failed on purpose. A ledger that cannot answer is reported (``error``), the
+        run goes on."""
+        events = self.fleet_events
+        fleet = {
+            "overlap_at_apply": events.seen["overlap"] if events is not None else 0,
+            "cleanup_failures_injected": events.seen["cleanup_failed"] if events is not None else 0,
+        }
+        ledger = self.ledger
+        assert ledger is not None and ledger.proc.stdin is not None and ledger.proc.stdout is not None
+        ledger.proc.stdin.write(ledgerwatch.FINISH_COMMAND + b"\n")
+        await ledger.proc.stdin.drain()
+        error = ""
+        answer: ledgerwatch.LedgerAnswer | None = None
+        try:
+            line = await asyncio.wait_for(ledger.proc.stdout.readline(), LEDGER_TIMEOUT_S)
+        except TimeoutError:
+            error = f"no answer in {LEDGER_TIMEOUT_S:g}s (log: {ledger.log})"
+        else:
+            if not line:
+                raise ledger.died()
+            try:
+                answer = msgspec.json.decode(line, type=ledgerwatch.LedgerAnswer)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                error = f"answered {line[:200]!r}: {exc}"
+        if answer is None:
+            answer = ledgerwatch.LedgerAnswer(counts=LedgerCounts(error=error))
+        counts = msgspec.structs.replace(answer.counts, **fleet)
+        if counts.error is not None:
+            self.progress(f"warning: the ledger is incomplete: {counts.error}")
+        if counts.revisions_missed:
+            self.progress(
+                f"warning: the ledger missed {counts.revisions_missed} node-record revisions "
+                "(removed before it read them): it cannot vouch for those"
+            )
+        for example in answer.examples:
+            self.progress(f"ledger: {example}")
+        return counts
+
+    def _snapshot_hook(self, name: str) -> Callable[[], None]:
+        """A checkpoint hook: check the invariants on a KV snapshot, in the background, taken by
+        the checker process (:mod:`tools.loadtest.checker`, which says why)."""
+
+        async def take() -> None:
+            checker = self.checker
+            assert checker is not None and checker.proc.stdin is not None and checker.proc.stdout is not None
+            async with self._checker_turn:  # one question at a time: answers come in order
+                checker.proc.stdin.write(invariants.CHECKER_COMMAND + b"\n")
+                await checker.proc.stdin.drain()
+                try:
+                    line = await asyncio.wait_for(checker.proc.stdout.readline(), SNAPSHOT_TIMEOUT_S)
+                except TimeoutError as exc:
+                    raise LoadtestError(
+                        f"{name}: no answer from the checker in {SNAPSHOT_TIMEOUT_S:g}s (log: {checker.log})"
+                    ) from exc
+            if not line:
+                raise checker.died()
+            try:
+                found = msgspec.json.decode(line, type=invariants.Found)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise LoadtestError(f"{name}: the checker answered {line[:200]!r}: {exc}") from exc
+            if found.error is not None:
+                self.progress(f"warning: {name} not checked: {found.error}")
+            self.violations.add(found)
+
+        def start() -> None:
+            self._checks.append(self.tasks.spawn(name, take, restart=False))
+
+        return start
+
+    async def _report_progress(self, driver: LoadDriver) -> None:
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
+            self.children.sample_rss()
+            self.progress(
+                f"  submitted {len(driver.reqs)}/{driver.total}, answered {driver.first_outcomes}, "
+                f"GPUs held {driver.held_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"being freed {driver.releasing_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"pending {driver.pending_gpus / max(1, driver.fleet_gpus):.0%}, "
+                f"in flight {driver.in_flight_gpus / max(1, driver.fleet_gpus):.0%}"
+            )
+
+    # -- result -----------------------------------------------------------------------------
+
+    def _rss(self) -> RssFigures:
+        by_role: dict[str, list[float]] = {}
+        for child in self.children.children:
+            if child.peak_rss_mb is not None:
+                by_role.setdefault(child.role, []).append(child.peak_rss_mb)
+        pid = self._nats_pid()
+        nats_mb = rss_mb(pid) if pid is not None else None
+        return RssFigures(
+            allocator=max(by_role["allocator"]) if "allocator" in by_role else None,
+            inventory=max(by_role["inventory"]) if "inventory" in by_role else None,
+            nats=nats_mb,
+            fleet=max(by_role["fleet"]) if "fleet" in by_role else None,
+        )
+
+    def _report(
+        self,
+        driver: LoadDriver,
+        placed: dict[str, str],
+        *,
+        ceil: ceiling.Ceiling,
+        ready_s: float,
+        drained: bool,
+    ) -> Report:
+        cfg = self.cfg
+        reqs = driver.reqs
+        lost: list[str] = []
+        for rid, r in reqs.items():
+            held_now = rid in placed
+            if r.released is not None:
+                if r.freed is None and held_now:  # the release never completed
+                    lost.append(f"{rid} (released, still on {placed[rid]})")
+            elif r.first is None and not held_now:  # never answered, not placed either
+                lost.append(f"{rid} (no answer)")
+            elif r.assigned is not None and not held_now:  # assigned, never released, gone
+                lost.append(f"{rid} (assigned to {r.node}, held by no node)")
+        if lost:
+            self.progress(f"lost: {', '.join(lost[:10])}{' ...' if len(lost) > 10 else ''}")
+        assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
+        unschedulable = sum(
+            1 for rid, r in reqs.items() if r.failed and r.assigned is None and rid not in placed
+        )
+        decided_first = [r for r in reqs.values() if r.assigned is not None and r.first == r.assigned]
+        to_assigned = [(r.assigned - r.submitted) * 1000 for r in decided_first if r.assigned is not None]
+        to_applied = [(r.applied - r.submitted) * 1000 for r in decided_first if r.applied is not None]
+        decisions_per_s = None
+        start, last = driver.started, driver.last_first
+        if start is not None and last is not None and last > start:
+            decisions_per_s = round(driver.first_outcomes / (last - start), 1)
+        load_s = (driver.submit_done or driver.started or 0.0) - (driver.started or 0.0)
+        return Report(
+            nodes=cfg.nodes,
+            replicas=cfg.replicas,
+            requests=cfg.requests,
+            rate=cfg.rate,
+            assigned=assigned,
+            unschedulable=unschedulable,
+            decisions_per_s=decisions_per_s,
+            submit_to_assigned_ms=percentiles(to_assigned),
+            submit_to_applied_ms=percentiles(to_applied),
+            lost=len(lost),
+            double_held=len(self.violations.double_held),
+            jetstream_ceiling=CeilingFigures(ceil.publish_per_s, ceil.pull_ack_per_s),
+            rss_mb=self._rss(),
+            ready_s=round(ready_s, 3),
+            double_placed=len(self.violations.double_placed | driver.extra_placements),
+            overcommitted=len(self.violations.overcommitted),
+            shares=cfg.shares,
+            cleanup_fail_share=cfg.cleanup_fail_share,
+            shares_assigned=sum(1 for r in reqs.values() if r.shared and r.assigned is not None),
+            released=sum(1 for r in reqs.values() if r.released is not None),
+            freed=sum(1 for r in reqs.values() if r.freed is not None),
+            rejected=sum(1 for r in reqs.values() if r.rejected),
+            cancelled=driver.cancelled,
+            recovered=driver.recovered,
+            util_target=cfg.util,
+            util_peak=round(driver.peak_held_gpus / max(1, driver.fleet_gpus), 3),
+            util_mean=round(driver.util_sum / driver.util_samples, 3) if driver.util_samples else None,
+            load_s=round(load_s, 3),
+            arrival_wait_s=round(driver.arrival_wait_s, 3),
+            drained=drained,
+            snapshots=self.violations.snapshots,
+        )
+
+    # -- teardown ---------------------------------------------------------------------------
+
+    async def _teardown(self) -> None:
+        fleet = [c for c in self.children.children if c.role == "fleet"]
+        services = [c for c in self.children.children if c.role != "fleet"]
+        await self.children.stop(fleet, grace=10.0)
+        if self.fleet_events is not None:
+            with contextlib.suppress(TimeoutError):  # its last line, read before EOF
+                await asyncio.wait_for(self.fleet_events.closed.wait(), 2.0)
+            stats = self.fleet_events.events.get("stats")
+            if stats is not None:
+                counts = ", ".join(f"{k} {v}" for k, v in stats.items() if k != "event")
+                self.progress(f"fleet: {counts}")
+        await self.children.stop(services, grace=15.0)
+        await self.tasks.aclose()
+        if self.bus is not None:
+            with contextlib.suppress(Exception):
+                await self.bus.close()
+        if self.server is not None:
+            await asyncio.to_thread(self.server.stop)
+        if self.failed or self.cfg.keep_logs or not self.own_dir:
+            self.progress(f"logs of the services and the fleet: {self.run_dir}")
+        else:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def kill_now(self) -> None:
+        """Last resort when the event loop is gone (a second Ctrl-C): SIGKILL everything."""
+        self.children.kill_now()
+        if self.server is not None:
+            self.server.stop()
+
+
+async def wait_registered(
+    js: JetStreamContext,
+    names: list[str],
+    *,
+    deadline: float,
+    alive: Callable[[], None],
+    why: str = "in time",
+) -> None:
+    """Until every node of ``names`` has a record in KV ``tandem-nodes`` (written by the
+    inventory); ``deadline`` on the loop's clock; ``alive`` raises when a child died."""
+    loop = asyncio.get_running_loop()
+    wanted = set(names)
+    seen: set[str] = set()
+    kv = await js.key_value(subjects.KV_NODES)
+    watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
+    try:
+        while not wanted <= seen:
+            if loop.time() > deadline:
+                got = len(seen & wanted)
+                raise LoadtestError(f"only {got} of {len(wanted)} nodes registered {why}")
+            alive()
+            try:
+                entry = await watcher.updates(timeout=0.5)  # type: ignore[no-untyped-call]
+            except nats.errors.TimeoutError:
+                continue
+            if entry is not None and entry.operation is None:
+                seen.add(entry.key)
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+
+
+def auto_in_flight(fleet_gpus: int, workload: Workload) -> int:
+    """The open loop's default bound: requests worth 5 % of the fleet's GPUs (8 to 1024), so
+    the queue does not empty a fleet kept at its target (see tools.loadtest.driver)."""
+    return max(8, min(1024, round(0.05 * fleet_gpus / workload.mean_gpus())))
+
+
+def _minus(value: float | None, base: float | None) -> float | None:
+    return None if value is None else value - (base or 0.0)
+
+
+async def run_loadtest(cfg: LoadConfig, settings: Settings, *, progress: Progress) -> Report:
+    cfg.check()
+    return await Harness(cfg, settings, progress=progress).run()

@@ -1,0 +1,177 @@
+"""The result of a run: one JSON line with the keys of issue 8, then a few more (pure).
+
+Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``replicas``,
+``requests``, ``rate`` (null: open loop), ``assigned``, ``unschedulable``,
+``decisions_per_s``, ``submit_to_assigned_ms`` and ``submit_to_applied_ms`` (``p50``,
+``p99``, ``max``), ``lost``, ``double_held``, ``jetstream_ceiling`` (``publish_per_s``,
+``pull_ack_per_s``), ``rss_mb`` (``allocator`` — the largest replica —, ``inventory``,
+``nats``, ``fleet``; peak resident set), ``ready_s``; then ``double_placed``, ``released``,
+``freed``, ``rejected``, ``cancelled``, ``recovered``, ``util_target``, ``util_peak``, ``util_mean``,
+``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``ledger`` (the invariants at
+every write: :class:`~tools.loadtest.ledger.LedgerCounts`), ``wall_s``, ``cpu_s`` and
+``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats``,
+``fleet``, ``harness``). A figure that was not measured is ``null``. ``shares`` and
+``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
+:class:`Report` lists them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from tools.loadtest.ledger import LedgerCounts
+
+
+class Percentiles(msgspec.Struct):
+    p50: float | None = None
+    p99: float | None = None
+    max: float | None = None
+
+
+class CeilingFigures(msgspec.Struct):
+    publish_per_s: float | None = None
+    pull_ack_per_s: float | None = None
+
+
+class RssFigures(msgspec.Struct):
+    allocator: float | None = None
+    inventory: float | None = None
+    nats: float | None = None
+    fleet: float | None = None
+
+
+class CpuFigures(msgspec.Struct):
+    """Per process; ``allocator`` sums the replicas, ``harness`` is this process and its
+    checker (:mod:`tools.loadtest.checker`)."""
+
+    allocator: float | None = None
+    inventory: float | None = None
+    nats: float | None = None
+    fleet: float | None = None
+    harness: float | None = None
+
+
+class Report(msgspec.Struct, kw_only=True):
+    nodes: int
+    replicas: int
+    requests: int
+    rate: float | None
+    assigned: int
+    unschedulable: int
+    decisions_per_s: float | None
+    submit_to_assigned_ms: Percentiles
+    submit_to_applied_ms: Percentiles
+    lost: int
+    double_held: int
+    jetstream_ceiling: CeilingFigures
+    rss_mb: RssFigures
+    ready_s: float | None
+    # beyond the issue's keys
+    double_placed: int = 0  # requests held on two nodes (KV records, or assigned twice)
+    overcommitted: int = 0  # GPUs whose shares take more than the GPU has (KV records)
+    shares: float = 0.0  # the share of requests that ask a share of a GPU (--shares)
+    cleanup_fail_share: float = 0.0  # releases whose first cleanup the fleet failed (--cleanup-fail-share)
+    shares_assigned: int = 0  # of those, assigned
+    released: int = 0
+    freed: int = 0
+    rejected: int = 0  # AllocationFailed(retrying=False): never to be placed
+    cancelled: int = 0  # pending longer than --give-up: released unplaced by the harness
+    recovered: int = 0  # outcomes read from KV because their event was missed (a reconnect)
+    util_target: float = 0.0
+    util_peak: float = 0.0  # largest share of fleet GPUs held by observed assignments
+    util_mean: float | None = None  # held share at each arrival after the fill, averaged
+    load_s: float = 0.0  # first submit → last submit
+    arrival_wait_s: float = 0.0  # time arrivals waited for room in the fleet (driver gates)
+    drained: bool = True  # every request answered and every release freed before the deadline
+    snapshots: int = 0  # KV snapshots checked for double_held / double_placed
+    ledger: LedgerCounts = msgspec.field(default_factory=LedgerCounts)  # every write checked (ledger.py)
+    wall_s: float = 0.0  # services started → end of the drain
+    cpu_s: CpuFigures = msgspec.field(default_factory=CpuFigures)  # CPU seconds in wall_s
+    idle_cpu_pct: CpuFigures = msgspec.field(default_factory=CpuFigures)  # % of one core, idle
+
+
+def percentiles(values: list[float]) -> Percentiles:
+    """Nearest-rank p50 / p99 / max, in the unit given, rounded to 0.01."""
+    if not values:
+        return Percentiles()
+    ordered = sorted(values)
+
+    def rank(p: float) -> float:
+        return round(ordered[max(0, math.ceil(p * len(ordered)) - 1)], 2)
+
+    return Percentiles(p50=rank(0.50), p99=rank(0.99), max=round(ordered[-1], 2))
+
+
+def to_json_line(report: Report) -> str:
+    return msgspec.json.encode(report).decode()
+
+
+def _ms(p: Percentiles) -> str:
+    if p.p50 is None:
+        return "n/a"
+    return f"p50 {p.p50:g} ms, p99 {p.p99:g} ms, max {p.max:g} ms"
+
+
+def _num(value: float | None, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:g}{unit}"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def _cpu(c: CpuFigures, unit: str) -> str:
+    parts = [("allocator", c.allocator), ("inventory", c.inventory), ("nats", c.nats)]
+    parts += [("fleet", c.fleet), ("harness", c.harness)]
+    return ", ".join(f"{name} {_num(v, unit)}" for name, v in parts)
+
+
+def violations(r: Report) -> int:
+    """How many invariant violations the run found (0: they held): the snapshots', the
+    harness's (``lost``) and the ledger's and fleet's (:meth:`LedgerCounts.violations`)."""
+    return r.lost + r.double_held + r.double_placed + r.overcommitted + r.ledger.violations()
+
+
+def _ledger(g: LedgerCounts) -> str:
+    if g.error is not None:
+        return f"  ledger INCOMPLETE ({g.error})"
+    ok = "OK" if g.violations() == 0 else "VIOLATED"
+    missed = f", {g.revisions_missed} MISSED" if g.revisions_missed else ""
+    return (
+        f"  ledger {ok} over {g.revisions_seen} revisions{missed}: double-held devices {g.double_held}, "
+        f"requests on two nodes {g.double_placed}, vanished {g.vanished}, freed unknown {g.freed_unknown}, "
+        f"overlaps refused at apply {g.overlap_at_apply}; cleanups failed on purpose "
+        f"{g.cleanup_failures_injected} (the allocator saw {g.cleanups_unverified} unverified)"
+    )
+
+
+def summary(r: Report) -> str:
+    """A few lines for a person; the JSON line follows it."""
+    load = f"{r.rate:g}/s" if r.rate is not None else "open loop"
+    rss = r.rss_mb
+    ok = "OK" if violations(r) == 0 else "VIOLATED"
+    lines = [
+        f"{r.nodes} nodes, {r.replicas} allocator(s), {r.requests} requests ({load}), "
+        f"ready after {_num(r.ready_s, ' s')}",
+        f"  decided {_num(r.decisions_per_s, '/s')}: {r.assigned} assigned, {r.unschedulable} "
+        f"unschedulable ({r.rejected} rejected, {r.cancelled} given up); {r.released} released, "
+        f"{r.freed} freed; "
+        f"fleet held {_pct(r.util_mean)} of its GPUs on average, {r.util_peak:.0%} at most "
+        f"(target {r.util_target:.0%})",
+        f"  submit→assigned {_ms(r.submit_to_assigned_ms)}",
+        f"  submit→applied  {_ms(r.submit_to_applied_ms)}",
+        f"  invariants {ok}: lost {r.lost}, double-held devices {r.double_held}, requests on two "
+        f"nodes {r.double_placed}, overcommitted GPUs {r.overcommitted} ({r.snapshots} KV "
+        f"snapshots){'' if r.drained else '; NOT drained'}",
+        _ledger(r.ledger),
+        f"  JetStream ceiling on this server: publish {_num(r.jetstream_ceiling.publish_per_s, '/s')}, "
+        f"pull+ack {_num(r.jetstream_ceiling.pull_ack_per_s, '/s')}",
+        f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "
+        f"nats {_num(rss.nats)}, fleet {_num(rss.fleet)}",
+        f"  CPU s over {r.wall_s:g} s: {_cpu(r.cpu_s, '')}",
+    ]
+    if r.idle_cpu_pct.inventory is not None:
+        lines.append(f"  idle (heartbeats only), % of one core: {_cpu(r.idle_cpu_pct, ' %')}")
+    return "\n".join(lines)
