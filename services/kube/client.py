@@ -23,7 +23,7 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.kube.resources import CLAIM_GROUP, CLAIM_PLURAL, CLAIM_VERSION
+from services.kube.resources import CLAIM_GROUP, CLAIM_PLURAL, CLAIM_VERSION, RESOURCE_SLICES
 
 MERGE_PATCH = "application/merge-patch+json"
 Obj = dict[str, Any]
@@ -330,6 +330,34 @@ class KubeClient:
             self.coordination.patch_namespaced_lease(
                 name, namespace, patch, _content_type=MERGE_PATCH, _preload_content=False
             )
+        )
+
+    # ResourceSlices (resource.k8s.io/v1, cluster-scoped): the node agent's DRA pool
+    # (services.nodeagent.dra.publisher.SliceApi).
+    async def list_resource_slices(self, *, node: str, driver: str) -> list[Obj]:
+        doc = await self._json(
+            self.custom.list_cluster_custom_object(
+                *RESOURCE_SLICES,
+                field_selector=f"spec.nodeName={node},spec.driver={driver}",
+                _preload_content=False,
+            )
+        )
+        items: list[Obj] = doc.get("items") or []
+        return items
+
+    async def create_resource_slice(self, body: Obj) -> Obj:
+        return await self._json(
+            self.custom.create_cluster_custom_object(*RESOURCE_SLICES, body, _preload_content=False)
+        )
+
+    async def replace_resource_slice(self, name: str, body: Obj) -> Obj:
+        return await self._json(
+            self.custom.replace_cluster_custom_object(*RESOURCE_SLICES, name, body, _preload_content=False)
+        )
+
+    async def delete_resource_slice(self, name: str) -> None:
+        await self._json(
+            self.custom.delete_cluster_custom_object(*RESOURCE_SLICES, name, _preload_content=False)
         )
 
     async def review_token(self, token: str, *, audiences: list[str]) -> Obj:

@@ -8,3 +8,6 @@ CLAIM_GROUP = "tandem.io"
 CLAIM_VERSION = "v1alpha1"
 CLAIM_PLURAL = "deviceclaims"
 CLAIM_KIND = "DeviceClaim"
+
+# DRA's ResourceSlices (group, version, plural), written by the node agent for its own node.
+RESOURCE_SLICES = ("resource.k8s.io", "v1", "resourceslices")
