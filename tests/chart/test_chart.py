@@ -43,6 +43,8 @@ CRD_GROUPS = ("cert-manager.io/", "monitoring.coreos.com/")
 VARIANTS: dict[str, dict[str, Any]] = {
     # Secure by default: bundled NATS with TLS and the auth callout, NetworkPolicies, the VAP.
     "default": {},
+    # DRA on: node agents write their own node's ResourceSlices (docs/dra.md).
+    "dra": {"dra": {"enabled": True}},
     "cert-manager": {
         "admission": {"certManager": {"enabled": True}},
         "nats": {"tls": {"certManager": {"enabled": True}}},
@@ -382,18 +384,30 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
             ("", "secrets", "patch", (f"{RELEASE}-nats-auth",)),
         }
         expected_roles |= {callout_sa}
+    dra = name == "dra"
+    if dra:
+        # ResourceSlices, cluster-wide in RBAC; the policy narrows them to the agent's own node
+        # (tested against the real API server: tests/cluster/test_dra_rbac.py).
+        nodeagent_slices = f"{RELEASE}-nodeagent-resourceslices"
+        assert rules(one(docs, "ClusterRole", nodeagent_slices)) == {
+            ("resource.k8s.io", "resourceslices", verb, ())
+            for verb in ("get", "list", "watch", "create", "update", "delete")
+        }
+        assert one(docs, "ValidatingAdmissionPolicyBinding", nodeagent_slices)["spec"]["policyName"] == (
+            nodeagent_slices
+        )
+        expected_roles |= {nodeagent_slices}
     assert {r["metadata"]["name"] for r in find(docs, "ClusterRole")} == expected_roles
     for binding in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding"):
-        bound = binding["roleRef"]["name"].removesuffix("-lease")
+        bound = binding["roleRef"]["name"].removesuffix("-lease").removesuffix("-resourceslices")
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": bound, "namespace": NAMESPACE}]
     for doc in docs:
         assert "*" not in str(doc.get("rules", "")), doc["metadata"]["name"]
     # Components that do not talk to the Kubernetes API get no API token.
     for w in workloads(docs):
         pod = w["spec"]["template"]["spec"]
-        assert pod["automountServiceAccountToken"] is (component(w) in ("admission", "authcallout")), (
-            component(w)
-        )
+        api_users = ("admission", "authcallout", "nodeagent") if dra else ("admission", "authcallout")
+        assert pod["automountServiceAccountToken"] is (component(w) in api_users), component(w)
     lease_arg = next(w for w in workloads(docs) if component(w) == "admission")["spec"]["template"]["spec"][
         "containers"
     ][0]["args"]

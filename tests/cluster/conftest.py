@@ -65,6 +65,7 @@ def jaeger(control_plane: ControlPlane, jaeger_bin: Path) -> Iterator[Jaeger]:
 PLAIN_NATS = {
     "nats": {"bundled": False, "auth": {"mode": "none"}, "tls": {"enabled": False}},
     "nodeagent": {"backend": "simulated", "topologyFile": "dgx-h100"},
+    "dra": {"enabled": True},
 }
 
 
