@@ -62,14 +62,7 @@ def run(nodes: int, lines: int, seed: int, *, target: float = 0.85, claims: bool
         is_live=live.__contains__,
     )
     stream = request_stream(seed)
-    totals = cluster.totals()
-    while totals["free_gpus"] > totals["gpus"] * 0.5:  # fill, not timed
-        req = stream.next()
-        result = cluster.decide(req)
-        if isinstance(result, Placement):
-            cluster.hold(result.node, req.request_id, result.devices())
-            live[req.request_id] = result.node
-        totals = cluster.totals()
+    _fill(cluster, stream, live=live)
     rng = random.Random(seed)
     lat: dict[str, list[float]] = {"claim": [], "pod_on_claim": [], "plain": [], "free": [], "tick": []}
     cpu: dict[str, list[float]] = {k: [] for k in lat}
@@ -80,48 +73,12 @@ def run(nodes: int, lines: int, seed: int, *, target: float = 0.85, claims: bool
         if n % 50 == 0:
             totals = cluster.totals()
             over = totals["free_gpus"] < totals["gpus"] * (1 - target)
-        pick = rng.random()
-        if over and ids and pick < 0.8:
-            obj, kind = {"kind": "free", "id": ids.pop(rng.randrange(len(ids)))}, "free"
-        elif pick < 0.30:
-            req = stream.next()
-            obj: dict[str, Any] = {"kind": "claim", "id": f"c{n}", "gpus": req.gpus, "rdma": req.rdma}
-            expires = rng.randint(60, 600) if rng.random() < 0.5 else None
-            if expires is not None:
-                obj["expires_after"] = expires
-            kind = "claim"
-            if not claims:  # the baseline: the same request as a plain one
-                obj, kind = {"kind": "alloc", "id": f"c{n}", "gpus": req.gpus, "rdma": req.rdma}, "plain"
-        elif pick < 0.50 and (book.claims or not claims):
-            if not claims:
-                continue
-            cid = rng.choice(list(book.claims))
-            obj, kind = {"kind": "alloc", "id": f"u{n}", "claim": cid}, "pod_on_claim"
-        elif pick < 0.80:
-            req = stream.next()
-            obj, kind = {"kind": "alloc", "id": f"p{n}", "gpus": req.gpus, "rdma": req.rdma}, "plain"
-        elif pick < 0.95 and ids:
-            obj, kind = {"kind": "free", "id": ids.pop(rng.randrange(len(ids)))}, "free"
-        else:
-            obj, kind = {"kind": "tick", "seconds": 60}, "tick"
-        if obj["kind"] == "tick" and not claims:
+        picked = _next_line(n, rng=rng, stream=stream, book=book, ids=ids, over=over, claims=claims)
+        if picked is None:
             continue
+        obj, kind = picked
         t, c = time.perf_counter(), time.thread_time()
-        if book.wants(obj):
-            out = list(book.handle(obj, where=f"line {n}"))
-        elif obj["kind"] == "alloc":
-            result = cluster.decide(_request(obj, f"line {n}"))
-            if isinstance(result, Placement):
-                cluster.hold(result.node, obj["id"], result.devices())
-                live[obj["id"]] = result.node
-                out = [{"status": "assigned"}]
-            else:
-                out = [{"status": "unschedulable"}]
-        else:  # free of a plain request
-            node = live.pop(obj["id"], None)
-            if node is not None:
-                cluster.release(node, obj["id"])
-            out = []
+        out = _play(obj, n, book=book, cluster=cluster, live=live)
         lat[kind].append((time.perf_counter() - t) * 1e6)
         cpu[kind].append((time.thread_time() - c) * 1e6)
         for line in out:
@@ -130,14 +87,90 @@ def run(nodes: int, lines: int, seed: int, *, target: float = 0.85, claims: bool
                 outcomes[status] += 1
             if status in ("claimed", "assigned") and obj.get("id"):
                 ids.append(obj["id"])
-    decisions = lat["claim"] + lat["plain"]
-    decisions_cpu = cpu["claim"] + cpu["plain"]
     totals = cluster.totals()
     return {
         "nodes": nodes,
         "lines": lines,
         "build_s": round(build_s, 2),
         "util": round(1 - totals["free_gpus"] / totals["gpus"], 3),
+        **_figures(lat, cpu, claims=claims),
+        "outcomes": outcomes,
+        "live_claims": len(book.claims),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+    }
+
+
+def _fill(cluster: Cluster, stream: Any, *, live: dict[str, str]) -> None:
+    """Plain requests until half the fleet's GPUs are held (not timed)."""
+    totals = cluster.totals()
+    while totals["free_gpus"] > totals["gpus"] * 0.5:
+        req = stream.next()
+        result = cluster.decide(req)
+        if isinstance(result, Placement):
+            cluster.hold(result.node, req.request_id, result.devices())
+            live[req.request_id] = result.node
+        totals = cluster.totals()
+
+
+def _next_line(
+    n: int, *, rng: random.Random, stream: Any, book: ClaimBook, ids: list[str], over: bool, claims: bool
+) -> tuple[dict[str, Any], str] | None:
+    """The next line of the stream and its kind; None for a line the baseline skips."""
+    pick = rng.random()
+    obj: dict[str, Any]
+    if over and ids and pick < 0.8:
+        obj, kind = {"kind": "free", "id": ids.pop(rng.randrange(len(ids)))}, "free"
+    elif pick < 0.30:
+        req = stream.next()
+        obj = {"kind": "claim", "id": f"c{n}", "gpus": req.gpus, "rdma": req.rdma}
+        expires = rng.randint(60, 600) if rng.random() < 0.5 else None
+        if expires is not None:
+            obj["expires_after"] = expires
+        kind = "claim"
+        if not claims:  # the baseline: the same request as a plain one
+            obj, kind = {"kind": "alloc", "id": f"c{n}", "gpus": req.gpus, "rdma": req.rdma}, "plain"
+    elif pick < 0.50 and (book.claims or not claims):
+        if not claims:
+            return None
+        cid = rng.choice(list(book.claims))
+        obj, kind = {"kind": "alloc", "id": f"u{n}", "claim": cid}, "pod_on_claim"
+    elif pick < 0.80:
+        req = stream.next()
+        obj, kind = {"kind": "alloc", "id": f"p{n}", "gpus": req.gpus, "rdma": req.rdma}, "plain"
+    elif pick < 0.95 and ids:
+        obj, kind = {"kind": "free", "id": ids.pop(rng.randrange(len(ids)))}, "free"
+    else:
+        obj, kind = {"kind": "tick", "seconds": 60}, "tick"
+    if obj["kind"] == "tick" and not claims:
+        return None
+    return obj, kind
+
+
+def _play(
+    obj: dict[str, Any], n: int, *, book: ClaimBook, cluster: Cluster, live: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One line through the claim book, or straight to the core for plain lines."""
+    if book.wants(obj):
+        return list(book.handle(obj, where=f"line {n}"))
+    if obj["kind"] == "alloc":
+        result = cluster.decide(_request(obj, f"line {n}"))
+        if isinstance(result, Placement):
+            cluster.hold(result.node, obj["id"], result.devices())
+            live[obj["id"]] = result.node
+            return [{"status": "assigned"}]
+        return [{"status": "unschedulable"}]
+    # a free of a plain request
+    node = live.pop(obj["id"], None)
+    if node is not None:
+        cluster.release(node, obj["id"])
+    return []
+
+
+def _figures(lat: dict[str, list[float]], cpu: dict[str, list[float]], *, claims: bool) -> dict[str, Any]:
+    """Decision counts, rates and per-kind latency percentiles (µs)."""
+    decisions = lat["claim"] + lat["plain"]
+    decisions_cpu = cpu["claim"] + cpu["plain"]
+    return {
         "decisions": len(decisions),
         "claims": claims,
         "decisions_per_s": round(len(decisions) / (sum(decisions) / 1e6)) if decisions else None,
@@ -150,9 +183,6 @@ def run(nodes: int, lines: int, seed: int, *, target: float = 0.85, claims: bool
             k: {"p50": round(percentile(v, 0.5), 1), "p99": round(percentile(v, 0.99), 1)}
             for k, v in cpu.items()
         },
-        "outcomes": outcomes,
-        "live_claims": len(book.claims),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
     }
 
 

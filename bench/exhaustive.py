@@ -9,6 +9,7 @@ and only meant for small nodes (the property tests and ``bench.run``'s optimalit
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from itertools import combinations, permutations
 
 from schemas.config import DeviceClass
@@ -56,44 +57,16 @@ def _nic_candidates(nic: Nic, dc: DeviceClass) -> list[str]:
 
 
 def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str], list[str]] | None:
-    """The minimal quality key (with one placement reaching it), or None when nothing fits."""
-    locs = locate(topo)
-    where: dict[str, DeviceLocation] = {}
-    gpus: list[str] = []
-    nics: list[str] = []
-    for loc in locs:
-        d = loc.device
-        where[d.id] = loc
-        if isinstance(d, Gpu):
-            if d.id in free and _gpu_ok(d, spec.dc):
-                gpus.append(d.id)
-        else:
-            for name in _nic_candidates(d, spec.dc):
-                where[name] = loc
-                if name in free:
-                    nics.append(name)
-            for vf in d.vfs:
-                where[vf.name] = loc
-    # Units for fragmentation: every device id (GPU, PF, VF) under each switch/root/NUMA/socket.
-    units: list[tuple[int, set[str]]] = []
-    by_key: dict[tuple[object, ...], set[str]] = {}
-    for name, loc in where.items():
-        for level, key in (
-            (0, loc.key(Scope.PCIE_SWITCH)),
-            (1, loc.key(Scope.PCIE_ROOT)),
-            (2, loc.key(Scope.NUMA)),
-            (3, loc.key(Scope.SOCKET)),
-        ):
-            if key is not None:
-                by_key.setdefault((level, *key), set()).add(name)
-    units = [(k[0], members) for k, members in by_key.items()]  # type: ignore[misc]
-    whole = [(lvl, m) for lvl, m in units if m <= free]
-    index_of = {f"gpu{g.index}": g.index for g in topo.gpus()}
-    present = set(index_of.values())
-    parts = [set(p) & present for p in nvlink_partitions(topo)]
-    parts = [p for p in parts if len(p) > 1]
-    whole_parts = [p for p in parts if all(f"gpu{i}" in free for i in p)]
-    g, r, S = spec.gpus, spec.rdma, int(spec.scope)
+    """The minimal quality key (with one placement reaching it), or None when nothing fits.
+
+    Every GPU subset x every NIC subset; the key's terms in order: scope unmet, GPUs then NICs
+    paired within each scope level (more is better), NVLink domain split, whole free NVLink
+    domains touched, whole free sockets / NUMA nodes / roots / switches broken into.
+    """
+    where, gpus, nics = _candidates(topo, free, spec.dc)
+    whole = _whole_units(where, free)
+    index_of, parts, whole_parts = _nvlink_parts(topo, free)
+    g, r = spec.gpus, spec.rdma
 
     def sc(a: str, b: str) -> int:
         return int(scope_between(where[a], where[b]))
@@ -102,31 +75,12 @@ def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str]
     for G in combinations(gpus, g):
         gi = {index_of[x] for x in G}
         nv = 1 if g > 1 and not any(gi <= p for p in parts) else 0
+        nvb = sum(len(p) for p in whole_parts if gi & p)
         for N in combinations(nics, r):
-            c = [0, 0, 0, 0]
-            d = [0, 0, 0, 0]
-            unmet = 0
-            if g and r:
-                if spec.per_gpu:
-                    best_c = None
-                    for perm in permutations(N):
-                        scopes = [sc(a, b) for a, b in zip(G, perm, strict=True)]
-                        cum = tuple(sum(1 for s in scopes if s <= k) for k in range(4))
-                        if best_c is None or cum > best_c:
-                            best_c = cum
-                    assert best_c is not None
-                    c = list(best_c)
-                    unmet = 1 if S < 4 and c[S] < g else 0
-                else:
-                    gn = [min(sc(a, b) for b in N) for a in G]
-                    ng = [min(sc(a, b) for a in G) for b in N]
-                    c = [sum(1 for s in gn if s <= k) for k in range(4)]
-                    d = [sum(1 for s in ng if s <= k) for k in range(4)]
-                    unmet = 1 if S < 4 and (c[S] < g or d[S] < r) else 0
+            c, d, unmet = _paired(G, N, spec, sc=sc)
             if unmet and spec.required:
                 continue
             chosen = set(G) | set(N)
-            nvb = sum(len(p) for p in whole_parts if gi & p)
             broken = [sum(1 for lvl, m in whole if lvl == k and m & chosen) for k in range(4)]
             key = (
                 unmet,
@@ -148,6 +102,86 @@ def best(topo: NodeTopology, free: set[str], spec: Spec) -> tuple[Key, list[str]
             if result is None or key < result[0]:
                 result = (key, list(G), list(N))
     return result
+
+
+def _candidates(
+    topo: NodeTopology, free: set[str], dc: DeviceClass
+) -> tuple[dict[str, DeviceLocation], list[str], list[str]]:
+    """Where every device id (GPU, PF, VF) sits, and the free GPUs and NIC ids the class allows."""
+    where: dict[str, DeviceLocation] = {}
+    gpus: list[str] = []
+    nics: list[str] = []
+    for loc in locate(topo):
+        d = loc.device
+        where[d.id] = loc
+        if isinstance(d, Gpu):
+            if d.id in free and _gpu_ok(d, dc):
+                gpus.append(d.id)
+        else:
+            for name in _nic_candidates(d, dc):
+                where[name] = loc
+                if name in free:
+                    nics.append(name)
+            for vf in d.vfs:
+                where[vf.name] = loc
+    return where, gpus, nics
+
+
+def _whole_units(where: dict[str, DeviceLocation], free: set[str]) -> list[tuple[int, set[str]]]:
+    """The wholly free units for fragmentation, by level (0 switch, 1 root, 2 NUMA, 3 socket):
+    every device id (GPU, PF, VF) under each switch/root/NUMA/socket."""
+    by_key: dict[tuple[object, ...], set[str]] = {}
+    for name, loc in where.items():
+        for level, key in (
+            (0, loc.key(Scope.PCIE_SWITCH)),
+            (1, loc.key(Scope.PCIE_ROOT)),
+            (2, loc.key(Scope.NUMA)),
+            (3, loc.key(Scope.SOCKET)),
+        ):
+            if key is not None:
+                by_key.setdefault((level, *key), set()).add(name)
+    units: list[tuple[int, set[str]]] = [(k[0], members) for k, members in by_key.items()]  # type: ignore[misc]
+    return [(lvl, m) for lvl, m in units if m <= free]
+
+
+def _nvlink_parts(
+    topo: NodeTopology, free: set[str]
+) -> tuple[dict[str, int], list[set[int]], list[set[int]]]:
+    """GPU index by id, the NVLink domains of more than one GPU, and those wholly free."""
+    index_of = {f"gpu{g.index}": g.index for g in topo.gpus()}
+    present = set(index_of.values())
+    parts = [set(p) & present for p in nvlink_partitions(topo)]
+    parts = [p for p in parts if len(p) > 1]
+    whole_parts = [p for p in parts if all(f"gpu{i}" in free for i in p)]
+    return index_of, parts, whole_parts
+
+
+def _paired(
+    G: tuple[str, ...], N: tuple[str, ...], spec: Spec, *, sc: Callable[[str, str], int]
+) -> tuple[list[int], list[int], int]:
+    """GPUs (``c``) and NICs (``d``) paired within each scope level, cumulative, and whether the
+    class's scope is unmet (1/0). Per-gpu: the best one-to-one pairing over every permutation
+    (``d`` stays 0); shared: each device's nearest partner on the other side."""
+    c = [0, 0, 0, 0]
+    d = [0, 0, 0, 0]
+    g, S = len(G), int(spec.scope)
+    if not (G and N):
+        return c, d, 0
+    if spec.per_gpu:
+        best_c = None
+        for perm in permutations(N):
+            scopes = [sc(a, b) for a, b in zip(G, perm, strict=True)]
+            cum = tuple(sum(1 for s in scopes if s <= k) for k in range(4))
+            if best_c is None or cum > best_c:
+                best_c = cum
+        assert best_c is not None
+        c = list(best_c)
+        return c, d, 1 if S < 4 and c[S] < g else 0
+    gn = [min(sc(a, b) for b in N) for a in G]
+    ng = [min(sc(a, b) for a in G) for b in N]
+    c = [sum(1 for s in gn if s <= k) for k in range(4)]
+    d = [sum(1 for s in ng if s <= k) for k in range(4)]
+    return c, d, 1 if S < 4 and (c[S] < g or d[S] < len(N)) else 0
 
 
 # ---------------------------------------------------------------------------------------------

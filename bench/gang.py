@@ -55,7 +55,7 @@ from bench.fleet import _topology
 from schemas.messages import AllocationRequest, JobRequest, PodRef
 from services.allocator.core import Cluster, Placement
 from services.allocator.core.gang import fabric_label, fabric_span, place_job
-from services.runtime.lifecycle import GC_THRESHOLDS
+from services.runtime.process.lifecycle import GC_THRESHOLDS
 from tools.cli.plan_jobs import JobBook, JobMode
 
 ROOT = Path(__file__).resolve().parent
@@ -110,152 +110,181 @@ def run_mode(mode: JobMode, *, nodes: int, load: float, jobs: int, seed: int, wa
     gc.set_threshold(*GC_THRESHOLDS)
     gc.collect()
     gc.freeze()
-    book = JobBook(cluster, tiers=TIERS, mode=mode)
-    total = cluster.totals()["gpus"]
-    rng = random.Random(seed + 1)
-    items = stream(seed + 2)
-    running: list[tuple[str, str, str | None]] = []  # (kind, id, node for pods): may depart
-    pending: deque[tuple[str, Any]] = deque()  # FIFO of items waiting (jobs or pods)
-    waiting_gpus = 0  # GPUs the pending items still miss
-    submitted = 0  # jobs submitted (warm-up included)
-    measured: set[str] = set()
-    at_submit = completed = 0
-    ever_partial: set[str] = set()
-    steps = 0
-    idle_sum = held_sum = 0.0
-    idle_peak = 0
-    times: list[float] = []
-    times64: list[float] = []
-    cpus: list[float] = []
-    cpus64: list[float] = []
-    probes: list[float] = []
-    probe = JobRequest(job_id="probe", pods=64, gpus=8, rdma=8, fabric="leaf" if mode == "gang" else None)
-    tiers = dict.fromkeys(("node", *TIERS, "cluster"), 0)
-    pairs_before: dict[str, int] | None = None
+    run = _Run(mode, cluster, seed=seed)
+    run.loop(load=load, jobs=jobs, warmup=warmup)
+    gc.unfreeze()  # the next run's fleet replaces this one
+    return run.row(load=load)
 
-    def missing(kind: str, obj: Any) -> int:
-        if kind == "pod":
-            return int(obj.gpus)
-        have = len(book.live.get(obj["id"], ()))
-        return (obj["pods"] - have) * 8
 
-    def attempt(kind: str, obj: Any) -> bool:
-        """Try the item once; True when it is now running whole."""
-        nonlocal completed
-        if kind == "pod":
-            res = cluster.decide(obj)
-            if not isinstance(res, Placement):
-                return False
-            cluster.hold(res.node, obj.request_id, res.devices())
-            running.append(("pod", obj.request_id, res.node))
-            return True
-        jid = obj["id"]
-        n_before = len(book.times)
-        if jid in book.waiting:
-            status = book.resume(jid)
-            lines: list[dict[str, Any]] = []
+class _Run:
+    """One mode at one load: the fleet and its job book, what runs and what waits, and the
+    figures gathered over the measured jobs (see the module docstring)."""
+
+    def __init__(self, mode: JobMode, cluster: Cluster, *, seed: int) -> None:
+        self.mode = mode
+        self.cluster = cluster
+        self.book = JobBook(cluster, tiers=TIERS, mode=mode)
+        self.total = cluster.totals()["gpus"]
+        self.rng = random.Random(seed + 1)
+        self.items = stream(seed + 2)
+        self.running: list[tuple[str, str, str | None]] = []  # (kind, id, node for pods): may depart
+        self.pending: deque[tuple[str, Any]] = deque()  # FIFO of items waiting (jobs or pods)
+        self.waiting_gpus = 0  # GPUs the pending items still miss
+        self.submitted = 0  # jobs submitted (warm-up included)
+        self.measured: set[str] = set()
+        self.at_submit = self.completed = 0
+        self.ever_partial: set[str] = set()
+        self.steps = 0
+        self.idle_sum = self.held_sum = 0.0
+        self.idle_peak = 0
+        self.times: list[float] = []
+        self.times64: list[float] = []
+        self.cpus: list[float] = []
+        self.cpus64: list[float] = []
+        self.probes: list[float] = []
+        fabric = "leaf" if mode == "gang" else None
+        self.probe = JobRequest(job_id="probe", pods=64, gpus=8, rdma=8, fabric=fabric)
+        self.tiers = dict.fromkeys(("node", *TIERS, "cluster"), 0)
+        self.pairs_before: dict[str, int] | None = None
+
+    def loop(self, *, load: float, jobs: int, warmup: int) -> None:
+        """Submit while the offered load is below ``load``, else let a running item leave and
+        try every waiting one again; until ``warmup + jobs`` jobs were submitted."""
+        while self.submitted < warmup + jobs:
+            used = self.total - self.cluster.totals()["free_gpus"]
+            if used + self.waiting_gpus < load * self.total:
+                self.submit(next(self.items), warmup=warmup)
+                continue
+            if not self.running:
+                break
+            self.depart()
+            self.drain()
+            if self.submitted > warmup:
+                self.sample()
+
+    def submit(self, item: tuple[str, Any], *, warmup: int) -> None:
+        kind, obj = item
+        if kind == "job":
+            self.submitted += 1
+            if self.submitted > warmup:
+                self.measured.add(obj["id"])
+                if self.pairs_before is None:
+                    self.pairs_before = dict(self.book.alignment)
+        if self.attempt(kind, obj):
+            if kind == "job" and obj["id"] in self.measured:
+                self.at_submit += 1
         else:
-            lines = book.place(obj, "bench")
-            status = lines[-1]["status"]
-        dt, cpu = book.times[n_before], book.cpu_times[n_before]
-        if jid in measured:
-            times.append(dt)
-            cpus.append(cpu)
-            if obj["pods"] == 64:
-                times64.append(dt)
-                cpus64.append(cpu)
-            if status == "partial":
-                ever_partial.add(jid)
-        if status != "assigned":
-            return False
-        running.append(("job", jid, None))
-        if jid in measured:
-            completed += 1
-            pods = book.live[jid]
-            level_tier = fabric_span([cluster.labels(n) for n in dict.fromkeys(n for n, _ in pods)], TIERS)
-            if len(pods) > 1:
-                tiers[level_tier[1]] += 1
-        return True
+            self.pending.append((kind, obj))
+            self.waiting_gpus += self.missing(kind, obj)
 
-    def drain() -> None:
+    def depart(self) -> None:
+        """A random running item leaves."""
+        kind, rid, node = self.running.pop(self.rng.randrange(len(self.running)))
+        if kind == "job":
+            self.book.free(rid)
+        else:
+            assert node is not None
+            self.cluster.release(node, rid)
+
+    def drain(self) -> None:
         """Try every waiting item, oldest first; those that still do not fit keep waiting
         (backfill, as a Kubernetes scheduler retries every pending pod)."""
-        nonlocal waiting_gpus
         keep: deque[tuple[str, Any]] = deque()
-        while pending:
-            kind, obj = pending.popleft()
-            before = missing(kind, obj)
-            done = attempt(kind, obj)
-            waiting_gpus -= before - (0 if done else missing(kind, obj))
+        while self.pending:
+            kind, obj = self.pending.popleft()
+            before = self.missing(kind, obj)
+            done = self.attempt(kind, obj)
+            self.waiting_gpus -= before - (0 if done else self.missing(kind, obj))
             if not done:
                 keep.append((kind, obj))
-        pending.extend(keep)
+        self.pending.extend(keep)
 
-    while submitted < warmup + jobs:
-        used = total - cluster.totals()["free_gpus"]
-        if used + waiting_gpus >= load * total:
-            if not running:
-                break
-            kind, rid, node = running.pop(rng.randrange(len(running)))
-            if kind == "job":
-                book.free(rid)
-            else:
-                assert node is not None
-                cluster.release(node, rid)
+    def sample(self) -> None:
+        """After a measured step: the 64-pod probe (gang modes) and the GPUs held and idle."""
+        if self.mode != "per-pod":
+            # A 64-pod job decided (not held) on the state after every measured step.
+            c0 = time.thread_time()
+            place_job(self.cluster, self.probe, tiers=TIERS if self.mode == "gang" else ())
+            self.probes.append(time.thread_time() - c0)
+        self.steps += 1
+        idle = sum(self.book.idle.values())
+        self.idle_sum += idle
+        self.held_sum += self.total - self.cluster.totals()["free_gpus"]
+        self.idle_peak = max(self.idle_peak, idle)
+
+    def missing(self, kind: str, obj: Any) -> int:
+        if kind == "pod":
+            return int(obj.gpus)
+        have = len(self.book.live.get(obj["id"], ()))
+        return (obj["pods"] - have) * 8
+
+    def attempt(self, kind: str, obj: Any) -> bool:
+        """Try the item once; True when it is now running whole."""
+        if kind == "pod":
+            res = self.cluster.decide(obj)
+            if not isinstance(res, Placement):
+                return False
+            self.cluster.hold(res.node, obj.request_id, res.devices())
+            self.running.append(("pod", obj.request_id, res.node))
+            return True
+        return self._attempt_job(obj)
+
+    def _attempt_job(self, obj: dict[str, Any]) -> bool:
+        jid = obj["id"]
+        n_before = len(self.book.times)
+        if jid in self.book.waiting:
+            status = self.book.resume(jid)
         else:
-            kind, obj = next(items)
-            if kind == "job":
-                submitted += 1
-                if submitted > warmup:
-                    measured.add(obj["id"])
-                    if pairs_before is None:
-                        pairs_before = dict(book.alignment)
-            if attempt(kind, obj):
-                if kind == "job" and obj["id"] in measured:
-                    at_submit += 1
-            else:
-                pending.append((kind, obj))
-                waiting_gpus += missing(kind, obj)
-            continue
-        drain()
-        if submitted > warmup:
-            if mode != "per-pod":
-                # A 64-pod job decided (not held) on the state after every measured step.
-                c0 = time.thread_time()
-                place_job(cluster, probe, tiers=TIERS if mode == "gang" else ())
-                probes.append(time.thread_time() - c0)
-            steps += 1
-            idle = sum(book.idle.values())
-            idle_sum += idle
-            held_sum += total - cluster.totals()["free_gpus"]
-            idle_peak = max(idle_peak, idle)
-    gc.unfreeze()  # the next run's fleet replaces this one
-    multi = sum(tiers.values())
-    n = len(measured)
-    pairs = {k: v - (pairs_before or {}).get(k, 0) for k, v in book.alignment.items()}
-    pairs_all = sum(pairs.values())
-    pairs_switch = pairs["pcie-switch"]
-    return {
-        "mode": mode,
-        "load": load,
-        "jobs": n,
-        "placed_at_submit": round(at_submit / n, 4) if n else None,
-        "completed": round(completed / n, 4) if n else None,
-        "ever_partial": round(len(ever_partial) / n, 4) if n else None,
-        "held_gpus_mean_share": round(held_sum / steps / total, 4) if steps else 0.0,
-        "idle_gpus_mean_share": round(idle_sum / steps / total, 4) if steps else 0.0,
-        "idle_gpus_peak": idle_peak,
-        "tier": {k: round(v / multi, 4) if multi else 0.0 for k, v in tiers.items()},
-        "pairs_on_switch": round(pairs_switch / pairs_all, 4) if pairs_all else None,
-        "decision_ms": _pct(times),
-        "decision_ms_64": _pct(times64),
-        "decision_cpu_ms": _pct(cpus),
-        "decision_cpu_ms_64": _pct(cpus64),
-        "probe64_cpu_ms": _pct(probes),
-        "probes": len(probes),
-        "attempts": len(times),
-        "attempts_64": len(times64),
-    }
+            status = self.book.place(obj, "bench")[-1]["status"]
+        dt, cpu = self.book.times[n_before], self.book.cpu_times[n_before]
+        if jid in self.measured:
+            self.times.append(dt)
+            self.cpus.append(cpu)
+            if obj["pods"] == 64:
+                self.times64.append(dt)
+                self.cpus64.append(cpu)
+            if status == "partial":
+                self.ever_partial.add(jid)
+        if status != "assigned":
+            return False
+        self.running.append(("job", jid, None))
+        if jid in self.measured:
+            self.completed += 1
+            pods = self.book.live[jid]
+            nodes = dict.fromkeys(n for n, _ in pods)
+            level_tier = fabric_span([self.cluster.labels(n) for n in nodes], TIERS)
+            if len(pods) > 1:
+                self.tiers[level_tier[1]] += 1
+        return True
+
+    def row(self, *, load: float) -> dict[str, Any]:
+        """The figures over the measured jobs (one row of the tables)."""
+        n, steps, total = len(self.measured), self.steps, self.total
+        multi = sum(self.tiers.values())
+        pairs = {k: v - (self.pairs_before or {}).get(k, 0) for k, v in self.book.alignment.items()}
+        pairs_all = sum(pairs.values())
+        pairs_switch = pairs["pcie-switch"]
+        return {
+            "mode": self.mode,
+            "load": load,
+            "jobs": n,
+            "placed_at_submit": round(self.at_submit / n, 4) if n else None,
+            "completed": round(self.completed / n, 4) if n else None,
+            "ever_partial": round(len(self.ever_partial) / n, 4) if n else None,
+            "held_gpus_mean_share": round(self.held_sum / steps / total, 4) if steps else 0.0,
+            "idle_gpus_mean_share": round(self.idle_sum / steps / total, 4) if steps else 0.0,
+            "idle_gpus_peak": self.idle_peak,
+            "tier": {k: round(v / multi, 4) if multi else 0.0 for k, v in self.tiers.items()},
+            "pairs_on_switch": round(pairs_switch / pairs_all, 4) if pairs_all else None,
+            "decision_ms": _pct(self.times),
+            "decision_ms_64": _pct(self.times64),
+            "decision_cpu_ms": _pct(self.cpus),
+            "decision_cpu_ms_64": _pct(self.cpus64),
+            "probe64_cpu_ms": _pct(self.probes),
+            "probes": len(self.probes),
+            "attempts": len(self.times),
+            "attempts_64": len(self.times64),
+        }
 
 
 def _pct(times: list[float]) -> dict[str, float | None]:

@@ -53,7 +53,7 @@ from bench import cpu
 from schemas import codec, subjects
 from services.admission import names
 from services.client import ClientError, TandemClient
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.process.embedded import EmbeddedNats
 from tests.cluster.build import build_all
 from tests.cluster.controlplane import CONTROL_PLANE, ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints

@@ -29,29 +29,60 @@ MODELS = ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA L40S")
 def random_topology(
     rng: random.Random, *, max_gpus: int = 6, max_nics: int = 5, vfs: bool = True
 ) -> NodeTopology:
-    counter = {"gpu": 0, "nic": 0}
-    model = rng.choice(MODELS)
+    make = _Devices(rng, model=rng.choice(MODELS), max_gpus=max_gpus, max_nics=max_nics, vfs=vfs)
+    sockets = []
+    root_n = 0
+    for s in range(rng.randint(1, 2)):
+        numas = []
+        for n in range(rng.randint(1, 2)):
+            roots = []
+            for _ in range(rng.randint(1, 2)):
+                roots.append(_random_root(rng, make, root_n=root_n))
+                root_n += 1
+            numas.append(NumaNode(id=s * 2 + n, roots=roots))
+        sockets.append(Socket(id=s, numa_nodes=numas))
+    topo = NodeTopology(name="rand", sockets=sockets)
+    _random_nvlink(rng, topo, n=make.gpu_count)
+    return topo.validate()
 
-    def gpus(n: int) -> list[Gpu]:
+
+class _Devices:
+    """GPUs and NICs for :func:`random_topology`, numbered in order, up to the maximum counts.
+
+    The random draws happen in the order the tree asks for devices, so a seed keeps giving the
+    same topology (the property tests' examples are reproducible by seed)."""
+
+    def __init__(self, rng: random.Random, *, model: str, max_gpus: int, max_nics: int, vfs: bool) -> None:
+        self.rng = rng
+        self.model = model
+        self.max_gpus = max_gpus
+        self.max_nics = max_nics
+        self.vfs = vfs
+        self.gpu_count = 0
+        self.nic_count = 0
+
+    def gpus(self, n: int) -> list[Gpu]:
+        rng = self.rng
         out = []
         for _ in range(n):
-            if counter["gpu"] >= max_gpus:
+            if self.gpu_count >= self.max_gpus:
                 break
-            i = counter["gpu"]
-            counter["gpu"] += 1
-            m = model if rng.random() < 0.8 else rng.choice(MODELS)
+            i = self.gpu_count
+            self.gpu_count += 1
+            m = self.model if rng.random() < 0.8 else rng.choice(MODELS)
             out.append(Gpu(index=i, uuid=f"GPU-{i:04d}", model=m, memory_mib=rng.choice((40960, 81920))))
         return out
 
-    def nics(n: int) -> list[Nic]:
+    def nics(self, n: int) -> list[Nic]:
+        rng = self.rng
         out = []
         for _ in range(n):
-            if counter["nic"] >= max_nics:
+            if self.nic_count >= self.max_nics:
                 break
-            i = counter["nic"]
-            counter["nic"] += 1
+            i = self.nic_count
+            self.nic_count += 1
             vf_list = []
-            if vfs and rng.random() < 0.35:
+            if self.vfs and rng.random() < 0.35:
                 vf_list = [
                     VirtualFunction(index=k, name=f"mlx5_{100 + i * 4 + k}") for k in range(rng.randint(1, 2))
                 ]
@@ -65,35 +96,27 @@ def random_topology(
             )
         return out
 
-    sockets = []
-    root_n = 0
-    for s in range(rng.randint(1, 2)):
-        numas = []
-        for n in range(rng.randint(1, 2)):
-            roots = []
-            for _ in range(rng.randint(1, 2)):
-                sws = [
-                    PcieSwitch(
-                        id=f"sw{root_n}{w}",
-                        gpus=gpus(rng.choice((0, 1, 1, 2))),
-                        nics=nics(rng.choice((0, 1, 1, 2))),
-                    )
-                    for w in range(rng.choice((0, 1, 2, 2)))
-                ]
-                roots.append(
-                    PcieRoot(
-                        id=f"r{root_n}",
-                        switches=sws,
-                        gpus=gpus(rng.choice((0, 0, 1))),
-                        nics=nics(rng.choice((0, 0, 1))),
-                    )
-                )
-                root_n += 1
-            numas.append(NumaNode(id=s * 2 + n, roots=roots))
-        sockets.append(Socket(id=s, numa_nodes=numas))
-    topo = NodeTopology(name="rand", sockets=sockets)
-    n = counter["gpu"]
-    # NVLink: none, all-to-all, or pairs; sometimes explicit partitions.
+
+def _random_root(rng: random.Random, make: _Devices, *, root_n: int) -> PcieRoot:
+    """A PCIe root with 0-2 switches, each with a few devices, and a few devices of its own."""
+    sws = [
+        PcieSwitch(
+            id=f"sw{root_n}{w}",
+            gpus=make.gpus(rng.choice((0, 1, 1, 2))),
+            nics=make.nics(rng.choice((0, 1, 1, 2))),
+        )
+        for w in range(rng.choice((0, 1, 2, 2)))
+    ]
+    return PcieRoot(
+        id=f"r{root_n}",
+        switches=sws,
+        gpus=make.gpus(rng.choice((0, 0, 1))),
+        nics=make.nics(rng.choice((0, 0, 1))),
+    )
+
+
+def _random_nvlink(rng: random.Random, topo: NodeTopology, *, n: int) -> None:
+    """NVLink on ``n`` GPUs: none, all-to-all, or pairs; sometimes explicit partitions."""
     mode = rng.choice(("none", "all", "pairs"))
     peers: dict[int, list[int]] = {i: [] for i in range(n)}
     if mode == "all":
@@ -106,7 +129,6 @@ def random_topology(
         loc_gpu.nvlink_peers = peers[loc_gpu.index]
     if n >= 4 and rng.random() < 0.3:
         topo.nvlink_partitions = [[0, 1], [2, 3], list(range(n))]
-    return topo.validate()
 
 
 def big_topology(rng: random.Random, *, gpus: int = 16, nics: int = 16, vfs: bool = True) -> NodeTopology:

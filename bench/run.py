@@ -37,7 +37,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import random
 import resource
 import subprocess
@@ -51,6 +50,7 @@ from bench import enumeration, exhaustive
 from bench.baselines import BASELINES, Baseline, Pick
 from bench.fleet import HOSTNAME_LABEL, MIX, MIXES, REAL_MIX, Workload, fleet, requests, sixteen_gpu
 from bench.randtopo import all_device_ids, random_cluster, random_request
+from bench.report import machine, markdown
 from schemas.config import default_device_classes
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import SCOPES, NodeTopology
@@ -595,111 +595,6 @@ def big_nodes(samples: int, seed: int) -> list[dict[str, Any]]:
         )
         print(f"  16-GPU server ({label}) done", file=sys.stderr)
     return rows
-
-
-# ---------------------------------------------------------------------------------------------
-# report
-
-
-def machine() -> str:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    mem = ""
-    try:
-        kb = int(Path("/proc/meminfo").read_text().split()[1])
-        mem = f", {kb / 2**20:.0f} GiB RAM"
-    except (OSError, ValueError, IndexError):
-        pass
-    return f"{cpu}, {os.cpu_count()} CPUs{mem}, Python {platform.python_version()}, {platform.system()}"
-
-
-def markdown(results: dict[str, Any]) -> str:
-    lines = [f"Machine: {results['machine']}", ""]
-    lines += ["### Speed (Tandem core)", ""]
-    lines += [
-        "| config | nodes | gc.freeze | target util | util | decisions | decisions/s | p50 µs | p99 µs "
-        "| max µs | CPU: decisions/s | CPU p99 µs | refused | pinned (placed) | pinned p50 / p99 µs "
-        "| groups | peak RSS MB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for s in results["speed"]:
-        for r in s["runs"]:
-            pinned = f"{r['pinned']:,} ({r['pinned_placed']:,})" if r["pinned"] else "-"
-            pinned_us = f"{r['pinned_p50_us']} / {r['pinned_p99_us']}" if r["pinned"] else "-"
-            lines.append(
-                f"| {s['config']} | {s['nodes']:,} | {'yes' if s['gc_freeze'] else 'no'} "
-                f"| {r['target_util']:.0%} | {r['util']:.1%} | {r['decisions']:,} "
-                f"| {r['decisions_per_s']:,} | {r['p50_us']} | {r['p99_us']} | {r['max_us']} "
-                f"| {r['cpu_decisions_per_s']:,} | {r['cpu_p99_us']} "
-                f"| {r['refused']:,} | {pinned} | {pinned_us} | {r['groups']} | {s['peak_rss_mb']} |"
-            )
-    lines += [
-        "",
-        "Build: "
-        + "; ".join(
-            f"{s['nodes']:,} nodes: fleet decode {s['fleet_decode_s']} s (RSS {s['rss_after_fleet_mb']} MB), "
-            f"cluster build {s['build_s']} s"
-            for s in results["speed"]
-            if s["gc_freeze"] and s["config"] == "plain"
-        ),
-        "",
-        "Index and cache sizes at the end of each 85 % run (`Cluster.cache_stats()`): "
-        + "; ".join(
-            f"{s['config']} {s['nodes']:,}: "
-            + ", ".join(f"{k} {v:,}" for k, v in s["runs"][-1]["caches"].items() if k != "nodes")
-            for s in results["speed"]
-            if s["gc_freeze"]
-        ),
-        "",
-    ]
-    for key, title in (
-        ("quality", "built-in fleet"),
-        ("quality_real", "fleet with two imported real servers (H200 10-NIC, A800 4-NIC asymmetric)"),
-    ):
-        lines += [f"### Quality ({results['quality_nodes']:,} nodes, {title}; same churn and requests)", ""]
-        lines += [
-            "| allocator | target util | placed | refused | fragmentation refusals | pairs pcie-switch "
-            "| pcie-root | numa | socket | node | all pairs on switch | required met "
-            "| 8+8 nodes | 4+4 nodes |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for r in results[key]:
-            sh = r["pair_share_pct"]
-            lines.append(
-                f"| {r['allocator']} | {r['target_util']:.0%} | {r['placed']} | {r['refused']} "
-                f"| {r['frag_refused']} ({r['frag_refused_pct']}%) | {sh['pcie-switch']}% "
-                f"| {sh['pcie-root']}% | {sh['numa']}% | {sh['socket']}% | {sh['node']}% "
-                f"| {r['all_switch_pct']}% | {r['required_met']}/{r['required']} "
-                f"| {r['cap_8x8']} | {r['cap_4x4']} |"
-            )
-        lines.append("")
-    o = results["optimality"]
-    lines += [
-        "### Optimality (random small clusters vs exhaustive search)",
-        "",
-        f"{o['equal']}/{o['cases']} decisions equal to the exhaustive search ({o['equal_pct']}%): "
-        f"{o['placed']} placements, {o['refused']} refusals.",
-        "",
-        "### 16-GPU servers (uncached decisions, one server, fresh index per decision)",
-        "",
-        "| server | decisions | placed | p50 µs | p99 µs | max µs | CPU p99 / max µs "
-        "| costliest request (CPU p99 µs) | equal to the previous search |",
-        "|---|---:|---:|---:|---:|---:|---:|---|---:|",
-    ]
-    for b in results["big_nodes"]:
-        worst = max(b["cpu_p99_us_by_request"].items(), key=lambda kv: kv[1])
-        lines.append(
-            f"| {b['server']} | {b['samples']:,} | {b['placed']:,} | {b['p50_us']} | {b['p99_us']} "
-            f"| {b['max_us']} | {b['cpu_p99_us']} / {b['cpu_max_us']} | {worst[0]} ({worst[1]}) "
-            f"| {b['equal']}/{b['checked']} |"
-        )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

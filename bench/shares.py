@@ -37,7 +37,7 @@ from bench.fleet import HOSTNAME_LABEL, fleet, requests
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
 from services.allocator.core import Cluster, Placement
-from services.runtime.lifecycle import GC_THRESHOLDS
+from services.runtime.process.lifecycle import GC_THRESHOLDS
 from tools.loadtest.mix import Workload
 
 ROOT = Path(__file__).resolve().parent
@@ -122,7 +122,7 @@ def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, 
     build_s = time.perf_counter() - t0
     del nodes
     # As the allocator service runs: its long-lived state frozen after the inventory load
-    # (bench.run does the same) and the services' GC thresholds (services.runtime.lifecycle).
+    # (bench.run does the same) and the services' GC thresholds (services.runtime.process.lifecycle).
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
     stream = ShareStream(
@@ -132,56 +132,47 @@ def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, 
         nodes=names,
         profiles=sizes,
     )
-    rng = random.Random(seed + 1)
-    live: list[tuple[str, str, float]] = []
-    used = 0.0
-
-    def release_one() -> float:
-        nonlocal used
-        i = rng.randrange(len(live))
-        live[i], live[-1] = live[-1], live[i]
-        node, rid, weight = live.pop()
-        t = time.perf_counter()
-        cluster.release(node, rid)
-        used -= weight
-        return time.perf_counter() - t
-
-    def decide(rec: dict[str, Any] | None) -> None:
-        nonlocal used
-        req = stream.next()
-        c0 = time.thread_time_ns()
-        t0 = time.perf_counter_ns()
-        got = cluster.decide(req)
-        t1 = time.perf_counter_ns()
-        c1 = time.thread_time_ns()
-        placed = isinstance(got, Placement)
-        if isinstance(got, Placement):
-            cluster.hold(got.node, req.request_id, got.devices(), shares=got.shares(), sharing=got.sharing)
-        t2 = time.perf_counter_ns()
-        if isinstance(got, Placement):
-            weight = req.gpus * (req.gpu_cores_percent or 100) / 100
-            live.append((got.node, req.request_id, weight))
-            used += weight
-        if rec is None:
-            return
-        kind = "share" if req.shared else "whole"
-        rec["wall"].append(t1 - t0)
-        rec["cpu"].append(c1 - c0)
-        rec[kind].append(t1 - t0)
-        rec["core_s"] += (t2 - t0) / 1e9
-        rec["placed"] += placed
-        rec[f"{kind}_placed"] += placed
-
+    driver = _Driver(cluster, stream, rng=random.Random(seed + 1), total=total)
     rows = []
     for target in UTILS:
         t0 = time.perf_counter()
-        filled = misses = 0
-        while used / total < target and misses < 500:
-            before = used
-            decide(None)
-            filled += 1
-            misses = misses + 1 if used == before else 0
+        filled = driver.fill(target)
         fill_s = time.perf_counter() - t0
+        rec = driver.measure(target, decisions=decisions)
+        rows.append(_row(driver, rec, target=target, filled=filled, fill_s=fill_s, names=names))
+    return {
+        "nodes": n_nodes,
+        "config": config,
+        "build_s": round(build_s, 2),
+        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "runs": rows,
+    }
+
+
+class _Driver:
+    """Decides and holds requests from the stream, releases random live ones, and keeps the
+    utilisation in GPU-equivalents (``used`` of ``total``)."""
+
+    def __init__(self, cluster: Cluster, stream: ShareStream, *, rng: random.Random, total: float) -> None:
+        self.cluster = cluster
+        self.stream = stream
+        self.rng = rng
+        self.total = total
+        self.live: list[tuple[str, str, float]] = []
+        self.used = 0.0
+
+    def fill(self, target: float) -> int:
+        """Decide (unmeasured) until the target utilisation or 500 misses in a row."""
+        filled = misses = 0
+        while self.used / self.total < target and misses < 500:
+            before = self.used
+            self.decide(None)
+            filled += 1
+            misses = misses + 1 if self.used == before else 0
+        return filled
+
+    def measure(self, target: float, *, decisions: int) -> dict[str, Any]:
+        """Churn around the target for ``decisions`` measured decisions."""
         rec: dict[str, Any] = {
             "wall": [],
             "cpu": [],
@@ -193,45 +184,79 @@ def child(n_nodes: int, decisions: int, seed: int, *, config: str) -> dict[str, 
             "whole_placed": 0,
         }
         while len(rec["wall"]) < decisions:
-            while live and used / total > target:
-                rec["core_s"] += release_one()
-            decide(rec)
-        shared_gpus = shares = 0
-        for name in names:
-            for _mem, _cores, count in cluster.gpu_shares(name).values():
-                shared_gpus += 1
-                shares += count
-        rows.append(
-            {
-                "target_util": target,
-                "util": round(used / total, 3),
-                "fill_decisions": filled,
-                "fill_s": round(fill_s, 2),
-                "decisions": len(rec["wall"]),
-                "share_decisions": len(rec["share"]),
-                "placed": rec["placed"],
-                "share_placed": rec["share_placed"],
-                "decisions_per_s": round(len(rec["wall"]) / rec["core_s"]),
-                "p50_us": _pct(rec["wall"], 0.50),
-                "p99_us": _pct(rec["wall"], 0.99),
-                "max_us": _pct(rec["wall"], 1.0),
-                "cpu_p50_us": _pct(rec["cpu"], 0.50),
-                "cpu_p99_us": _pct(rec["cpu"], 0.99),
-                "share_p50_us": _pct(rec["share"], 0.50),
-                "share_p99_us": _pct(rec["share"], 0.99),
-                "whole_p50_us": _pct(rec["whole"], 0.50),
-                "whole_p99_us": _pct(rec["whole"], 0.99),
-                "shared_gpus": shared_gpus,
-                "shares_on_them": shares,
-                "caches": cluster.cache_stats(),
-            }
-        )
+            while self.live and self.used / self.total > target:
+                rec["core_s"] += self.release_one()
+            self.decide(rec)
+        return rec
+
+    def release_one(self) -> float:
+        live = self.live
+        i = self.rng.randrange(len(live))
+        live[i], live[-1] = live[-1], live[i]
+        node, rid, weight = live.pop()
+        t = time.perf_counter()
+        self.cluster.release(node, rid)
+        self.used -= weight
+        return time.perf_counter() - t
+
+    def decide(self, rec: dict[str, Any] | None) -> None:
+        cluster = self.cluster
+        req = self.stream.next()
+        c0 = time.thread_time_ns()
+        t0 = time.perf_counter_ns()
+        got = cluster.decide(req)
+        t1 = time.perf_counter_ns()
+        c1 = time.thread_time_ns()
+        placed = isinstance(got, Placement)
+        if isinstance(got, Placement):
+            cluster.hold(got.node, req.request_id, got.devices(), shares=got.shares(), sharing=got.sharing)
+        t2 = time.perf_counter_ns()
+        if isinstance(got, Placement):
+            weight = req.gpus * (req.gpu_cores_percent or 100) / 100
+            self.live.append((got.node, req.request_id, weight))
+            self.used += weight
+        if rec is None:
+            return
+        kind = "share" if req.shared else "whole"
+        rec["wall"].append(t1 - t0)
+        rec["cpu"].append(c1 - c0)
+        rec[kind].append(t1 - t0)
+        rec["core_s"] += (t2 - t0) / 1e9
+        rec["placed"] += placed
+        rec[f"{kind}_placed"] += placed
+
+
+def _row(
+    driver: _Driver, rec: dict[str, Any], *, target: float, filled: int, fill_s: float, names: list[str]
+) -> dict[str, Any]:
+    """One measured point: the figures of ``rec`` and the fleet's shared GPUs."""
+    shared_gpus = shares = 0
+    for name in names:
+        for _mem, _cores, count in driver.cluster.gpu_shares(name).values():
+            shared_gpus += 1
+            shares += count
     return {
-        "nodes": n_nodes,
-        "config": config,
-        "build_s": round(build_s, 2),
-        "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "runs": rows,
+        "target_util": target,
+        "util": round(driver.used / driver.total, 3),
+        "fill_decisions": filled,
+        "fill_s": round(fill_s, 2),
+        "decisions": len(rec["wall"]),
+        "share_decisions": len(rec["share"]),
+        "placed": rec["placed"],
+        "share_placed": rec["share_placed"],
+        "decisions_per_s": round(len(rec["wall"]) / rec["core_s"]),
+        "p50_us": _pct(rec["wall"], 0.50),
+        "p99_us": _pct(rec["wall"], 0.99),
+        "max_us": _pct(rec["wall"], 1.0),
+        "cpu_p50_us": _pct(rec["cpu"], 0.50),
+        "cpu_p99_us": _pct(rec["cpu"], 0.99),
+        "share_p50_us": _pct(rec["share"], 0.50),
+        "share_p99_us": _pct(rec["share"], 0.99),
+        "whole_p50_us": _pct(rec["whole"], 0.50),
+        "whole_p99_us": _pct(rec["whole"], 0.99),
+        "shared_gpus": shared_gpus,
+        "shares_on_them": shares,
+        "caches": driver.cluster.cache_stats(),
     }
 
 

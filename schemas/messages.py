@@ -491,7 +491,7 @@ class AllocRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
 
     assignment: Assignment
     # ``prepared``: a job's pod reserved by the first phase of a job commit
-    # (services/allocator/jobs.py); it holds its devices but no agent acts on it until the
+    # (services/allocator/jobplacement.py); it holds its devices but no agent acts on it until the
     # job record says ``committed`` and the allocator turns it ``assigned``. (Whether the
     # node applied it is an event, ``Applied``, not a state of the record: docs/architecture.md.)
     state: Literal["prepared", "assigned", "releasing"] = "assigned"
@@ -534,7 +534,7 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     # decision about it, on any replica, joins that trace instead of starting a new one.
     traceparent: str = ""
     # A pending request that preempts: the allocations being evicted for it and the node it
-    # goes to once they are freed (services/allocator/preemption.py).
+    # goes to once they are freed (services/allocator/evictionplans.py).
     victims: Annotated[list[RequestId], msgspec.Meta(max_length=limits.MAX_DEVICES)] = []
     preempt_node: str | None = None
     # The devices kept for it there meanwhile (every replica reserves them).
@@ -544,7 +544,7 @@ class RequestRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
 class JobRecord(msgspec.Struct, gc=False, omit_defaults=True, kw_only=True):
     """Where one job stands (bucket ``KV_JOBS``, key = job id); the commit point of a job.
 
-    A job is committed in two phases (services/allocator/jobs.py): the replica that claims it
+    A job is committed in two phases (services/allocator/jobplacement.py): the replica that claims it
     writes ``committing`` with a new ``epoch`` and the ``nodes`` it will prepare on, reserves
     every pod as a ``prepared`` allocation on its node's record, then moves this record from
     ``committing`` to ``committed`` with one compare-and-set — the moment the job is placed.

@@ -52,7 +52,7 @@ ALLOC_FREED = f"{ROOT}.alloc.freed"
 ALLOC_ASSIGNED_ALL = f"{ROOT}.alloc.assigned.*"
 ALLOC_RELEASE_ALL = f"{ROOT}.alloc.release.*"
 # Preemption plans: the allocator's intent to evict allocations for a request of higher
-# priority; the pod bridge evicts their pods (services/allocator/preemption.py).
+# priority; the pod bridge evicts their pods (services/allocator/evictionplans.py).
 ALLOC_PREEMPT = f"{ROOT}.alloc.preempt"
 UNPLACED = "_unplaced"
 QUERY_INVENTORY = f"{ROOT}.query.inventory"

@@ -35,7 +35,7 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
-from services.runtime.kvread import last_raw_values
+from services.runtime.kv.read import last_raw_values
 
 if TYPE_CHECKING:
     # Types only: the CLI imports this module before it has decided how to load nats-py
@@ -134,7 +134,7 @@ class TandemClient:
     ) -> str:
         from opentelemetry.trace import SpanKind
 
-        from services.runtime.tracing import current_trace_id, messaging, tracer
+        from services.runtime.observe.tracing import current_trace_id, messaging, tracer
 
         with tracer("tandem.client", service="cli").start_as_current_span(
             "client.submit", kind=SpanKind.PRODUCER
@@ -165,7 +165,7 @@ class TandemClient:
         msg_id = subjects.msg_id(request_id, "release", uuid.uuid4().hex)
         from opentelemetry.trace import SpanKind
 
-        from services.runtime.tracing import context_from_traceparent, messaging, tracer
+        from services.runtime.observe.tracing import context_from_traceparent, messaging, tracer
 
         # In the allocation's trace: its record's, or the one its assignment arrived in.
         parent = traceparent or self.headers_of(request_id, Assignment).get("traceparent", "")
@@ -290,7 +290,7 @@ class TandemClient:
 
     async def _snapshot(self, bucket: str, decoder: msgspec.msgpack.Decoder[T]) -> dict[str, T]:
         """The current value of every key of ``bucket`` (values that do not decode are left
-        out: a reader cannot fix a writer's bug); see :mod:`services.runtime.kvread`."""
+        out: a reader cannot fix a writer's bug); see :mod:`services.runtime.kv.read`."""
         out: dict[str, T] = {}
         for key, data in (await last_raw_values(self.bus.js, await self.bus.kv(bucket), bucket)).items():
             try:

@@ -15,8 +15,8 @@ import pytest
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
-from services.runtime.bus import KV_BUCKETS, Bus
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.nats.bus import KV_BUCKETS, Bus
+from services.runtime.process.embedded import EmbeddedNats
 from services.runtime.settings import Settings, load_settings
 
 

@@ -29,9 +29,9 @@ from services.client import TandemClient
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus, Delivery
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.tasks import Supervisor
+from services.runtime.nats.bus import Bus, Delivery
+from services.runtime.process.embedded import EmbeddedNats
+from services.runtime.process.tasks import Supervisor
 from services.topology import load_topology
 from tests.conftest import make_settings
 from tests.waiting import wait_until

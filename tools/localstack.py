@@ -46,13 +46,13 @@ from services.inventory.metrics import InventoryState
 from services.inventory.service import Inventory
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus, Delivery
-from services.runtime.consumerlag import watch_consumers
-from services.runtime.kvwatch import watch_bucket
-from services.runtime.metrics import service_registry
-from services.runtime.ops import OpsServer
+from services.runtime.kv.watch import watch_bucket
+from services.runtime.nats.bus import Bus, Delivery
+from services.runtime.nats.consumerlag import watch_consumers
+from services.runtime.observe.metrics import service_registry
+from services.runtime.observe.opsserver import OpsServer
+from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings
-from services.runtime.tasks import Supervisor
 from services.topology import load_topology
 
 

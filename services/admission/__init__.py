@@ -1,7 +1,9 @@
 """The Kubernetes edge: a mutating admission webhook and the pod bridge.
 
-* :mod:`.policy` — pure decisions: read a pod, validate its Tandem request, compute the
-  admission JSONPatch, the allocation request, the bind patch and the Event to write. No I/O.
+* :mod:`.podrules` — pure decisions: read a pod, validate its Tandem request, compute the
+  admission JSONPatch and the allocation request. No I/O.
+* :mod:`.podwrites` — pure: what the bridge writes back (the bind patch, the assignment
+  annotation, the Events on the pod). No I/O.
 * :mod:`.webhook` — aiohttp over TLS serving ``admission.k8s.io/v1`` AdmissionReview; adds the
   scheduling gate, the managed label, the device class defaults and the ``tandem.io/traceparent``
   that starts the allocation's trace (span ``admission.admit``). It never publishes: in
@@ -13,6 +15,8 @@
   onto the pod (node affinity, assignment annotation, gate removed), records ``failed`` as one
   updated Event, publishes ``alloc.release`` when a pod is deleted or finishes, and resyncs
   pods against the request records at start.
+* :mod:`.jobwatch` — pure: the pods of one job (Tandem's label, LeaderWorkerSet, JobSet) gathered
+  until all exist, then one job request; :mod:`.evictions` evicts preemption's victims.
 * :mod:`.claims` — pure rules for ``DeviceClaim``\\ s (spec, request, expiry, who may use one,
   the status written); :mod:`.claimbridge` applies them (claims watch, pods that use a claim).
 

@@ -20,13 +20,13 @@ from services.admission.bridge import Bridge
 from services.admission.webhook import CertReloader, RunningServer, Webhook, start_server
 from services.kube.client import KubeClient
 from services.kube.leader import LeaderElector
-from services.runtime import lifecycle
-from services.runtime.bus import Bus
-from services.runtime.logging import get_logger
-from services.runtime.metrics import service_registry
-from services.runtime.ops import OpsServer
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
+from services.runtime.observe.metrics import service_registry
+from services.runtime.observe.opsserver import OpsServer
+from services.runtime.process import lifecycle
+from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings, load_settings
-from services.runtime.tasks import Supervisor
 
 log = get_logger(__name__)
 

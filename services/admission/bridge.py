@@ -54,17 +54,17 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
-from services.admission import claims, evictions, jobs, metrics, names, policy
+from services.admission import claims, evictions, jobwatch, metrics, names, podrules, podwrites
 from services.admission.claimbridge import ClaimBridge
 from services.admission.errors import InvalidPod, PolicyError
 from services.admission.nodelabels import NodeLabelMirror
 from services.kube.client import KubeApi
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.runtime.bus import Bus, Delivery, Retry
-from services.runtime.kvwatch import read_bucket
-from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
-from services.runtime.tracing import context_from_traceparent, tracer
+from services.runtime.kv.watch import read_bucket
+from services.runtime.nats.bus import Bus, Delivery, Retry
+from services.runtime.observe.logging import get_logger
+from services.runtime.observe.tracing import context_from_traceparent, tracer
+from services.runtime.process.tasks import Supervisor
 
 log = get_logger(__name__)
 
@@ -97,7 +97,7 @@ class Bridge:
         self.relist_backoff = relist_backoff
         # A job still missing pods after this long gets an Event on the pods it has.
         self.job_wait_timeout = job_wait_timeout
-        self.jobs = jobs.Gatherer()
+        self.jobs = jobwatch.Gatherer()
         # Fabric labels of Nodes into KV for the allocator (services.admission.nodelabels).
         self.mirror_node_labels = mirror_node_labels
         self.clock = clock
@@ -111,7 +111,7 @@ class Bridge:
         # (namespace, name): a bind patches from it instead of reading the pod again (one
         # round trip to the API server instead of two); a stale one costs a 409 and a read.
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
-        self._events: dict[tuple[str, str], policy.EventState] = {}
+        self._events: dict[tuple[str, str], podwrites.EventState] = {}
         self.synced = asyncio.Event()
         """Set after the first resync finished (tests and readiness wait on it)."""
         self.claims = ClaimBridge(
@@ -181,11 +181,11 @@ class Bridge:
             now = self.clock()
             await self._report_incomplete_jobs(now)
             for (ns, name), state in list(self._events.items()):
-                if not policy.flush_due(state, now=now, min_interval=self.event_interval):
+                if not podwrites.flush_due(state, now=now, min_interval=self.event_interval):
                     continue
                 try:
                     await self.kube.patch_event(
-                        ns, name, policy.event_update(message=state.message, count=state.count, now=now)
+                        ns, name, podwrites.event_update(message=state.message, count=state.count, now=now)
                     )
                 except NotFound:
                     self._events.pop((ns, name), None)
@@ -265,12 +265,12 @@ class Bridge:
         self._pods = {_key_of(raw): raw for raw in pods}
         for raw in pods:
             try:
-                pod = policy.read_pod(raw)
+                pod = podrules.read_pod(raw)
             except InvalidPod:
                 continue
             if pod.metadata.uid:
                 live.add(pod.metadata.uid)
-            rid = policy.request_id_for(pod.metadata.uid or "")
+            rid = podrules.request_id_for(pod.metadata.uid or "")
             record = records.get(rid)
             if record is not None:
                 # The allocator has it: never re-request after a restart.
@@ -309,7 +309,7 @@ class Bridge:
         return (raw.get("metadata") or {}).get("uid") != ref.uid
 
     async def _bind_from_record(
-        self, pod: policy.PodView, raw: dict[str, Any], record: RequestRecord
+        self, pod: podrules.PodView, raw: dict[str, Any], record: RequestRecord
     ) -> None:
         assert record.node is not None
         kv = await self.bus.kv(subjects.KV_ALLOCS)
@@ -330,7 +330,7 @@ class Bridge:
 
     async def on_pod_event(self, kind: str, raw: dict[str, Any]) -> None:
         try:
-            pod = policy.read_pod(raw)
+            pod = podrules.read_pod(raw)
         except InvalidPod as exc:
             log.warning("unreadable_pod", error=str(exc))
             return
@@ -341,7 +341,7 @@ class Bridge:
             # Uses a DeviceClaim: no request of its own, and its end frees nothing.
             await self.claims.on_pod_event(kind, pod, raw)
             return
-        rid = policy.request_id_for(pod.metadata.uid)
+        rid = podrules.request_id_for(pod.metadata.uid)
         if kind == "DELETED":
             self._pods.pop(_key_of(raw), None)
             await self.release(pod, reason="pod deleted")
@@ -353,9 +353,9 @@ class Bridge:
             await self.release(pod, reason=f"pod {phase}")
             return
         try:
-            member = jobs.membership(pod)
+            member = jobwatch.membership(pod)
         except PolicyError as exc:
-            await self.record_event(pod, reason=jobs.EVENT_REASON_INVALID, message=str(exc))
+            await self.record_event(pod, reason=jobwatch.EVENT_REASON_INVALID, message=str(exc))
             return
         if member is not None:
             if not pod.metadata.deletionTimestamp:
@@ -364,12 +364,12 @@ class Bridge:
         if names.GATE in pod.gates and not pod.metadata.deletionTimestamp:
             await self.request(pod)
 
-    async def request(self, pod: policy.PodView) -> None:
-        rid = policy.request_id_for(pod.metadata.uid or "")
+    async def request(self, pod: podrules.PodView) -> None:
+        rid = podrules.request_id_for(pod.metadata.uid or "")
         if rid in self._requested:
             return
         try:
-            req = policy.allocation_request(pod, device_classes=self.device_classes)
+            req = podrules.allocation_request(pod, device_classes=self.device_classes)
         except (PolicyError, InvalidPod) as exc:
             await self.record_event(pod, reason=names.EVENT_REASON_INVALID, message=str(exc))
             return
@@ -386,16 +386,16 @@ class Bridge:
         self._requested.add(rid)
         log.info("allocation_requested", request_id=rid, namespace=req.pod.namespace, pod=req.pod.name)
 
-    async def gather(self, pod: policy.PodView, member: jobs.Membership) -> None:
+    async def gather(self, pod: podrules.PodView, member: jobwatch.Membership) -> None:
         """A pod of a job: requested with the whole job once every pod of it exists."""
         key, complete = self.jobs.add(pod, member, now=self.clock())
         if complete is None or not any(names.GATE in p.gates for p in complete):
             return
         try:
-            job = jobs.job_request(complete, device_classes=self.device_classes)
+            job = jobwatch.job_request(complete, device_classes=self.device_classes)
         except (PolicyError, InvalidPod) as exc:
             for p in complete:
-                await self.record_event(p, reason=jobs.EVENT_REASON_INVALID, message=str(exc))
+                await self.record_event(p, reason=jobwatch.EVENT_REASON_INVALID, message=str(exc))
             return
         parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
         with self._tracer.start_as_current_span("bridge.request_job", context=parent) as span:
@@ -416,12 +416,12 @@ class Bridge:
             )
             for pod in present:
                 with contextlib.suppress(NotFound):
-                    await self.record_event(pod, reason=jobs.EVENT_REASON_WAITING, message=message)
+                    await self.record_event(pod, reason=jobwatch.EVENT_REASON_WAITING, message=message)
 
-    async def release(self, pod: policy.PodView, *, reason: str) -> None:
-        rid = policy.request_id_for(pod.metadata.uid or "")
+    async def release(self, pod: podrules.PodView, *, reason: str) -> None:
+        rid = podrules.request_id_for(pod.metadata.uid or "")
         job, _ = self.jobs.remove(pod)
-        bound = policy.read_assignment_annotation(pod)
+        bound = podwrites.read_assignment_annotation(pod)
         if job is not None and (bound is None or not bound.request_id.startswith(f"{job}/")):
             # A pod of a job that is not placed yet: the job cannot run without it.
             rid = job
@@ -431,15 +431,15 @@ class Bridge:
             return
         await self.publish_release(
             rid,
-            policy.pod_ref(pod),
-            node=policy.release_node(pod),
+            podrules.pod_ref(pod),
+            node=podwrites.release_node(pod),
             reason=reason,
             traceparent=pod.annotations.get(names.TRACEPARENT),
         )
         for event_reason in (names.EVENT_REASON_FAILED, names.EVENT_REASON_INVALID):
             key = f"{pod.metadata.uid}/{event_reason}"
             self._events.pop(
-                (pod.metadata.namespace or "", policy.event_name(pod.metadata.name or "", key)), None
+                (pod.metadata.namespace or "", podwrites.event_name(pod.metadata.name or "", key)), None
             )
 
     async def publish_release(
@@ -498,7 +498,7 @@ class Bridge:
                 raw = await self.kube.get_pod(a.pod.namespace, a.pod.name)
             except NotFound:
                 raw = None
-        pod = policy.read_pod(raw) if raw is not None else None
+        pod = podrules.read_pod(raw) if raw is not None else None
         if raw is None or pod is None or pod.metadata.uid != a.pod.uid:
             # The pod went away before it could be bound: give the devices back.
             await self.publish_release(
@@ -506,7 +506,7 @@ class Bridge:
             )
             metrics.BRIDGE_BINDS.labels("pod_gone").inc()
             return
-        if policy.is_bound(pod, a.request_id):
+        if podwrites.is_bound(pod, a.request_id):
             return
         if pod.terminal or pod.metadata.deletionTimestamp:
             return  # the pod watch releases it
@@ -514,7 +514,7 @@ class Bridge:
             log.warning("gate_already_removed", request_id=a.request_id, pod=pod.metadata.name)
             return
         try:
-            await self.kube.patch_pod(a.pod.namespace, a.pod.name, policy.bind_patch(raw, a))
+            await self.kube.patch_pod(a.pod.namespace, a.pod.name, podwrites.bind_patch(raw, a))
         except Conflict as exc:
             # Changed since this version (or the watch is behind): read it again next time.
             if self._pods.get((a.pod.namespace, a.pod.name)) is raw:
@@ -541,20 +541,20 @@ class Bridge:
             raw = await self.kube.get_pod(f.pod.namespace, f.pod.name)
         except NotFound:
             return
-        pod = policy.read_pod(raw)
-        if pod.metadata.uid != f.pod.uid or policy.is_bound(pod, f.request_id):
+        pod = podrules.read_pod(raw)
+        if pod.metadata.uid != f.pod.uid or podwrites.is_bound(pod, f.request_id):
             return  # another pod by that name, or a late failure for a pod placed since
         await self.record_event(pod, reason=names.EVENT_REASON_FAILED, message=f.reason)
 
-    async def record_event(self, pod: policy.PodView, *, reason: str, message: str) -> None:
+    async def record_event(self, pod: podrules.PodView, *, reason: str, message: str) -> None:
         ns, uid = pod.metadata.namespace or "", pod.metadata.uid or ""
-        name = policy.event_name(pod.metadata.name or "", f"{uid}/{reason}")
-        state = self._events.setdefault((ns, name), policy.EventState())
+        name = podwrites.event_name(pod.metadata.name or "", f"{uid}/{reason}")
+        state = self._events.setdefault((ns, name), podwrites.EventState())
         now = self.clock()
-        if not policy.event_due(state, message=message, now=now, min_interval=self.event_interval):
+        if not podwrites.event_due(state, message=message, now=now, min_interval=self.event_interval):
             return
         if state.written_count == 0:
-            body = policy.event_body(
+            body = podwrites.event_body(
                 pod,
                 name=name,
                 reason=reason,
@@ -570,15 +570,15 @@ class Bridge:
                 existing = await self.kube.get_event(ns, name)
                 state.count += int(existing.get("count") or 1)
                 await self.kube.patch_event(
-                    ns, name, policy.event_update(message=message, count=state.count, now=now)
+                    ns, name, podwrites.event_update(message=message, count=state.count, now=now)
                 )
         else:
             try:
                 await self.kube.patch_event(
-                    ns, name, policy.event_update(message=message, count=state.count, now=now)
+                    ns, name, podwrites.event_update(message=message, count=state.count, now=now)
                 )
             except NotFound:  # expired (events have a TTL): start again
-                body = policy.event_body(
+                body = podwrites.event_body(
                     pod,
                     name=name,
                     reason=reason,

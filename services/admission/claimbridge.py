@@ -38,13 +38,13 @@ from nats.js.errors import KeyNotFoundError
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, Assignment, PodRef, Release, RequestRecord
-from services.admission import claims, names, policy
+from services.admission import claims, names, podrules, podwrites
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim, PolicyError
 from services.kube.client import KubeApi
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.runtime.bus import Bus
-from services.runtime.logging import get_logger
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
 
 log = get_logger(__name__)
 
@@ -331,11 +331,11 @@ class ClaimBridge:
 
     # -- pods that use a claim -------------------------------------------------------------------
 
-    async def on_pod_event(self, kind: str, pod: policy.PodView, raw: dict[str, Any]) -> None:
+    async def on_pod_event(self, kind: str, pod: podrules.PodView, raw: dict[str, Any]) -> None:
         async with self._lock:
             await self._on_pod(kind, pod, raw)
 
-    async def _on_pod(self, kind: str, pod: policy.PodView, raw: dict[str, Any]) -> None:
+    async def _on_pod(self, kind: str, pod: podrules.PodView, raw: dict[str, Any]) -> None:
         uid, name = pod.metadata.uid or "", pod.metadata.name or ""
         key = (pod.metadata.namespace or "", pod.annotations.get(names.CLAIM, ""))
         state = self.states.get(key)
@@ -347,7 +347,7 @@ class ClaimBridge:
                 if state.view.deleting:
                     await self._finalize(state)
             return
-        if state is not None and policy.is_bound(pod, state.request_id):
+        if state is not None and podwrites.is_bound(pod, state.request_id):
             if state.users.get(uid) != name:
                 state.users[uid] = name
                 await self._write(state)
@@ -355,7 +355,7 @@ class ClaimBridge:
         if names.GATE not in pod.gates or pod.metadata.deletionTimestamp:
             return
         try:
-            wants = policy.resolve(pod, device_classes=self.device_classes)
+            wants = podrules.resolve(pod, device_classes=self.device_classes)
         except PolicyError as exc:
             await self.record_event(pod, reason=names.EVENT_REASON_INVALID, message=str(exc))
             return
@@ -375,7 +375,7 @@ class ClaimBridge:
             await self.record_event(pod, reason=names.EVENT_REASON_CLAIM, message=why or "waiting")
             return
         try:
-            await self.kube.patch_pod(key[0], name, policy.bind_patch(raw, state.assignment))
+            await self.kube.patch_pod(key[0], name, podwrites.bind_patch(raw, state.assignment))
         except Conflict:
             # The pod changed since it was read: its MODIFIED event brings it back here.
             self.waiting.setdefault(key, {})[uid] = name
@@ -414,7 +414,7 @@ class ClaimBridge:
             except NotFound:
                 self.waiting[key].pop(uid, None)
                 continue
-            pod = policy.read_pod(raw)
+            pod = podrules.read_pod(raw)
             if pod.metadata.uid != uid:
                 self.waiting[key].pop(uid, None)
                 continue

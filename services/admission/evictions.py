@@ -2,7 +2,7 @@
 
 The allocator publishes a :class:`~schemas.messages.PreemptionPlan` on ``tandem.alloc.preempt``
 (durable consumer ``CONSUMER_BRIDGE_PREEMPT``) when a request of higher priority needs the
-devices of running allocations (services/allocator/preemption.py). For each victim the bridge:
+devices of running allocations (services/allocator/evictionplans.py). For each victim the bridge:
 
 * checks that the preemptor's pod still exists (same uid): if it is gone, nobody needs the
   room any more and nothing is evicted (its own release drops the allocator's reservation);
@@ -29,11 +29,11 @@ from __future__ import annotations
 from typing import Protocol
 
 from schemas.messages import PodRef, PreemptionPlan, Victim
-from services.admission import metrics, names, policy
+from services.admission import metrics, names, podrules
 from services.kube.client import KubeApi
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.runtime.bus import Delivery, Retry
-from services.runtime.logging import get_logger
+from services.runtime.nats.bus import Delivery, Retry
+from services.runtime.observe.logging import get_logger
 
 __all__ = ["MAX_BACKOFF_S", "Evictor", "evict_victims"]
 
@@ -50,7 +50,7 @@ class Evictor(Protocol):
     kube: KubeApi
     eviction_backoff: float
 
-    async def record_event(self, pod: policy.PodView, *, reason: str, message: str) -> None: ...
+    async def record_event(self, pod: podrules.PodView, *, reason: str, message: str) -> None: ...
 
     async def publish_release(
         self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None
@@ -120,10 +120,10 @@ async def _evict(bridge: Evictor, plan: PreemptionPlan, victim: Victim) -> str |
     return None
 
 
-async def _live_pod(bridge: Evictor, namespace: str, name: str, uid: str) -> policy.PodView | None:
+async def _live_pod(bridge: Evictor, namespace: str, name: str, uid: str) -> podrules.PodView | None:
     try:
         raw = await bridge.kube.get_pod(namespace, name)
     except NotFound:
         return None
-    pod = policy.read_pod(raw)
+    pod = podrules.read_pod(raw)
     return pod if not uid or pod.metadata.uid == uid else None

@@ -25,9 +25,9 @@ from schemas import codec, subjects
 from schemas.messages import NodeLabels
 from services.kube.client import KubeApi
 from services.kube.errors import KubeError
-from services.runtime.bus import Bus
-from services.runtime.kvwatch import read_bucket
-from services.runtime.logging import get_logger
+from services.runtime.kv.watch import read_bucket
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
 
 log = get_logger(__name__)
 

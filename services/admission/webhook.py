@@ -1,6 +1,6 @@
 """The mutating admission webhook: aiohttp over TLS, ``admission.k8s.io/v1`` AdmissionReview.
 
-``POST /mutate`` takes an AdmissionReview, judges the pod with :func:`policy.admit` and answers
+``POST /mutate`` takes an AdmissionReview, judges the pod with :func:`podrules.admit` and answers
 with a JSONPatch (gate, managed label, class defaults, ``tandem.io/traceparent``) or a denial
 whose message names what to fix. Pods that ask no Tandem resources are allowed untouched and
 cost no span. For a Tandem pod the span ``admission.admit`` is started here (as a child of a
@@ -35,10 +35,10 @@ import msgspec
 from aiohttp import web
 
 from schemas.config import DeviceClass
-from services.admission import metrics, names, policy
+from services.admission import metrics, names, podrules
 from services.admission.errors import BodyTooLarge, InvalidPod, ReviewError
-from services.runtime.logging import get_logger
-from services.runtime.tracing import context_from_traceparent, current_traceparent, tracer
+from services.runtime.observe.logging import get_logger
+from services.runtime.observe.tracing import context_from_traceparent, current_traceparent, tracer
 
 log = get_logger(__name__)
 
@@ -65,7 +65,7 @@ class AdmissionRequest(msgspec.Struct, frozen=True, rename="camel"):
     operation: str = ""
     sub_resource: str | None = None
     namespace: str | None = None
-    object: Any = None  # the pod (policy.read_pod checks it); any JSON for kinds we pass
+    object: Any = None  # the pod (podrules.read_pod checks it); any JSON for kinds we pass
 
 
 class AdmissionReview(msgspec.Struct, frozen=True, rename="camel"):
@@ -120,7 +120,7 @@ def parse_review(body: bytes) -> AdmissionRequest:
     return doc.request
 
 
-def review_response(uid: str, verdict: policy.Verdict) -> dict[str, Any]:
+def review_response(uid: str, verdict: podrules.Verdict) -> dict[str, Any]:
     response: dict[str, Any] = {"uid": uid, "allowed": verdict.allowed}
     if not verdict.allowed:
         response["status"] = {
@@ -149,20 +149,20 @@ class Webhook:
         operation = request.operation
         obj = request.object
         if kind != "Pod" or operation != "CREATE" or request.sub_resource:
-            return review_response(uid, policy.Verdict(allowed=True))
+            return review_response(uid, podrules.Verdict(allowed=True))
         try:
-            pod = policy.read_pod(obj)
+            pod = podrules.read_pod(obj)
         except InvalidPod as exc:
-            return review_response(uid, policy.Verdict(allowed=False, code=400, message=f"tandem: {exc}"))
-        if not policy.mentions_tandem(pod):
-            return review_response(uid, policy.Verdict(allowed=True))
+            return review_response(uid, podrules.Verdict(allowed=False, code=400, message=f"tandem: {exc}"))
+        if not podrules.mentions_tandem(pod):
+            return review_response(uid, podrules.Verdict(allowed=True))
         namespace = request.namespace or pod.metadata.namespace or ""
         parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
         with self._tracer.start_as_current_span("admission.admit", context=parent) as span:
             span.set_attribute("k8s.namespace.name", namespace)
             span.set_attribute("k8s.pod.name", pod.display_name)
             span.set_attribute("tandem.admission.uid", uid)
-            verdict = policy.admit(
+            verdict = podrules.admit(
                 obj,
                 operation=operation,
                 device_classes=self.device_classes,

@@ -6,9 +6,9 @@ import sys
 
 from services.allocator.metrics import AllocatorState
 from services.allocator.service import Allocator
-from services.runtime.bus import Bus
-from services.runtime.lifecycle import service_main
-from services.runtime.metrics import register_state
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.metrics import register_state
+from services.runtime.process.lifecycle import service_main
 from services.runtime.settings import Settings
 
 
@@ -21,7 +21,6 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
         finished_request_ttl=settings.finished_request_ttl,
         claim_timeout=settings.claim_timeout,
         fabric_tiers=settings.fabric_tiers,
-        fault_job_prepare_pause=settings.fault_job_prepare_pause,
     )
     # Its gauges, computed at each scrape.
     register_state(AllocatorState(allocator, node_metrics_max=settings.node_metrics_max))

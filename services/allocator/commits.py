@@ -2,7 +2,7 @@
 
 A node's allocation record (``NodeAllocations``, KV ``tandem-allocs``) is the unit of
 atomicity and the single source of truth for what a node has handed out: it is written with
-compare-and-set by :class:`~services.runtime.records.RecordStore`, which folds every mutation
+compare-and-set by :class:`~services.runtime.kv.records.RecordStore`, which folds every mutation
 queued for one node into one write (group commit) and re-applies them to the fresh record
 when another replica wrote first. So each mutation here must decide from the record it is
 given, never from the allocator's view: :func:`add_allocation` refuses (``Conflict``) when a
@@ -11,34 +11,22 @@ left for it there (:class:`ShareRoom`) — that is what keeps two replicas from 
 out one device, or more of a GPU than it has: each decides on its own view, and two shares
 decided on one stale view must not both land on a GPU that fits one.
 
-Request records (``RequestRecord``, KV ``tandem-requests``) say where a request stands. The
-*claim* is the only compare-and-set that guards a request rather than a device: two replicas
-retrying one pending request would otherwise place it on two different nodes. It is written
-after the decision and before the commit, already as the outcome (``assigned`` to the chosen
-node, owner = this replica), so a placed request costs one request-record write. Until the
-node's record holds the request, an ``assigned`` record is only a claim: another replica
-waits ``claim_timeout`` for it and then, if no node holds the request, takes it over (its
-owner died between claim and commit). ``deciding`` is the claim state of older versions and is
-read the same way.
+The request records' writes (the *claim* among them) are :mod:`.requestbook`'s; the two
+errors both kinds of write raise are here: :class:`AlreadyDone` and :class:`DifferentRequest`.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Literal
 
 import msgspec
 
-from schemas.messages import AllocationRequest, AllocRecord, Assignment, NodeAllocations, RequestRecord
-from services.runtime.bus import Refuse, Retry
-from services.runtime.records import Conflict, Mutation
+from schemas.messages import AllocRecord, Assignment, NodeAllocations
+from services.runtime.kv.records import Conflict, Mutation
+from services.runtime.nats.bus import Refuse
 
 AllocState = Literal["assigned", "releasing"]
-RequestState = Literal["pending", "deciding", "assigned", "releasing", "freed", "cancelled", "rejected"]
-# Outcomes a request record keeps for good, and the states of a request in some replica's hand.
-TERMINAL_STATES = frozenset({"releasing", "freed", "cancelled", "rejected"})
-CLAIMED_STATES = frozenset({"deciding", "assigned"})
 
 
 class AlreadyDone(Exception):
@@ -48,22 +36,6 @@ class AlreadyDone(Exception):
 class DifferentRequest(Refuse):
     """A request id already used for a different request: the request id is the key of
     everything about a request, so the second one is refused rather than taking its place."""
-
-
-def same_request(a: AllocationRequest, b: AllocationRequest) -> bool:
-    """The same request sent again (a redelivery, a resubmission): all but its send time."""
-    return a == msgspec.structs.replace(b, created_at=a.created_at)
-
-
-def check_same(current: RequestRecord | None, req: AllocationRequest) -> None:
-    """Raise :class:`DifferentRequest` when ``current`` holds another request under ``req``'s
-    id. A cancelled record may hold a stand-in (a release that came before its request)."""
-    if current is not None and current.state != "cancelled" and not same_request(current.request, req):
-        raise DifferentRequest(
-            f"request id {req.request_id!r} is already used by a different request "
-            f"(pod {current.request.pod.namespace}/{current.request.pod.name}, {current.state}); "
-            "a new request needs a new id"
-        )
 
 
 # -- node allocation records -------------------------------------------------------------------
@@ -168,75 +140,5 @@ def drop_allocation(request_id: str, *, only_from: frozenset[str] | None = None)
             return None
         rest = {k: v for k, v in current.allocations.items() if k != request_id}
         return msgspec.structs.replace(current, allocations=rest)
-
-    return mutate
-
-
-# -- request records ---------------------------------------------------------------------------
-
-
-def claim(
-    req: AllocationRequest,
-    *,
-    node: str,
-    instance: str,
-    claim_timeout: float,
-    now: float,
-    placed: Callable[[str], bool],
-    traceparent: str = "",
-) -> Mutation[RequestRecord]:
-    """Take the request for ``instance``, to be committed on ``node``: the record says
-    ``assigned`` to that node before the node's record does (see the module docstring).
-    Raises :class:`AlreadyDone` when the request has an outcome (``placed`` says whether a
-    node record holds it), :class:`Retry` while another live replica has it in hand."""
-
-    def mutate(current: RequestRecord | None) -> RequestRecord | None:
-        check_same(current, req)
-        if current is not None:
-            if current.state in TERMINAL_STATES:
-                raise AlreadyDone(current.state)
-            if current.state in CLAIMED_STATES and current.owner != instance:
-                if placed(req.request_id):
-                    raise AlreadyDone(current.state)
-                if now - current.updated_at < claim_timeout:
-                    raise Retry(f"request {req.request_id} is being placed by {current.owner}")
-                # A claim older than claim_timeout that no node holds: its replica died.
-        return RequestRecord(
-            request=req,
-            state="assigned",
-            node=node,
-            owner=instance,
-            # Why it waited is not why it is placed: a pending reason would read as current.
-            reason="",
-            updated_at=now,
-            traceparent=(current.traceparent if current else "") or traceparent,
-        )
-
-    return mutate
-
-
-def put_request(record: RequestRecord) -> Mutation[RequestRecord]:
-    def mutate(_: RequestRecord | None) -> RequestRecord | None:
-        return record
-
-    return mutate
-
-
-def request_state(
-    state: RequestState, *, reason: str | None = None, only_from: frozenset[str] | None = None
-) -> Mutation[RequestRecord]:
-    """Move an existing request record to ``state`` (keeping its request)."""
-
-    def mutate(current: RequestRecord | None) -> RequestRecord | None:
-        if current is None or (only_from is not None and current.state not in only_from):
-            return None
-        if current.state == state and (reason is None or reason == current.reason):
-            return None
-        return msgspec.structs.replace(
-            current,
-            state=state,
-            reason=current.reason if reason is None else reason,
-            updated_at=time.time(),
-        )
 
     return mutate

@@ -7,7 +7,7 @@ done and does the rest):
    ``releasing`` in its node's record; the node agent sees that there and cleans up. A release
    of a request not placed (yet) cancels its request record instead — unless another replica
    placed it meanwhile, which makes it an ordinary release. A whole job is released pod by pod
-   (:meth:`services.allocator.jobs.Jobs.release`);
+   (:meth:`services.allocator.jobplacement.Jobs.release`);
 2. ``Cleaned`` from that node's agent (the subject names the node, and only its agent may
    publish there): only a *verified* cleanup of an allocation that node holds ``releasing``
    frees anything. An unverified one leaves the devices held (the agent keeps them unhealthy
@@ -17,29 +17,29 @@ done and does the rest):
    request ``assigned`` with no node holding it, and a replica that loaded the record took it
    for an abandoned claim and placed the released request again.
 
-Everything here reads the allocator's read model and writes through the same
-:class:`~services.runtime.records.RecordStore` as the placement loop (services/allocator/service.py).
+Everything here reads the allocator's read model (it writes none of it) and writes records
+through the same :class:`~services.runtime.kv.records.RecordStore` as the placement pipeline
+(:mod:`.placer`), whose decision of a request in flight a release waits for
+(:meth:`.Placer.settled`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-from collections.abc import Mapping
+from typing import Protocol
 
 from opentelemetry.trace import SpanKind
 
 from schemas import subjects
 from schemas.messages import Cleaned, Freed, NodeAllocations, Release
 from services.allocator import commits
-from services.allocator.jobs import Jobs
+from services.allocator.jobplacement import Jobs
 from services.allocator.readmodel import ReadModel
 from services.allocator.requestbook import RequestBook
-from services.runtime import tracing
-from services.runtime.bus import Bus, Delivery, Retry
-from services.runtime.logging import get_logger
-from services.runtime.records import RecordStore
-from services.runtime.tracing import tracer
+from services.runtime.kv.records import RecordStore
+from services.runtime.nats.bus import Bus, Delivery, Retry
+from services.runtime.observe import tracing
+from services.runtime.observe.logging import get_logger
+from services.runtime.observe.tracing import tracer
 
 __all__ = ["Frees"]
 
@@ -48,6 +48,12 @@ _tracer = tracer("tandem.allocator", service="allocator")
 
 # Allocations a release may mark ``releasing`` (a job pod only ``prepared`` is the job's).
 RELEASABLE = frozenset({"assigned"})
+
+
+class Settling(Protocol):
+    """What the free path needs of the :class:`~services.allocator.placer.Placer`."""
+
+    async def settled(self, request_id: str) -> None: ...
 
 
 class Frees:
@@ -59,14 +65,14 @@ class Frees:
         node_allocs: RecordStore[NodeAllocations],
         book: RequestBook,
         jobs: Jobs,
-        inflight: Mapping[str, asyncio.Future[str]],
+        placer: Settling,
     ) -> None:
         self.bus = bus
         self.model = model
         self.node_allocs = node_allocs
         self.book = book
         self.jobs = jobs
-        self.inflight = inflight  # request id → the outcome of its decision in flight
+        self.placer = placer  # whose decisions in flight a release waits for
 
     async def on_release(self, release: object, delivery: Delivery) -> None:
         """Handler of the releases consumer."""
@@ -103,10 +109,7 @@ class Frees:
 
     async def placement_of(self, request_id: str) -> str | None:
         """The node holding ``request_id``, after any decision of it in flight finished."""
-        running = self.inflight.get(request_id)
-        if running is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(running)
+        await self.placer.settled(request_id)
         node = self.model.placed.get(request_id)
         if node is not None:
             return node

@@ -1,7 +1,7 @@
 """A job's writes, as pure mutations of the records they change (see :mod:`.jobs`).
 
 Like :mod:`.commits`, each mutation decides from the fresh record it is given, never from the
-replica's view, because :class:`~services.runtime.records.RecordStore` re-applies it to the
+replica's view, because :class:`~services.runtime.kv.records.RecordStore` re-applies it to the
 record another writer left when its compare-and-set loses. The job record's mutations are the
 protocol's decision points: only one of *commit* (``committing`` → ``committed``) and *abort*
 (``committing`` → ``aborted``) of an epoch can ever succeed, because both require the record
@@ -16,8 +16,8 @@ import msgspec
 
 from schemas.messages import AllocRecord, JobRecord, JobRequest, NodeAllocations
 from services.allocator.commits import AlreadyDone, DifferentRequest
-from services.runtime.bus import Retry
-from services.runtime.records import Conflict, Mutation
+from services.runtime.kv.records import Conflict, Mutation
+from services.runtime.nats.bus import Retry
 
 # A job whose record is in one of these has an outcome: nothing places it again.
 JOB_DONE = frozenset({"committed", "rejected", "cancelled", "released"})

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the allocator (served by ``services.runtime.ops`` on ``/metrics``).
+"""Prometheus metrics of the allocator (served by ``services.runtime.observe.opsserver`` on ``/metrics``).
 
 Counters and histograms are counted where things happen (:mod:`.service`); the gauges are
 :class:`AllocatorState`, computed from the read model and the request book when Prometheus
@@ -19,7 +19,7 @@ from schemas.messages import NodeAllocations, NodeRecord
 from services.allocator.core import Cluster
 from services.allocator.readmodel import ReadModel
 from services.allocator.requestbook import RequestBook
-from services.runtime.metrics import DEVICE_STATES, device_states
+from services.runtime.observe.metrics import DEVICE_STATES, device_states
 
 DECISIONS = Counter("tandem_allocator_decisions_total", "Allocation decisions by outcome", ["outcome"])
 DECISION_SECONDS = Histogram(
@@ -59,7 +59,7 @@ NODE_STATUSES = ("ready", "lost")
 
 def node_device_states(record: NodeRecord, allocs: NodeAllocations | None) -> dict[tuple[str, str], int]:
     """``(kind, state) → count`` of one node's GPUs and NICs, from its inventory record and its
-    allocations record (:func:`services.runtime.metrics.device_states`)."""
+    allocations record (:func:`services.runtime.observe.metrics.device_states`)."""
     return device_states(record.topology, record.health, allocs)
 
 

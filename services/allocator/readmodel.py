@@ -6,22 +6,29 @@
   to the node's labels;
 * ``tandem-allocs`` (what every node has handed out; written by allocators) → the core's
   holds and :attr:`ReadModel.placed` (request id → node). These records come from the
-  allocator's own writes (:class:`~services.runtime.records.RecordStore` calls
+  allocator's own writes (:class:`~services.runtime.kv.records.RecordStore` calls
   :meth:`ReadModel.on_allocs` as each commit lands), from other replicas' writes through a
   watch, and from re-reads after a lost compare-and-set;
 * *tentative* holds: devices chosen by a decision whose commit is still in flight. Decisions
   are taken one at a time on the event loop while many commits are in flight, so the next
   decision must already see those devices as used; a tentative hold turns into the record's
-  hold when the commit lands, and is dropped when it fails.
+  hold when the commit lands, and is dropped when it fails;
+* *reservations*: devices kept for a preempting request while its victims are evicted
+  (:meth:`ReadModel.reserve_for`, :mod:`.preemption`), lent to that request alone for its own
+  decisions (:meth:`ReadModel.lend`, :meth:`ReadModel.keep`).
+
+Who writes it: the record watches (and the allocator's own commits, which land through the
+same path), the replica heartbeats (the shards), and the placement pipeline
+(:mod:`.placer`: tentative holds, reservations lent and kept, a node whose record is full).
 
 Decisions never read NATS. :attr:`ReadModel.capacity` is set whenever capacity may have grown
 (a node joined or recovered, a device recovered, an allocation was dropped) so the placement
 loop retries pending requests then, not on every change.
 
-Every node carries two labels of the allocator's own besides its own ones: its name under
-``kubernetes.io/hostname`` (as kubelet sets it, for pinned pods) and its *shard*
-(``tandem.io/allocator-shard``: a hash of the name modulo the number of live replicas), which
-lets each replica try its own share of the nodes first (services.allocator.service).
+Every node carries one label of the allocator's own besides its own ones: its name under
+``kubernetes.io/hostname`` (as kubelet sets it, for pinned pods). It is registered in the core
+with its *shard* (a hash of the name modulo the number of live replicas, :func:`shard_of`),
+which lets each replica try its own share of the nodes first (services.allocator.replicas).
 
 With several replicas, the holds of another shard's nodes are applied to the core lazily:
 each replica sees every write of the others, and applying them (the core's index updates)
@@ -37,7 +44,7 @@ Nodes the core does not count are still named in a refusal (:meth:`ReadModel.exp
 lost node is removed from the core, so "3 nodes: labels do not match the node selector" would
 send the author of a pod pinned to the lost node to check a selector that is right. So is a
 node whose allocation record is *full* (:meth:`ReadModel.close_full`: a commit there failed
-with :class:`~services.runtime.records.RecordTooLarge`): no request can be recorded on it until
+with :class:`~services.runtime.kv.records.RecordTooLarge`): no request can be recorded on it until
 an allocation leaves it, so decisions skip it — one tenant's many small shares must not make
 other tenants' requests fail while other nodes have room — and a request only it can take
 waits, saying so. Nodes with devices out of service are counted by the core; the refusal
@@ -54,13 +61,17 @@ from schemas.messages import AllocRecord, NodeAllocations, NodeLabels, NodeRecor
 from services.allocator.core import Cluster, Unschedulable
 
 HOSTNAME_LABEL = "kubernetes.io/hostname"
-# Which allocator replica decides on the node first (see ReadModel.set_shards).
-SHARD_LABEL = "tandem.io/allocator-shard"
 # How many nodes one clause of a refusal names before it says "and N more".
 NAMED_MAX = 5
 
 
+def reservation_key(request_id: str) -> str:
+    """The hold key of a preemptor's reserved devices: ``:`` never occurs in a request id."""
+    return f"preempt:{request_id}"
+
+
 def shard_of(node: str, shards: int) -> str:
+    """Which allocator replica decides on the node first (see ReadModel.set_shards)."""
     return str(zlib.crc32(node.encode()) % shards)
 
 
@@ -75,7 +86,7 @@ class ReadModel:
         # node of another shard → its latest allocation record, not applied to the core yet
         self._deferred: dict[str, NodeAllocations | None] = {}
         self._ids: dict[str, set[str]] = {}  # node → request ids its record holds
-        # node → (job, epoch) of the job pods its record holds ``prepared`` (services.allocator.jobs)
+        # node → (job, epoch) of the job pods its record holds ``prepared`` (services.allocator.jobplacement)
         self.prepared: dict[str, set[tuple[str, int]]] = {}
         self._tentative: dict[str, dict[str, tuple[str, ...]]] = {}  # node → request → devices
         # node → request → the AllocRecord its hold was last taken from (see _sync_holds)
@@ -84,8 +95,10 @@ class ReadModel:
         # bridge into KV tandem-node-labels: they join the topology's own labels.
         self.cluster_labels: dict[str, dict[str, str]] = {}
         # node → reservation key → devices: devices kept for a preempting request while its
-        # victims are evicted (services/allocator/preemption.py); never preemptible.
+        # victims are evicted (services/allocator/evictionplans.py); never preemptible.
         self._reserved: dict[str, dict[str, tuple[str, ...]]] = {}
+        # preempting request id → (node, devices) of its reservation (see reserve_for)
+        self.reservations: dict[str, tuple[str, list[str]]] = {}
         # node → why its allocation record has no room (see close_full); out of the core
         # until an allocation leaves that record.
         self.full: dict[str, str] = {}
@@ -149,7 +162,11 @@ class ReadModel:
             return  # out of the core until its record has room (see close_full)
         # Holds are kept per node name across set_node / remove_node (the core's contract).
         self.cluster.set_node(
-            node, record.topology, labels=self._labels(node, record), unavailable=record.unavailable()
+            node,
+            record.topology,
+            labels=self._labels(node, record),
+            unavailable=record.unavailable(),
+            shard=shard_of(node, self.shards),
         )
 
     def _labels(self, node: str, record: NodeRecord) -> dict[str, str]:
@@ -158,7 +175,6 @@ class ReadModel:
             **record.topology.labels,
             **self.cluster_labels.get(node, {}),
             HOSTNAME_LABEL: node,
-            SHARD_LABEL: shard_of(node, self.shards),
         }
 
     # -- nodes the core does not count ------------------------------------------------------
@@ -238,7 +254,7 @@ class ReadModel:
 
     def set_shards(self, shards: int, shard: str | None = None) -> None:
         """Split the nodes into ``shards`` (the live replicas), ``shard`` being this replica's:
-        relabels every ready node when their number changed."""
+        registers every ready node with its new shard when their number changed."""
         if shards == self.shards and shard == self.shard:
             return
         self.catch_up()  # what was another shard's may be this one's now
@@ -364,6 +380,39 @@ class ReadModel:
         if not reserved:
             del self._reserved[node]
         self.cluster.release(node, key)
+
+    def reserve_for(self, request_id: str, node: str, devices: list[str]) -> None:
+        """Keep ``devices`` on ``node`` for a preempting request while its victims are evicted
+        (:mod:`.preemption`), instead of what was kept for it before."""
+        self.unreserve_for(request_id)
+        self.reserve(node, reservation_key(request_id), devices)
+        self.reservations[request_id] = (node, list(devices))
+
+    def unreserve_for(self, request_id: str) -> bool:
+        """Give back what :meth:`reserve_for` kept for the request; False when nothing."""
+        held = self.reservations.pop(request_id, None)
+        if held is None:
+            return False
+        self.unreserve(held[0], reservation_key(request_id))
+        return True
+
+    def lend(self, request_id: str) -> None:
+        """Give the request its own reserved devices for its next decision; :meth:`keep`
+        right after it (no await in between: decisions are serial)."""
+        held = self.reservations.get(request_id)
+        if held is not None:
+            self.unreserve(held[0], reservation_key(request_id))
+
+    def keep(self, request_id: str, *, taken: bool) -> None:
+        """After the decision :meth:`lend` prepared: the request took the devices (the
+        reservation is over), or it still cannot be placed (they are reserved again)."""
+        held = self.reservations.get(request_id)
+        if held is None:
+            return
+        if taken:
+            del self.reservations[request_id]
+        else:
+            self.reserve(held[0], reservation_key(request_id), held[1])
 
     def drop_tentative(self, node: str, request_id: str) -> None:
         """The commit failed: free the devices unless the record holds the request after all."""

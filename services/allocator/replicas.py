@@ -5,12 +5,12 @@ binpack they would all choose the same fullest nodes and their commits would mee
 (measured: 5,321 compare-and-set conflicts in 10,000 requests with two replicas). So each
 replica says it is alive on ``tandem.allocator.heartbeat`` every ``MEMBER_INTERVAL_S``; the
 replicas heard from in the last ``MEMBER_LOST_S``, sorted by name, split the nodes: the read
-model labels each node with its shard (``tandem.io/allocator-shard`` = CRC32 of the name
-modulo the number of replicas) and a replica decides on its own shard first
-(:meth:`Replicas.decide`). A replica that hears a new one splits the nodes with it at once and
-answers with its own heartbeat, so a replica that starts — or restarts under the same name:
-beats carry the start time of their process — knows its peers within a round trip.
-Shards steer, they do not guard: a replica still falls back to
+model registers each node in the core with its shard (CRC32 of the name modulo the number of
+replicas) and a replica asks the core to prefer its own shard (:meth:`Replicas.decide`; the
+core's shard preference, services/allocator/core/scores.py). A replica that hears a new one
+splits the nodes with it at once and answers with its own heartbeat, so a replica that
+starts — or restarts under the same name: beats carry the start time of their process —
+knows its peers within a round trip. Shards steer, they do not guard: a replica still falls back to
 every node when its shard has no room, and correctness rests on the compare-and-set writes.
 """
 
@@ -28,10 +28,10 @@ from nats.aio.msg import Msg
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, AllocatorHeartbeat
 from services.allocator.core import Cluster, Placement, Unschedulable
-from services.allocator.readmodel import HOSTNAME_LABEL, SHARD_LABEL, ReadModel
-from services.runtime.bus import Bus
-from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Supervisor
 
 log = get_logger(__name__)
 
@@ -49,20 +49,15 @@ def decide_in_shard(
     """The core's decision, on the nodes of ``shard`` first; all nodes when the shard has no
     room (so a request is unschedulable only when no node at all can take it). A pinned
     request goes straight to its node. ``catch_up`` brings the other shards' nodes up to date
-    before a decision looks at them (:meth:`ReadModel.catch_up`)."""
-    if shard is None or HOSTNAME_LABEL in req.node_selector or SHARD_LABEL in req.node_selector:
+    before a decision looks at them (:meth:`ReadModel.catch_up`). Outside its shard a replica
+    takes the last of equally good nodes (the core does, with ``prefer_shard``): their owner
+    takes the first, and both taking the same one made every such decision a compare-and-set
+    conflict."""
+    if shard is None or HOSTNAME_LABEL in req.node_selector:
         if catch_up is not None:
             catch_up()
         return cluster.decide(req)
-    mine = msgspec.structs.replace(req, node_selector={**req.node_selector, SHARD_LABEL: shard})
-    decision = cluster.decide(mine)
-    if isinstance(decision, Placement):
-        return decision
-    if catch_up is not None:
-        catch_up()
-    # Outside its shard a replica takes the last of equally good nodes: their owner takes the
-    # first, and both taking the same one made every such decision a compare-and-set conflict.
-    return cluster.decide(req, last_of_equals=True)
+    return cluster.decide(req, prefer_shard=shard, before_fallback=catch_up)
 
 
 class Replicas:

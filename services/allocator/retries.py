@@ -6,12 +6,13 @@ requests again itself. :class:`PendingRetries` runs one pass over them when the 
 says capacity may have grown (:attr:`~services.allocator.readmodel.ReadModel.capacity`, set
 by frees, recoveries and joins; a burst within ``RETRY_COALESCE_S`` is answered by one pass)
 and every ``retry_interval``. A pass also takes up *abandoned claims* (a replica claimed a
-request and died before committing it, see :mod:`.commits`), and the same loop sweeps
+request and died before committing it, see :mod:`.requestbook`), and the same loop sweeps
 half-done job commits and retries pending jobs (:mod:`.jobs`).
 
 A pass decides in priority order (then oldest first), every decision before anything waits;
 only a request that finds a place (or has something new to say) goes on, as a task, through
-the placement loop's :meth:`~services.allocator.service.Allocator.handle_request`. So a pass
+the placement pipeline (:meth:`.Placer.place`, with the decision taken ahead and its devices
+already held, so the next decision of the pass sees them as used). So a pass
 over thousands of still-unschedulable requests writes nothing, and the commits of those that
 found a place overlap.
 """
@@ -21,16 +22,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Collection
+from typing import Protocol
 
 from schemas.messages import AllocationRequest
-from services.allocator.core import InvalidRequest, Placement, Unschedulable
-from services.allocator.jobs import Jobs
-from services.allocator.preemption import Preemptions
+from services.allocator.core import Placement, Unschedulable
+from services.allocator.jobplacement import Jobs
+from services.allocator.placer import Origin
 from services.allocator.readmodel import ReadModel
 from services.allocator.requestbook import RequestBook
-from services.runtime.bus import Retry
-from services.runtime.logging import get_logger
+from services.runtime.nats.bus import Retry
+from services.runtime.observe.logging import get_logger
 
 __all__ = ["RETRY_COALESCE_S", "PendingRetries"]
 
@@ -39,8 +41,24 @@ log = get_logger(__name__)
 # Capacity events within this long are answered by one pass over the pending requests.
 RETRY_COALESCE_S = 0.1
 
-Decide = Callable[[AllocationRequest], Placement | Unschedulable]
-Handle = Callable[..., Awaitable[str]]  # handle_request(req, first=decision) -> outcome
+Decision = Placement | Unschedulable
+
+
+class Placing(Protocol):
+    """What the retries need of the :class:`~services.allocator.placer.Placer`."""
+
+    @property
+    def in_hand(self) -> Collection[str]: ...
+
+    def busy(self, request_id: str) -> bool: ...
+
+    def decide_ahead(self, req: AllocationRequest) -> Decision | None: ...
+
+    def sweep_reserved(self, live: Collection[str]) -> None: ...
+
+    async def place(
+        self, req: AllocationRequest, *, origin: Origin, ahead: Decision | None = None
+    ) -> str: ...
 
 
 class PendingRetries:
@@ -49,33 +67,22 @@ class PendingRetries:
         *,
         model: ReadModel,
         book: RequestBook,
-        preemptions: Preemptions,
         jobs: Jobs,
-        inflight: Mapping[str, object],
-        decide: Decide,
-        handle: Handle,
+        placer: Placing,
         concurrency: int,
         retry_interval: float,
-        every_interval: Callable[[], None] = lambda: None,
     ) -> None:
-        self.model = model
+        self.model = model  # read only: its capacity event and what the node records hold
         self.book = book
-        self.preemptions = preemptions
         self.jobs = jobs
-        self.inflight = inflight  # requests in this replica's hand (request id → outcome)
-        self.decide = decide
-        self.handle = handle
+        self.placer = placer
         self.concurrency = concurrency
         self.retry_interval = retry_interval
-        self.every_interval = every_interval  # housekeeping of the service's, on the same clock
 
     async def run(self) -> None:
-        last_housekeeping = last_sweep = 0.0
+        last_sweep = 0.0
         while True:
             now = time.monotonic()
-            if now - last_housekeeping >= self.retry_interval:
-                last_housekeeping = now
-                self.every_interval()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.model.capacity.wait(), self.retry_interval)
                 # Frees come in bursts: answer a burst with one pass, not one pass per free.
@@ -91,45 +98,36 @@ class PendingRetries:
 
     async def retry_pending(self) -> int:
         """One pass (see the module); returns how many requests it placed."""
-        self.preemptions.sweep(self.book.pending, busy=self.inflight)
-        abandoned = self.book.abandoned(busy=self.inflight)
+        placer = self.placer
+        placer.sweep_reserved(self.book.pending)
+        abandoned = self.book.abandoned(busy=placer.in_hand)
         candidates = {r.request_id: r for r in [*abandoned, *self.book.pending.values()]}
         order = sorted(candidates.values(), key=lambda r: (-r.priority, r.created_at))
         gate = asyncio.Semaphore(self.concurrency)
 
-        async def retry(req: AllocationRequest, first: Placement | Unschedulable | None) -> bool:
-            outcome = ""
+        async def retry(req: AllocationRequest, ahead: Decision | None) -> bool:
             try:
-                outcome = await self.handle(req, first=first)
-                return outcome == "assigned"
+                return await placer.place(req, origin="retry", ahead=ahead) == "assigned"
             except Retry as r:
                 log.info("retry_deferred", request_id=req.request_id, reason=str(r))
                 return False
             finally:
                 gate.release()
-                if isinstance(first, Placement) and outcome != "assigned":
-                    self.model.drop_tentative(first.node, req.request_id)
 
         tasks: list[asyncio.Task[bool]] = []
         for req in order:
             rid = req.request_id
             if rid not in self.book.pending and rid not in self.book.claims:
                 continue
-            if rid in self.inflight or rid in self.model.placed:
+            if placer.busy(rid) or rid in self.model.placed:
                 continue
             await gate.acquire()
-            try:
-                decision = self.decide(req)
-            except InvalidRequest:
-                decision = None  # handle_request rejects it, with the reason
+            # Decided (and a placement held) now, before the next decision; an invalid
+            # request (None) is rejected by place, with the reason.
+            decision = placer.decide_ahead(req)
             if isinstance(decision, Unschedulable) and not self.book.reason_due(rid, decision):
                 gate.release()
                 continue
-            if isinstance(decision, Placement):
-                # Held now, before the next decision (the task holds it again, idempotently).
-                self.model.hold_tentative(
-                    decision.node, rid, decision.devices(), shares=decision.shares(), sharing=decision.sharing
-                )
             # Held in ``tasks`` and gathered below: not a bare task.
             tasks.append(asyncio.get_running_loop().create_task(retry(req, decision)))
         results = await asyncio.gather(*tasks, return_exceptions=True)

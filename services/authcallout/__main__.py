@@ -10,9 +10,9 @@ import nkeys
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
 from services.kube.client import KubeClient
-from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
-from services.runtime.lifecycle import service_main
+from services.runtime.nats.bus import Bus
+from services.runtime.process.lifecycle import service_main
 from services.runtime.settings import Settings
 
 

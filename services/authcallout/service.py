@@ -44,7 +44,7 @@ from schemas import permissions
 from services.authcallout import natsjwt
 from services.kube.client import KubeApi
 from services.kube.errors import KubeError
-from services.runtime.logging import get_logger
+from services.runtime.observe.logging import get_logger
 
 log = get_logger(__name__)
 

@@ -6,9 +6,9 @@ import sys
 
 from services.inventory.metrics import InventoryState
 from services.inventory.service import Inventory
-from services.runtime.bus import Bus
-from services.runtime.lifecycle import service_main
-from services.runtime.metrics import register_state
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.metrics import register_state
+from services.runtime.process.lifecycle import service_main
 from services.runtime.settings import Settings
 
 

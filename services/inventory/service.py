@@ -25,7 +25,7 @@ meanwhile (:meth:`Inventory.unready`, its ``/readyz``) — it is not a crashed t
 about the inventory is wrong, and restarting it would mend nothing.
 
 Records are held in memory and written with compare-and-set by the shared
-:class:`~services.runtime.records.RecordStore` (a watch keeps them current with other
+:class:`~services.runtime.kv.records.RecordStore` (a watch keeps them current with other
 replicas' writes), so several replicas can run, writes to different nodes run concurrently
 (the node-event consumer hands over many at once) and no write reads first: a fleet of
 thousands of nodes joins in seconds. Queries (``tandem.query.inventory``) are answered from
@@ -57,11 +57,11 @@ from schemas.messages import (
     NodeInventory,
     NodeRecord,
 )
-from services.runtime.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery
-from services.runtime.kvwatch import read_bucket, watch_raw
-from services.runtime.logging import get_logger
-from services.runtime.records import RecordStore
-from services.runtime.tasks import Service, Supervisor
+from services.runtime.kv.records import RecordStore
+from services.runtime.kv.watch import read_bucket, watch_raw
+from services.runtime.nats.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Service, Supervisor
 
 log = get_logger(__name__)
 
@@ -323,7 +323,7 @@ class Inventory(Service):
             delay = self.check_interval
             if len(self.status) > self._frozen_at * 1.1 + 10:
                 # The node records of a fleet that joined are long-lived: out of the
-                # collector's way (see services.runtime.lifecycle.GC_THRESHOLDS).
+                # collector's way (see services.runtime.process.lifecycle.GC_THRESHOLDS).
                 gc.freeze()
                 self._frozen_at = len(self.status)
 

@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 from services.kube.client import KubeApi
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Supervisor
 
 log = get_logger(__name__)
 

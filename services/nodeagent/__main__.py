@@ -16,9 +16,9 @@ from services.nodeagent.backends.base import BackendUnavailable
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
 from services.nodeagent.host_agent import HostAgent, HostAgentConfig, build_host_agent
 from services.nodeagent.service import NodeAgent
-from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
-from services.runtime.lifecycle import service_main
+from services.runtime.nats.bus import Bus
+from services.runtime.process.lifecycle import service_main
 from services.runtime.settings import Settings
 from services.topology import load_topology
 

@@ -14,7 +14,7 @@ periodic reads are spread over the interval (:func:`resync_slice`).
 :class:`AllocationsFollower` hands each node's records to ``on_record`` in revision order,
 skipping revisions older than one already handed over and coalescing a burst to its latest
 record; calls for one node never overlap, different nodes run concurrently. A handler that
-raises :class:`~services.runtime.bus.Retry` (or fails) gets the node's record again after a
+raises :class:`~services.runtime.nats.bus.Retry` (or fails) gets the node's record again after a
 delay. It follows one
 node (the node agent) or every node with one wildcard subscription (the load harness's
 simulated fleet). :func:`node_actions` is the pure comparison of a record with what the node
@@ -34,9 +34,9 @@ from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, NodeAllocations
-from services.runtime.bus import TRANSIENT_NATS_ERRORS, Bus, Retry
-from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.nats.bus import TRANSIENT_NATS_ERRORS, Bus, Retry
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Supervisor
 
 log = get_logger(__name__)
 

@@ -35,10 +35,10 @@ from services.nodeagent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePlu
 from services.nodeagent.netns import NamedNetnsResolver, NetnsResolver, PodCgroupResolver, VfApplier
 from services.nodeagent.service import NodeAgent
 from services.nodeagent.state import StateFile
-from services.runtime.bus import Bus
-from services.runtime.logging import get_logger
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Service, Supervisor
 from services.runtime.settings import Settings
-from services.runtime.tasks import Service, Supervisor
 
 __all__ = ["HostAgent", "HostAgentConfig", "allocated_requests", "build_host_agent"]
 

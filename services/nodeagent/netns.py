@@ -56,7 +56,7 @@ from schemas.messages import AssignedNic, Assignment
 from services.nodeagent.backends.base import ApplyError
 from services.nodeagent.reconcile import Action, reconcile
 from services.nodeagent.state import AgentState, NicState, Record, StateFile
-from services.runtime.logging import get_logger
+from services.runtime.observe.logging import get_logger
 
 __all__ = [
     "NamedNetnsResolver",

@@ -64,11 +64,11 @@ from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.nodeagent.health import HealthTracker, recover_due
 from services.nodeagent.metrics import AGENT_DEVICES, SUBMIT_TO_APPLIED_SECONDS
 from services.nodeagent.netns import NetnsNotReady
-from services.runtime.bus import Bus, Delivery, Retry
-from services.runtime.logging import get_logger
-from services.runtime.metrics import device_states
-from services.runtime.tasks import Service, Supervisor
-from services.runtime.tracing import context_from_traceparent, messaging, tracer
+from services.runtime.nats.bus import Bus, Delivery, Retry
+from services.runtime.observe.logging import get_logger
+from services.runtime.observe.metrics import device_states
+from services.runtime.observe.tracing import context_from_traceparent, messaging, tracer
+from services.runtime.process.tasks import Service, Supervisor
 
 log = get_logger(__name__)
 

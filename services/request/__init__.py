@@ -8,7 +8,8 @@ from services.request.resolve import (
     Field,
     RequestError,
     Resolved,
+    check,
     resolve,
 )
 
-__all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "resolve"]
+__all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "check", "resolve"]

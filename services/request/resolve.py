@@ -20,6 +20,11 @@ an :class:`Ask` and calls :func:`resolve`:
 
 The allocator resolves again what admission resolved (a class may have changed meanwhile):
 resolving a resolved request changes nothing.
+
+A caller that does not know the classes the request will be decided with — the CLI: the
+running system's classes are its allocator's configuration, not the command's — calls
+:func:`check`: the rules of :func:`resolve` that hold whatever the class, and nothing filled in;
+the class's rules (its name, whether it shares) stay the allocator's to answer.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from typing import Literal, NamedTuple, NoReturn, Protocol, cast
 from schemas.config import DeviceClass
 from schemas.topology import MIG_PROFILE_PATTERN, SCOPES, ScopeName
 
-__all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "resolve"]
+__all__ = ["CLASS_DEFAULTED", "WIRE_NAMES", "Ask", "Field", "RequestError", "Resolved", "check", "resolve"]
 
 Field = Literal[
     "gpus",
@@ -169,11 +174,7 @@ def resolve(
     else:
         pairing = "per-gpu" if equal else "shared"
     if pairing == "per-gpu" and not equal:
-        raise RequestError(
-            "pairing",
-            f"{n['pairing']}: per-gpu gives every GPU its own NIC, so it needs as many {n['rdma']} as "
-            f"{n['gpus']} (asked {ask.rdma} and {ask.gpus}); ask for equal counts or pairing shared",
-        )
+        _unequal_per_gpu(ask, names=n)
     if ask.gpu_memory_mib is not None or ask.gpu_cores_percent is not None:
         _check_share(ask, dc, names=n)
     if ask.mig_profile is not None:
@@ -193,11 +194,46 @@ def resolve(
     )
 
 
+def check(ask: Asked, *, names: Mapping[Field, str] = WIRE_NAMES) -> None:
+    """The rules of :func:`resolve` that hold whatever the device class (module docstring), or
+    :class:`RequestError` naming the field; fills in nothing. What ``check`` accepts,
+    :func:`resolve` refuses only for the class: unknown, or not sharing GPUs."""
+    n = names
+    if ask.gpus < 0 or ask.rdma < 0:
+        field: Field = "gpus" if ask.gpus < 0 else "rdma"
+        raise RequestError(field, f"{n[field]}: {min(ask.gpus, ask.rdma)} is negative; ask 0 or more")
+    if ask.gpus == 0 and ask.rdma == 0:
+        raise RequestError("gpus", f"{n['gpus']} and {n['rdma']} are both 0; ask for GPUs, NICs or both")
+    given: tuple[tuple[Field, str | None, tuple[str, ...]], ...] = (
+        ("scope", ask.scope, SCOPES),
+        ("policy", ask.policy, POLICIES),
+        ("preemption", ask.preemption, PREEMPTIONS),
+        ("pairing", ask.pairing, PAIRINGS),
+    )
+    for name, value, allowed in given:
+        if value is not None and value not in allowed:
+            _refuse(name, value, allowed, names=n)
+    if ask.pairing == "per-gpu" and ask.gpus != ask.rdma:
+        _unequal_per_gpu(ask, names=n)
+    _check_share(ask, None, names=n)
+    _check_mig(ask, names=n)
+
+
+def _unequal_per_gpu(ask: Asked, *, names: Mapping[Field, str]) -> NoReturn:
+    n = names
+    raise RequestError(
+        "pairing",
+        f"{n['pairing']}: per-gpu gives every GPU its own NIC, so it needs as many {n['rdma']} as "
+        f"{n['gpus']} (asked {ask.rdma} and {ask.gpus}); ask for equal counts or pairing shared",
+    )
+
+
 def _refuse(field: Field, value: str, allowed: tuple[str, ...], *, names: Mapping[Field, str]) -> NoReturn:
     raise RequestError(field, f"{names[field]}: {value!r} is not one of {', '.join(allowed)}")
 
 
-def _check_share(ask: Asked, dc: DeviceClass, *, names: Mapping[Field, str]) -> None:
+def _check_share(ask: Asked, dc: DeviceClass | None, *, names: Mapping[Field, str]) -> None:
+    """A share's rules; ``dc`` None: those that hold whatever the class (:func:`check`)."""
     n = names
     memory, cores = ask.gpu_memory_mib, ask.gpu_cores_percent
     if memory is None and cores is None:
@@ -209,7 +245,7 @@ def _check_share(ask: Asked, dc: DeviceClass, *, names: Mapping[Field, str]) -> 
             f"{n['mig_profile']} and {n[field]}: a MIG instance is not shared, so ask MIG instances "
             "or shares of GPUs, not both",
         )
-    if dc.sharing == "none":
+    if dc is not None and dc.sharing == "none":
         raise RequestError(
             field,
             f"{n[field]}: device class {ask.device_class!r} does not allow GPU shares (sharing: none); "

@@ -1,5 +1,11 @@
-"""The small kit every service shares: settings, NATS connect + provisioning, consumers with a
-dead-letter path, W3C trace propagation, structlog logging, guarded tasks and shutdown.
+"""The small kit every service shares, split by job (docs/architecture.md, "Layers"):
+
+* :mod:`.nats` — NATS behind one ``Bus``: connect, provisioning, traced publishes with
+  retries, durable consumers, dead letters;
+* :mod:`.kv` — state in JetStream KV: the compare-and-set record store, watches, whole reads;
+* :mod:`.observe` — logs, traces, metrics and the ops port;
+* :mod:`.process` — a service's main and shutdown, supervised tasks, embedded servers;
+* :mod:`.settings` and :mod:`.errors`, at the root because every part reads them.
 
 Error tree::
 

@@ -66,7 +66,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     instance: str = msgspec.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     node_name: str = msgspec.field(default_factory=socket.gethostname)
     log_level: str = "info"
-    ops_port: int | None = None  # /healthz, /readyz, /metrics (services.runtime.ops)
+    ops_port: int | None = None  # /healthz, /readyz, /metrics (services.runtime.observe.opsserver)
     # The address the ops port binds: every interface by default (a pod's own network); a
     # host-network pod (the node agent) binds its node's address, where kubelet probes it,
     # rather than every interface of the host.
@@ -83,9 +83,6 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # Seconds after which a replica's claim of a request, or its half-done job commit, is
     # taken for abandoned (the replica died) and taken over.
     claim_timeout: float = 30.0
-    # Fault injection for crash tests only (0 = off): seconds an allocator waits after the
-    # first node of a job commit is prepared, so a test can SIGKILL it half-way.
-    fault_job_prepare_pause: float = 0.0
     stream_replicas: int = 1
     backend: str = "simulated"
     topology_file: str | None = None

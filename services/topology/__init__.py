@@ -6,9 +6,10 @@ The tree model and file format is :class:`schemas.topology.NodeTopology` (see
 - :func:`load_topology` reads a ``.yaml``/``.yml``/``.json`` file, or a built-in by name
   (:func:`builtin_names`, :func:`builtin_path`), decodes it with msgspec and validates it.
 - :func:`dump_topology` writes a tree back as YAML or JSON.
-- :func:`import_nvidia_smi` (module :mod:`services.topology.nvsmi`) infers a tree from the
-  text of ``nvidia-smi topo -m``; :func:`relations` recomputes the GPU x NIC relation classes
-  from any tree, :func:`matrix_relations` reads them off a parsed matrix.
+- :func:`import_nvidia_smi` (module :mod:`services.topology.nvsmi`, which reads the text with
+  :mod:`services.topology.nvsmi_matrix`) infers a tree from the text of ``nvidia-smi topo -m``;
+  :func:`relations` recomputes the GPU x NIC relation classes from any tree,
+  :func:`matrix_relations` reads them off a parsed matrix.
 - :func:`render_tree` draws a tree as indented text.
 
 Errors::

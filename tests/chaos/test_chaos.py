@@ -31,7 +31,7 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.runtime.bus import Bus
+from services.runtime.nats.bus import Bus
 from tests.conftest import BusFactory
 from tools.chaos import checker
 from tools.chaos.victims import COMPONENTS, KINDS, NATS_LEADERS, Schedule

@@ -31,7 +31,7 @@ import yaml
 from cryptography import x509
 
 from services.admission import names as admission_names
-from services.admission import policy as admission_policy
+from services.admission import podwrites as admission_podwrites
 from services.runtime.settings import load_settings
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
@@ -895,7 +895,7 @@ def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
     import celpy
 
     from tests.unit.test_admission_helpers import deployment_pod, merge_patch
-    from tests.unit.test_admission_policy import assignment, persisted
+    from tests.unit.test_admission_podrules import assignment, persisted
 
     spec = one(render(), "ValidatingAdmissionPolicy", PATCH_POLICY)["spec"]
     env = celpy.Environment()
@@ -921,7 +921,7 @@ def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
         return [message for message, check in checks if not run(check)]
 
     gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
-    bound = merge_patch(gated, admission_policy.bind_patch(gated, assignment("gpu-7")))
+    bound = merge_patch(gated, admission_podwrites.bind_patch(gated, assignment("gpu-7")))
     assert denied(gated, bound) == []  # the bridge's own bind
 
     stranger = copy.deepcopy(gated)
@@ -945,7 +945,7 @@ def test_guard_policy_keeps_tandems_fields_tandems_and_device_pods_behind_the_we
     import celpy
 
     from tests.unit.test_admission_helpers import deployment_pod, merge_patch
-    from tests.unit.test_admission_policy import assignment, persisted
+    from tests.unit.test_admission_podrules import assignment, persisted
 
     docs = render()
     spec = one(docs, "ValidatingAdmissionPolicy", GUARD_POLICY)["spec"]
@@ -990,7 +990,7 @@ def test_guard_policy_keeps_tandems_fields_tandems_and_device_pods_behind_the_we
     ungated["spec"]["schedulingGates"] = []
     assert any("did not pass" in m for m in denied(None, ungated))  # a namespace the webhook skips
     assert denied(None, deployment_pod(gpu=None, rdma=None)) == []  # no devices asked: not Tandem's
-    bound = merge_patch(gated, admission_policy.bind_patch(gated, assignment("gpu-7")))
+    bound = merge_patch(gated, admission_podwrites.bind_patch(gated, assignment("gpu-7")))
     assert denied(gated, bound, user=bridge) == []  # the bridge's own bind
     assert any(
         "scheduling gate" in m for m in denied(gated, merge_patch(gated, {"spec": {"schedulingGates": []}}))

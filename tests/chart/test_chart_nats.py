@@ -35,8 +35,8 @@ from schemas.messages import Assignment, Freed
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
 from services.kube.client import KubeClient
-from services.runtime.bus import Bus, ConnectError
-from services.runtime.embedded import free_ports
+from services.runtime.nats.bus import Bus, ConnectError
+from services.runtime.process.embedded import free_ports
 from services.runtime.settings import Settings, load_settings
 from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.conftest import make_settings

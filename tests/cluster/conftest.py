@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.jaeger import Jaeger
+from services.runtime.process.jaeger import Jaeger
 from tests.cluster.build import build_all
 from tests.cluster.controlplane import CONTROL_PLANE, ControlPlane
 from tests.cluster.release import Release, running_release

@@ -46,7 +46,7 @@ import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from services.runtime.embedded import free_ports, terminate
+from services.runtime.process.embedded import free_ports, terminate
 from tests.pki import Authority, Pair
 from tests.waiting import wait_until_sync
 

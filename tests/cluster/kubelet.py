@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from services.runtime.embedded import server_binary, terminate
+from services.runtime.process.embedded import server_binary, terminate
 from tests.cluster.controlplane import ControlPlane, PodNetwork
 from tests.waiting import wait_until_sync
 

@@ -24,8 +24,8 @@ import helm_python as helm
 from schemas.messages import PodRef, RequestRecord
 from services.admission import names
 from services.client import TandemClient
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.jaeger import Jaeger
+from services.runtime.process.embedded import EmbeddedNats
+from services.runtime.process.jaeger import Jaeger
 from tests.cluster.controlplane import ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints
 from tests.waiting import wait_until_sync

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from services.admission import jobs, names
+from services.admission import jobwatch, names
 from tests.cluster.controlplane import ControlPlane
 from tests.cluster.release import Release, eventually
 from tests.cluster.test_pod_life import make_namespace, pod_of, training_pod
@@ -82,8 +82,8 @@ def test_a_whole_job_is_placed_across_nodes_at_once(release: Release, ns: str) -
     cp = release.cp
     nodes = len(release.nodes)
     for i in range(nodes):
-        pod = training_pod(f"worker-{i}", gpus=8, nics=8, annotations={jobs.JOB_SIZE: str(nodes)})
-        pod["metadata"]["labels"] = {jobs.JOB: "allreduce"}
+        pod = training_pod(f"worker-{i}", gpus=8, nics=8, annotations={jobwatch.JOB_SIZE: str(nodes)})
+        pod["metadata"]["labels"] = {jobwatch.JOB: "allreduce"}
         cp.request("POST", f"/api/v1/namespaces/{ns}/pods", pod)
     placed = [
         eventually(lambda i=i: running(cp, ns, f"worker-{i}"), what=f"worker-{i}") for i in range(nodes)

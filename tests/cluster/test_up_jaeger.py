@@ -20,7 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from services.runtime.embedded import free_ports
+from services.runtime.process.embedded import free_ports
 from tests.cluster.release import eventually
 
 TANDEM = str(Path(sys.executable).parent / "tandem")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.process.embedded import EmbeddedNats
 from tests.e2e.test_cli_up import TANDEM, free_port, start_up
 
 pytestmark = pytest.mark.integration

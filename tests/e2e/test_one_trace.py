@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.process.embedded import EmbeddedNats
 from tests.otlp import ReceivedSpan, otlp_receiver
 from tests.waiting import wait_until
 

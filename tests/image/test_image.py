@@ -44,7 +44,7 @@ from aiohttp.test_utils import RawTestServer
 from schemas import codec, messages, permissions
 from services.admission import names
 from services.authcallout.service import NODE_NAME_EXTRA, POD_NAME_EXTRA
-from services.runtime.embedded import free_ports
+from services.runtime.process.embedded import free_ports
 from tests.chart.test_chart import NAMESPACE, RELEASE, component, one, render, workloads
 from tests.image import host
 from tests.image.conftest import VERSION, BuiltImage

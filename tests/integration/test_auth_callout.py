@@ -29,8 +29,8 @@ from schemas.messages import Assignment, Freed
 from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Denied, Reviewer
 from services.kube.client import KubeClient
-from services.runtime.bus import Bus, ConnectError
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.nats.bus import Bus, ConnectError
+from services.runtime.process.embedded import EmbeddedNats
 from tests.conftest import make_settings
 from tests.kube_tokens import TokenReviews, token_review_server
 from tests.secured import NODES, Stack, start_stack

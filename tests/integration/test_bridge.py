@@ -2,7 +2,7 @@
 
 The test plays the allocator: it reads ``alloc.request`` from the stream, writes the
 ``RequestRecord``\\ s the allocator would, and publishes ``Assignment`` / ``AllocationFailed``.
-Pods are admitted by the real webhook policy (so they carry the gate, label, defaults and the
+Pods are admitted by the real webhook rules (so they carry the gate, label, defaults and the
 ``tandem.io/traceparent`` a real pod would) and then created through the emulator's HTTP API
 with the name and UID the API server would assign.
 """
@@ -39,11 +39,11 @@ from schemas.messages import (
     Release,
     RequestRecord,
 )
-from services.admission import names, policy
+from services.admission import names, podrules
 from services.admission.bridge import Bridge
 from services.kube.client import KubeClient
-from services.runtime.bus import Bus
-from services.runtime.tracing import current_traceparent, extract, setup_tracing, tracer
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.tracing import current_traceparent, extract, setup_tracing, tracer
 from tests.conftest import BusFactory
 from tests.unit.test_admission_helpers import deployment_pod
 
@@ -245,10 +245,10 @@ async def stream_messages(bus: Bus, subject: str) -> list[tuple[Any, dict[str, s
 
 
 async def create_pod(emu: Any, name: str, **pod_kwargs: Any) -> dict[str, Any]:
-    """Admit a Deployment pod with the webhook policy, then persist it as the API server would."""
+    """Admit a Deployment pod with the webhook rules, then persist it as the API server would."""
     pod = deployment_pod(**pod_kwargs)
     with tracer("test").start_as_current_span("admission.admit"):
-        verdict = policy.admit(
+        verdict = podrules.admit(
             pod, operation="CREATE", device_classes=CLASSES, traceparent=current_traceparent()
         )
     assert verdict.allowed, verdict.message

@@ -23,11 +23,11 @@ import pytest
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, AllocRecord, Freed, NodeAllocations, Release, RequestRecord
-from services.admission import names, policy
+from services.admission import names, podrules
 from services.admission.bridge import Bridge
 from services.kube.client import KubeClient
 from services.nodeagent.deviceplugin import logic as plugin
-from services.runtime.bus import Bus
+from services.runtime.nats.bus import Bus
 from tests.conftest import BusFactory, make_settings
 from tests.e2e.test_cli_up import TANDEM
 from tests.integration import test_bridge as tb
@@ -458,10 +458,10 @@ async def mig_stack(nats_url: str, clean_jetstream: None) -> AsyncIterator[Local
 
 
 async def create_mig_pod(emu: Any, name: str, *, count: str, rdma: str, annotations: dict[str, str]) -> None:
-    """A pod asking ``tandem.io/mig`` (admitted by the webhook policy, persisted)."""
+    """A pod asking ``tandem.io/mig`` (admitted by the webhook rules, persisted)."""
     pod = deployment_pod(gpu=None, rdma=rdma, annotations=annotations)
     pod["spec"]["containers"][0]["resources"]["limits"][names.RESOURCE_MIG] = count
-    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES)
+    verdict = podrules.admit(pod, operation="CREATE", device_classes=CLASSES)
     assert verdict.allowed, verdict.message
     admitted: dict[str, Any] = jsonpatch.apply_patch(pod, verdict.patch)
     admitted["metadata"].update(name=name, uid=str(uuid.uuid4()), resourceVersion="1")

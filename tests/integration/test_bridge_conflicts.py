@@ -15,7 +15,7 @@ import pytest
 from schemas import subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, AssignedGpu, Assignment, PodRef
-from services.admission import names, policy
+from services.admission import names, podrules, podwrites
 from services.admission.bridge import Bridge
 from tests.conftest import BusFactory
 from tests.unit.test_admission_helpers import FakeKube, deployment_pod
@@ -93,9 +93,9 @@ async def test_pod_changed_between_read_and_bind_is_reread_and_bound(running: tu
 
 async def test_event_left_by_an_earlier_bridge_keeps_counting(running: tuple[FakeKube, Any]) -> None:
     kube, allocator = running
-    name = policy.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
-    earlier = policy.event_body(
-        policy.read_pod(kube.objects[("pod", "ml", "p")]),
+    name = podwrites.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
+    earlier = podwrites.event_body(
+        podrules.read_pod(kube.objects[("pod", "ml", "p")]),
         name=name,
         reason=names.EVENT_REASON_FAILED,
         message="no room",
@@ -116,7 +116,7 @@ async def test_event_left_by_an_earlier_bridge_keeps_counting(running: tuple[Fak
 @pytest.mark.parametrize("event_interval", [1.0])
 async def test_throttled_repeats_are_written_later_not_dropped(running: tuple[FakeKube, Any]) -> None:
     kube, allocator = running
-    name = policy.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
+    name = podwrites.event_name("p", f"{UID}/{names.EVENT_REASON_FAILED}")
     for i in range(3):
         failed = AllocationFailed(request_id=RID, pod=REF, reason="no room")
         await allocator.publish(subjects.ALLOC_FAILED, failed, msg_id=f"f{i}")

@@ -14,9 +14,9 @@ import pytest
 
 from schemas import codec, subjects
 from schemas.messages import JobRecord, JobRequest
-from services.admission import jobs, names, policy
-from services.runtime.bus import Bus
-from services.runtime.kvwatch import read_bucket
+from services.admission import jobwatch, names, podrules, podwrites
+from services.runtime.kv.watch import read_bucket
+from services.runtime.nats.bus import Bus
 from tests.conftest import BusFactory, make_settings
 from tests.integration.test_bridge import CLASSES, StartBridge, apiserver, start_bridge, stream_messages
 from tests.unit.test_admission_helpers import deployment_pod
@@ -41,12 +41,12 @@ async def nodes(nats_url: str, bus_factory: BusFactory) -> AsyncIterator[LocalSt
 
 
 async def create_job_pod(emu: Any, job: str, index: int, *, size: int) -> dict[str, Any]:
-    """A pod of ``job`` admitted by the webhook policy and persisted as the API server would."""
+    """A pod of ``job`` admitted by the webhook rules and persisted as the API server would."""
     pod = deployment_pod(
-        gpu="8", rdma="8", annotations={jobs.JOB_SIZE: str(size), jobs.JOB_INDEX: str(index)}
+        gpu="8", rdma="8", annotations={jobwatch.JOB_SIZE: str(size), jobwatch.JOB_INDEX: str(index)}
     )
-    pod["metadata"]["labels"][jobs.JOB] = job
-    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES, traceparent=None)
+    pod["metadata"]["labels"][jobwatch.JOB] = job
+    verdict = podrules.admit(pod, operation="CREATE", device_classes=CLASSES, traceparent=None)
     assert verdict.allowed, verdict.message
     admitted: dict[str, Any] = jsonpatch.apply_patch(pod, verdict.patch)
     admitted["metadata"].update(name=f"{job}-{index}", uid=str(uuid.uuid4()), resourceVersion="1")
@@ -100,7 +100,7 @@ async def test_an_eight_pod_job_is_requested_once_and_bound_whole(
     assert [m.name for m in job.members] == [f"train-{i}" for i in range(8)]
     nodes_used = set()
     for i in range(8):
-        ann = policy.read_assignment_annotation(policy.read_pod(pod(emu, f"train-{i}")))
+        ann = podwrites.read_assignment_annotation(podrules.read_pod(pod(emu, f"train-{i}")))
         assert ann is not None and ann.request_id == f"{job.job_id}/{i}"
         nodes_used.add(ann.node)
     assert len(nodes_used) == 8
@@ -131,7 +131,7 @@ async def test_a_job_missing_pods_gets_an_event_and_holds_nothing(
         return [
             dict(obj.raw)
             for key, obj in emu.objects.items()
-            if key[0] == "v1/events" and obj.raw.get("reason") == jobs.EVENT_REASON_WAITING
+            if key[0] == "v1/events" and obj.raw.get("reason") == jobwatch.EVENT_REASON_WAITING
         ]
 
     await wait_until(lambda: len(waiting_events()) == 3, timeout=20, what="an Event on each of the 3 pods")

@@ -23,9 +23,10 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from services.runtime.bus import Bus, Delivery, Handler, Refuse, Retry, _Budget, provision
-from services.runtime.records import RecordStore, RecordTooLarge
-from services.runtime.tracing import setup_tracing, tracer
+from services.runtime.kv.records import RecordStore, RecordTooLarge
+from services.runtime.nats.bus import Bus, Delivery, Handler, Refuse, Retry, provision
+from services.runtime.nats.deadletters import _Budget
+from services.runtime.observe.tracing import setup_tracing, tracer
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 
@@ -98,9 +99,9 @@ def test_undecodable_message_error_names_the_field() -> None:
 async def test_message_that_keeps_breaking_its_handler_is_parked_on_the_dlq(
     bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.runtime import bus as bus_module
+    from services.runtime.nats import consume
 
-    monkeypatch.setattr(bus_module, "MAX_HANDLER_ATTEMPTS", 3)
+    monkeypatch.setattr(consume, "MAX_HANDLER_ATTEMPTS", 3)
     bus = await bus_factory("allocator")
     attempts: list[int] = []
     stop = asyncio.Event()
@@ -167,9 +168,9 @@ async def _consume_until_parked(
 async def test_a_wait_that_never_ends_is_parked_not_redelivered_forever(
     bus_factory: BusFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from services.runtime import bus as bus_module
+    from services.runtime.nats import consume
 
-    monkeypatch.setattr(bus_module, "MAX_RETRY_DELIVERIES", 3)
+    monkeypatch.setattr(consume, "MAX_RETRY_DELIVERIES", 3)
     waits: list[int] = []
 
     async def waiting(msg: AllocationRequest, d: Delivery) -> None:

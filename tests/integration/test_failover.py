@@ -45,9 +45,10 @@ from schemas.messages import (
     PodRef,
 )
 from services.client import TandemClient
-from services.runtime.bus import Bus
-from services.runtime.embedded import EmbeddedNatsCluster
+from services.runtime.nats.bus import Bus
+from services.runtime.process.embedded import EmbeddedNatsCluster
 from tests.conftest import BusFactory, make_settings
+from tests.integration.seams import before_commit
 from tools.localstack import FleetEntry, LocalStack
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
@@ -341,7 +342,7 @@ async def test_commit_whose_reply_was_lost_is_finished_not_redone(
 
 
 async def test_request_placed_while_deciding_is_not_placed_again(
-    small_stack: tuple[LocalStack, TandemClient],
+    small_stack: tuple[LocalStack, TandemClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Between decide and commit the request shows up in another node's record (our earlier,
     reply-lost commit arriving through the watch): the allocator must not commit it twice."""
@@ -363,7 +364,7 @@ async def test_request_placed_while_deciding_is_not_placed_again(
             lambda: asyncio.sleep(0, r.request_id in allocator.placed), timeout=5, what="watch delivery"
         )
 
-    allocator.before_commit = earlier_commit_arrives
+    before_commit(monkeypatch, allocator, earlier_commit_arrives)
     assert await allocator.handle_request(req) == "duplicate"
     assert await holders(client, req.request_id) == landed
     record = await client.request_record(req.request_id)
@@ -380,7 +381,7 @@ async def test_publish_retries_until_its_deadline_then_raises(bus_factory: BusFa
 
 
 async def test_release_that_waited_for_the_decision_frees_the_placement(
-    small_stack: tuple[LocalStack, TandemClient],
+    small_stack: tuple[LocalStack, TandemClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A release sent before the assignment was known (to ``_unplaced``) is handled while the
     request is still being decided (both queued behind a fail-over): it must free the
@@ -396,7 +397,7 @@ async def test_release_that_waited_for_the_decision_frees_the_placement(
             await client.release(r.request_id)  # no assignment seen yet: goes to _unplaced
             await asyncio.sleep(0.5)  # the allocator's release handler now waits for the lock
 
-    allocator.before_commit = release_arrives_mid_decision
+    before_commit(monkeypatch, allocator, release_arrives_mid_decision)
     await client.submit(req)
     assert isinstance(await client.wait_for(req.request_id, (Assignment,)), Assignment)
     freed = await client.wait_for(req.request_id, (Freed,), timeout=10)

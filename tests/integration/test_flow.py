@@ -27,8 +27,9 @@ from schemas.messages import (
 )
 from services.allocator.core import Placement
 from services.client import TandemClient
-from services.runtime import tracing
+from services.runtime.observe import tracing
 from tests.conftest import BusFactory, make_settings
+from tests.integration.seams import before_commit
 from tests.waiting import wait_until
 from tools.localstack import FleetEntry, LocalStack
 
@@ -102,7 +103,9 @@ async def test_request_assigned_applied_released_cleaned_freed(
     await cleaned.unsubscribe()
 
 
-async def test_two_allocators_racing_on_one_node_never_share_a_device(stack_factory) -> None:  # type: ignore[no-untyped-def]
+async def test_two_allocators_racing_on_one_node_never_share_a_device(  # type: ignore[no-untyped-def]
+    stack_factory, monkeypatch: pytest.MonkeyPatch
+) -> None:
     stack, _ = await stack_factory([FleetEntry("dgx-h100", 1, "h100")], allocators=2)
     a0, a1 = stack.allocators
     barrier = asyncio.Barrier(2)
@@ -113,7 +116,8 @@ async def test_two_allocators_racing_on_one_node_never_share_a_device(stack_fact
         if len(decided) <= 2:
             await barrier.wait()  # both replicas now hold the same stale view of the node
 
-    a0.before_commit = a1.before_commit = hold_until_both_decided
+    before_commit(monkeypatch, a0, hold_until_both_decided)
+    before_commit(monkeypatch, a1, hold_until_both_decided)
     r0, r1 = request("r0", 4, 4), request("r1", 4, 4)
     outcomes = await asyncio.gather(a0.handle_request(r0), a1.handle_request(r1))
 

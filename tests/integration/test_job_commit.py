@@ -1,6 +1,6 @@
 """Whole jobs over real NATS: placed all or nothing, released per pod or whole, and a job
 commit killed half-way (SIGKILL of a real allocator process) leaves nothing held and is
-placed once (services/allocator/jobs.py)."""
+placed once (services/allocator/jobplacement.py)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, JobRecord, JobRequest, NodeAllocations, PodRef, Release
-from services.runtime.bus import Bus
-from services.runtime.kvwatch import read_bucket
+from services.runtime.kv.watch import read_bucket
+from services.runtime.nats.bus import Bus
 from tests.conftest import make_settings
 from tests.waiting import wait_until
 from tools.localstack import FleetEntry, LocalStack
@@ -217,7 +217,7 @@ def free_port() -> int:
 
 
 async def start_allocator(
-    nats_url: str, tmp_path: Path, name: str, **settings: object
+    nats_url: str, tmp_path: Path, name: str, *, module: str = "services.allocator", **settings: object
 ) -> tuple[asyncio.subprocess.Process, int]:
     port = free_port()
     cfg = tmp_path / f"{name}.yaml"
@@ -227,7 +227,7 @@ async def start_allocator(
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "services.allocator",
+        module,
         "--config",
         str(cfg),
         stdout=asyncio.subprocess.DEVNULL,
@@ -257,8 +257,11 @@ async def test_a_job_commit_killed_half_way_holds_nothing_and_is_placed_once(
     procs: list[asyncio.subprocess.Process] = []
     common = {"claim_timeout": 1.0, "ack_wait": 8.0}
     try:
-        # Replica a pauses after preparing the first node of a job commit.
-        a, _ = await start_allocator(nats_url, tmp_path, "alloc-a", fault_job_prepare_pause=120, **common)
+        # Replica a pauses after preparing the first node of a job commit (a fault installed
+        # from outside the allocator: tests/integration/pausing_allocator.py).
+        a, _ = await start_allocator(
+            nats_url, tmp_path, "alloc-a", module="tests.integration.pausing_allocator", **common
+        )
         procs.append(a)
         await submit(bus, job("gang", 3))
 

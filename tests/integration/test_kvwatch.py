@@ -14,8 +14,8 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec
 from schemas.messages import AllocatorHeartbeat
-from services.runtime.bus import Bus
-from services.runtime.kvwatch import RawChange, read_bucket, read_paced, watch_raw
+from services.runtime.kv.watch import RawChange, read_bucket, read_paced, watch_raw
+from services.runtime.nats.bus import Bus
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from services.runtime.embedded import EmbeddedNats
+from services.runtime.process.embedded import EmbeddedNats
 from tests.waiting import wait_until_sync
 
 pytestmark = pytest.mark.integration
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.integration
 # does not reconnect after that.
 BREAKER = """
 import sys
-from services.runtime.lifecycle import service_main
+from services.runtime.process.lifecycle import service_main
 
 class Breaker:
     def __init__(self, bus):
@@ -47,7 +47,7 @@ sys.exit(service_main("inventory", build, []))
 # its node records cannot be written): its /readyz must say so, and why.
 UNREADY = """
 import sys
-from services.runtime.lifecycle import service_main
+from services.runtime.process.lifecycle import service_main
 
 class Unready:
     async def start(self):

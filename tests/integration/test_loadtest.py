@@ -25,7 +25,7 @@ from opentelemetry import trace
 
 from schemas import codec, subjects
 from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
-from services.runtime.tracing import context_from_traceparent
+from services.runtime.observe.tracing import context_from_traceparent
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until
 from tools.loadtest import checker, harness, invariants

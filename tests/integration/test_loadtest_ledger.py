@@ -32,7 +32,7 @@ from schemas.messages import (
     RequestRecord,
 )
 from services.client import TandemClient
-from services.runtime.bus import Bus
+from services.runtime.nats.bus import Bus
 from services.runtime.settings import load_settings
 from tests.conftest import BusFactory, make_settings
 from tests.waiting import wait_until

@@ -42,8 +42,8 @@ from services.authcallout import natsjwt
 from services.authcallout.service import AuthCallout, Reviewer
 from services.inventory.service import Inventory
 from services.kube.client import KubeClient
-from services.runtime.bus import PUBLISH_ATTEMPT_TIMEOUT_S, Bus
-from services.runtime.embedded import EmbeddedNats, free_ports
+from services.runtime.nats.bus import PUBLISH_ATTEMPT_TIMEOUT_S, Bus
+from services.runtime.process.embedded import EmbeddedNats, free_ports
 from tests.conftest import make_settings
 from tests.waiting import wait_until, wait_until_sync
 

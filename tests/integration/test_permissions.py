@@ -36,7 +36,7 @@ from schemas.messages import (
     PodRef,
     Release,
 )
-from services.runtime.bus import provision
+from services.runtime.nats.bus import provision
 from tests.secured import (
     DENIED_TIMEOUT,
     NODES,

@@ -17,7 +17,7 @@ from prometheus_client import REGISTRY
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, Freed, PodRef, PreemptionPlan
-from services.allocator.preemption import reservation_key
+from services.allocator.evictionplans import reservation_key
 from services.client import TandemClient
 from tests.conftest import BusFactory
 from tests.integration.dgx import one_dgx

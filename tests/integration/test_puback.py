@@ -14,9 +14,9 @@ from nats.js import api
 from nats.js.errors import APIError, NoStreamResponseError, NotFoundError
 
 from schemas import subjects
-from services.runtime.bus import Bus
-from services.runtime.puback import AckInbox, MsgIds
-from services.runtime.tasks import Supervisor
+from services.runtime.nats.bus import Bus
+from services.runtime.nats.puback import AckInbox, MsgIds
+from services.runtime.process.tasks import Supervisor
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 from tools.loadtest.publisher import AsyncPublisher

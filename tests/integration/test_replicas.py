@@ -13,7 +13,7 @@ from services.allocator import replicas as replicas_mod
 from services.allocator.core import Cluster
 from services.allocator.readmodel import ReadModel
 from services.allocator.replicas import Replicas
-from services.runtime.tasks import Supervisor
+from services.runtime.process.tasks import Supervisor
 from tests.conftest import BusFactory
 from tests.waiting import wait_until
 

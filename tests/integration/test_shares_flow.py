@@ -19,6 +19,7 @@ from schemas.messages import AllocationRequest, Assignment, Freed, PodRef
 from services.allocator.core import Placement
 from services.client import TandemClient
 from tests.integration.dgx import one_dgx
+from tests.integration.seams import before_commit
 from tests.waiting import wait_until
 from tools.localstack import LocalStack
 
@@ -88,7 +89,7 @@ async def two_replicas(
 
 
 async def test_two_replicas_racing_for_one_gpus_memory_never_overcommit_it(
-    two_replicas: tuple[LocalStack, TandemClient],
+    two_replicas: tuple[LocalStack, TandemClient], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Seven GPUs held whole, then two shares of 50 GiB each (an 80 GiB GPU takes one) decided
     by two replicas on the same view: both choose the eighth GPU; the commit that comes
@@ -109,7 +110,8 @@ async def test_two_replicas_racing_for_one_gpus_memory_never_overcommit_it(
         if len(decided) <= 2:
             await barrier.wait()  # both replicas now hold the same view of the node
 
-    a0.before_commit = a1.before_commit = hold_until_both_decided
+    before_commit(monkeypatch, a0, hold_until_both_decided)
+    before_commit(monkeypatch, a1, hold_until_both_decided)
     mem = 50 * 1024
     r0 = request("r0", 1, device_class="shared", gpu_memory_mib=mem)
     r1 = request("r1", 1, device_class="shared", gpu_memory_mib=mem)

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from schemas import subjects
-from services.runtime.bus import Bus, ConnectError
-from services.runtime.embedded import EmbeddedNats
 from services.runtime.errors import SettingsError
+from services.runtime.nats.bus import Bus, ConnectError
+from services.runtime.process.embedded import EmbeddedNats
 from tests.conftest import make_settings
 from tests.pki import Authority, Pair
 
@@ -97,7 +97,7 @@ async def test_a_server_the_client_does_not_trust_is_refused_with_the_setting_to
 
 
 def test_a_certificate_file_that_cannot_be_read_fails_at_start_naming_the_setting(tmp_path: Path) -> None:
-    from services.runtime.natsauth import tls_context
+    from services.runtime.nats.auth import tls_context
 
     settings = make_settings(
         "tls://127.0.0.1:1",

@@ -26,7 +26,7 @@ from prometheus_client import start_http_server
 
 from schemas import subjects
 from services.admission.webhook import Webhook
-from services.runtime.metrics import service_registry
+from services.runtime.observe.metrics import service_registry
 from tests.prometheus.conftest import CHART_FILES, ROOT, Tools
 
 TANDEM = str(Path(sys.executable).parent / "tandem")

@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 
 from schemas.config import DeviceClass
-from services.admission import names, policy
+from services.admission import names, podrules
 from services.admission.errors import PolicyError
 from tests.unit.test_admission_helpers import deployment_pod
-from tests.unit.test_admission_policy import persisted
+from tests.unit.test_admission_podrules import persisted
 
 CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami")}
 
@@ -27,12 +27,12 @@ def mig_pod(
 
 def test_a_mig_pod_becomes_a_mig_request() -> None:
     pod = persisted(mig_pod("2", annotations={names.MIG_PROFILE: " 1g.10gb "}, rdma="2"))
-    req = policy.allocation_request(policy.read_pod(pod), device_classes=CLASSES)
+    req = podrules.allocation_request(podrules.read_pod(pod), device_classes=CLASSES)
     assert req is not None
     assert (req.gpus, req.rdma, req.mig_profile, req.pairing) == (2, 2, "1g.10gb", "per-gpu")
     assert req.gpu_memory_mib is None and req.gpu_cores_percent is None
     # The webhook writes the normalised profile back, like the other annotations.
-    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES)
+    verdict = podrules.admit(pod, operation="CREATE", device_classes=CLASSES)
     assert verdict.allowed and verdict.request is not None
     assert verdict.request.annotations()[names.MIG_PROFILE] == "1g.10gb"
 
@@ -65,6 +65,6 @@ def test_a_mig_pod_becomes_a_mig_request() -> None:
 )
 def test_wrong_mig_pods_are_refused_with_the_reason(pod: dict[str, Any], why: str) -> None:
     with pytest.raises(PolicyError, match=why):
-        policy.resolve(policy.read_pod(pod), device_classes=CLASSES)
-    verdict = policy.admit(pod, operation="CREATE", device_classes=CLASSES)
+        podrules.resolve(podrules.read_pod(pod), device_classes=CLASSES)
+    verdict = podrules.admit(pod, operation="CREATE", device_classes=CLASSES)
     assert not verdict.allowed and verdict.code == 403

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from schemas.config import DeviceClass
-from services.admission import names, policy
+from services.admission import names, podrules
 from services.admission.errors import PolicyError
 from tests.unit.test_admission_helpers import deployment_pod
-from tests.unit.test_admission_policy import persisted
+from tests.unit.test_admission_podrules import persisted
 
 CLASSES = {"default": DeviceClass(), "shared": DeviceClass(sharing="hami")}
 
@@ -27,12 +27,12 @@ def share_pod(
 def test_a_share_pod_becomes_a_share_request() -> None:
     ann = {names.DEVICE_CLASS: "shared", names.GPU_MEMORY_MIB: "20480", names.GPU_CORES_PERCENT: "25"}
     pod = persisted(share_pod("2", annotations=ann, rdma="2"))
-    req = policy.allocation_request(policy.read_pod(pod), device_classes=CLASSES)
+    req = podrules.allocation_request(podrules.read_pod(pod), device_classes=CLASSES)
     assert req is not None
     assert (req.gpus, req.rdma, req.gpu_memory_mib, req.gpu_cores_percent) == (2, 2, 20480, 25)
     assert req.device_class == "shared" and req.pairing == "per-gpu"
     # The webhook writes the normalised size back, like the other annotations.
-    resolved = policy.resolve(policy.read_pod(pod), device_classes=CLASSES)
+    resolved = podrules.resolve(podrules.read_pod(pod), device_classes=CLASSES)
     assert resolved is not None
     assert resolved.annotations()[names.GPU_MEMORY_MIB] == "20480"
     assert resolved.annotations()[names.GPU_CORES_PERCENT] == "25"
@@ -40,11 +40,12 @@ def test_a_share_pod_becomes_a_share_request() -> None:
 
 def test_compute_only_share_leaves_memory_out() -> None:
     ann = {names.DEVICE_CLASS: "shared", names.GPU_CORES_PERCENT: "50"}
-    req = policy.allocation_request(
-        policy.read_pod(persisted(share_pod(annotations=ann))), device_classes=CLASSES
+    req = podrules.allocation_request(
+        podrules.read_pod(persisted(share_pod(annotations=ann))), device_classes=CLASSES
     )
     assert req is not None and (req.gpus, req.gpu_memory_mib, req.gpu_cores_percent) == (1, None, 50)
-    resolved = policy.resolve(policy.read_pod(persisted(share_pod(annotations=ann))), device_classes=CLASSES)
+    pod = podrules.read_pod(persisted(share_pod(annotations=ann)))
+    resolved = podrules.resolve(pod, device_classes=CLASSES)
     assert resolved is not None and names.GPU_MEMORY_MIB not in resolved.annotations()
 
 
@@ -77,4 +78,4 @@ def test_compute_only_share_leaves_memory_out() -> None:
 )
 def test_wrong_share_pods_are_refused_with_the_reason(pod: dict[str, Any], why: str) -> None:
     with pytest.raises(PolicyError, match=why):
-        policy.resolve(policy.read_pod(pod), device_classes=CLASSES)
+        podrules.resolve(podrules.read_pod(pod), device_classes=CLASSES)

@@ -26,7 +26,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from schemas.config import DeviceClass
 from services.admission import names
 from services.admission.webhook import MAX_BODY, CertReloader, Webhook, start_server
-from services.runtime.tracing import setup_tracing
+from services.runtime.observe.tracing import setup_tracing
 from tests.unit.test_admission_helpers import deployment_pod, review, write_self_signed
 
 K8S_VERSION = kubernetes_validate.latest_version()

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from nats.aio.client import Client
 
-from services.runtime.bus import _CoalescingClient
+from services.runtime.nats.connection import _CoalescingClient
 
 
 def test_the_attributes_the_flusher_uses_still_exist() -> None:
@@ -39,7 +39,7 @@ def test_the_override_is_the_library_loop_plus_one_yield() -> None:
 
 
 def test_the_attributes_the_ack_inbox_uses_still_exist() -> None:
-    # services/runtime/puback.py: its reply subjects live under the client's inbox prefix
+    # services/runtime/nats/puback.py: its reply subjects live under the client's inbox prefix
     # (the user's own, where permissions name one) and a NUID names its subscription.
     client = Client()
     assert isinstance(client._inbox_prefix, bytearray)

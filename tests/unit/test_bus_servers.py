@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.runtime.errors import SettingsError
-from services.runtime.natsauth import server_list
+from services.runtime.nats.auth import server_list
 
 
 def test_one_url_is_a_one_server_list() -> None:

@@ -16,7 +16,7 @@ from schemas import codec
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, AssignedGpu, AssignedMig, Assignment, PodRef
 from schemas.topology import MIG_PROFILE_PATTERN
-from services.admission import claims, names, policy
+from services.admission import claims, names, podrules
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
 
@@ -361,7 +361,7 @@ def test_documented_examples_are_valid_claims_and_pods_that_use_them(example: st
         )
         pod = {"apiVersion": "v1", "kind": "Pod", **pod}
         assert pod["metadata"]["annotations"][names.CLAIM] == claim_doc["metadata"]["name"]
-        verdict = policy.admit(pod, operation="CREATE", device_classes={"default": DeviceClass()})
+        verdict = podrules.admit(pod, operation="CREATE", device_classes={"default": DeviceClass()})
         assert verdict.allowed and verdict.request is not None
         assert (verdict.request.gpus, verdict.request.rdma) == (req.gpus, req.rdma)
         assert verdict.request.mig_profile == req.mig_profile

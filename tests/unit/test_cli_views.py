@@ -12,7 +12,8 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
-from tools.cli.ops import age, build_rows, compact, without_id
+from tools.cli.request_rows import build_rows
+from tools.cli.views import age, compact, without_id
 
 
 def request(rid: str, *, created: float) -> AllocationRequest:
@@ -99,7 +100,8 @@ def test_a_shared_gpu_lists_every_holder_with_its_share() -> None:
     two holders, each with its size; the assignment tables show a share's size by its GPU."""
     from schemas.messages import AssignedMig, NodeRecord
     from services.topology import load_topology
-    from tools.cli.ops import _device_state_text, assignment_rows, device_states
+    from tools.cli.devices import device_state_text, device_states
+    from tools.cli.views import assignment_rows
 
     def share(rid: str, mem: int | None, cores: int | None) -> AllocRecord:
         gpu = AssignedGpu(index=2, uuid="GPU-2", memory_mib=mem, cores_percent=cores)
@@ -129,9 +131,9 @@ def test_a_shared_gpu_lists_every_holder_with_its_share() -> None:
         {"pod": "inf/a", "request_id": "a.1", "memory_mib": 20480, "cores_percent": 0},
         {"pod": "inf/b", "request_id": "b.1", "memory_mib": 10240, "cores_percent": 50},
     ]
-    assert _device_state_text(gpu2) == "shared by inf/a (20480 MiB), inf/b (10240 MiB, 50 %)"
-    assert _device_state_text(states["gpu1"]) == "used by inf/m (MIG 1g.10gb gpu1-mig9-0)"
-    assert _device_state_text(states["gpu3"]) == "used by team/w" and states["gpu3"]["state"] == "used"
+    assert device_state_text(gpu2) == "shared by inf/a (20480 MiB), inf/b (10240 MiB, 50 %)"
+    assert device_state_text(states["gpu1"]) == "used by inf/m (MIG 1g.10gb gpu1-mig9-0)"
+    assert device_state_text(states["gpu3"]) == "used by team/w" and states["gpu3"]["state"] == "used"
     assert states["gpu0"]["state"] == "free" and states["gpu0"]["holders"] == []
     rows = assignment_rows([allocs.allocations["b.1"].assignment, allocs.allocations["w.1"].assignment])
     assert rows == [["inf/b", "n1", "2 (10240 MiB, 50 %)", "-", "-"], ["team/w", "n1", "3", "-", "-"]]

@@ -78,11 +78,33 @@ def test_a_job() -> None:
         (["--claim", "t/C", "--gpus", "1"], "is not a Kubernetes DeviceClaim name"),
         (["--job", "T/j", "--pods", "1", "--gpus", "1"], "is not a Kubernetes namespace name"),
         (["--job", "t/j", "--pods", "1", "--gpus", "65"], "invalid request"),
+        # The wire's bounds name the flag; the request resolver's rules (services.request.check)
+        # too, for a pod, a claim and each pod of a job alike.
+        (["--gpus", "65"], "invalid request: --gpus: Expected `int` <= 64"),
+        (["--gpus", "1", "--mtu", "5"], "invalid request: --mtu: "),
+        (["--gpus", "2", "--rdma", "1", "--pairing", "per-gpu"], "--pairing: per-gpu gives every GPU"),
+        (["--gpus", "0"], "--gpus and --rdma are both 0"),
+        (
+            ["--claim", "t/c", "--gpus", "1", "--mig-profile", "1g.10gb", "--gpu-cores-percent", "5"],
+            "--mig-profile and --gpu-cores-percent: a MIG instance is not shared",
+        ),
+        (
+            ["--job", "t/j", "--pods", "2", "--gpus", "2", "--rdma", "1", "--pairing", "per-gpu"],
+            "as many --rdma as --gpus",
+        ),
     ],
 )
 def test_refused_before_connecting(args: list[str], said: str) -> None:
     with pytest.raises(CliError, match=said.replace("(", r"\(")):
         submission(*args)
+
+
+def test_the_class_is_the_allocators_to_judge() -> None:
+    """The CLI does not know the running system's classes: an unknown class, or shares of a
+    class that may not share, go out as asked (the allocator answers `rejected: ...`)."""
+    odd = submission("--gpus", "1", "--device-class", "nosuch", "--gpu-memory-mib", "4096")
+    assert odd.request is not None and odd.request.device_class == "nosuch"
+    assert (odd.request.scope, odd.request.pairing, odd.request.preemption) == (None, None, None)
 
 
 def test_found_again_by_name() -> None:

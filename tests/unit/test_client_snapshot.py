@@ -19,7 +19,7 @@ import pytest
 from schemas import codec
 from schemas.messages import AllocatorHeartbeat
 from services.client import TandemClient
-from services.runtime import kvread
+from services.runtime.kv import read as kvread
 
 ENTRY = SimpleNamespace  # key, value, revision, operation: what nats-py's KeyValue.Entry has
 

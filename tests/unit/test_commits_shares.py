@@ -14,7 +14,7 @@ import pytest
 
 from schemas.messages import AllocRecord, AssignedGpu, Assignment, NodeAllocations, PodRef
 from services.allocator import commits
-from services.runtime.records import Conflict
+from services.runtime.kv.records import Conflict
 
 ROOM = commits.ShareRoom(memory_mib={"gpu0": 80_000, "gpu1": 80_000}, max_shares=3)
 

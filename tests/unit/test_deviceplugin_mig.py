@@ -20,7 +20,7 @@ import pytest
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import NodeTopology
 from services.allocator.core import Cluster, Placement
-from services.allocator.wire import build_assignment
+from services.allocator.placer import build_assignment
 from services.nodeagent.backends.host import HostBackend
 from services.nodeagent.backends.nvml import NvmlBackend
 from services.nodeagent.backends.simulated import SimulatedApplier

@@ -1,4 +1,4 @@
-"""services.runtime.embedded.free_ports: ports for processes started next, out of the way of
+"""services.runtime.process.embedded.free_ports: ports for processes started next, out of the way of
 outgoing connections (below the kernel's ephemeral range), free, never handed out twice."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from services.runtime import embedded
+from services.runtime.process import embedded
 
 
 def test_ports_are_distinct_free_and_below_the_ephemeral_range() -> None:

@@ -23,8 +23,8 @@ from schemas.messages import (
 )
 from services.allocator import jobcommits
 from services.allocator.commits import AlreadyDone, DifferentRequest
-from services.runtime.bus import Retry
-from services.runtime.records import Conflict
+from services.runtime.kv.records import Conflict
+from services.runtime.nats.bus import Retry
 
 JOB = JobRequest(job_id="train", pods=2, gpus=1, namespace="ml")
 
@@ -143,7 +143,7 @@ class World:
 
 
 class Replica:
-    """One replica's attempt as a sequence of steps (services/allocator/jobs.py, _attempt)."""
+    """One replica's attempt as a sequence of steps (services/allocator/jobplacement.py, _attempt)."""
 
     def __init__(self, world: World, name: str) -> None:
         self.world, self.name = world, name

@@ -7,7 +7,7 @@ import pytest
 from nats.aio.msg import Msg
 from nats.errors import NotJSMessageError
 
-from services.runtime.jsack import Position, position
+from services.runtime.nats.jsack import Position, position
 
 V1 = "$JS.ACK.KV_tandem-allocs.Xx1Yy2.3.4711.88.1764633600123456789.12"
 V2 = "$JS.ACK._.ACC7HASH.KV_tandem-allocs.Xx1Yy2.3.4711.88.1764633600123456789.12.r4nd0m"

@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from services.runtime import looplag
-from services.runtime.looplag import GC_PAUSE, LOOP_LAG, watch_loop
+from services.runtime.observe import looplag
+from services.runtime.observe.looplag import GC_PAUSE, LOOP_LAG, watch_loop
 
 
 def _count(histogram: Any, **labels: str) -> float:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
-from services.runtime.bus import DEAD_LETTERS
-from services.runtime.metrics import RECONNECTS, service_registry
+from services.runtime.nats.bus import DEAD_LETTERS
+from services.runtime.observe.metrics import RECONNECTS, service_registry
 
 
 def test_counters_export_their_totals_and_no_created_series() -> None:

@@ -7,7 +7,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from schemas.messages import DeviceHealth
 from services.nodeagent.metrics import AgentDevices
-from services.runtime.metrics import device_states
+from services.runtime.observe.metrics import device_states
 from services.topology import load_topology
 
 

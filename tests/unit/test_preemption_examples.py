@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from schemas.config import DeviceClass
-from services.admission import policy
+from services.admission import podrules
 from tools.cli.main import main
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
@@ -49,6 +49,6 @@ def test_pod_examples_are_valid_and_admitted() -> None:
         kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
     pod = docs[2]
     pod["metadata"]["uid"] = "uid-urgent"
-    req = policy.allocation_request(policy.read_pod(pod), device_classes={"default": DeviceClass()})
+    req = podrules.allocation_request(podrules.read_pod(pod), device_classes={"default": DeviceClass()})
     assert req is not None
     assert (req.priority, req.preemption, req.gpus, req.rdma) == (100, "lower-priority", 4, 4)

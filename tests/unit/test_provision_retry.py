@@ -9,7 +9,7 @@ import pytest
 from nats.js.errors import BucketNotFoundError, NotFoundError
 
 from schemas import subjects
-from services.runtime.bus import KV_BUCKETS, provision
+from services.runtime.nats.bus import KV_BUCKETS, provision
 
 
 class SlowOnceJetStream:

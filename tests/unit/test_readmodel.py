@@ -24,7 +24,7 @@ from schemas.messages import (
 )
 from services.allocator import commits
 from services.allocator.core import Cluster, Unschedulable
-from services.allocator.readmodel import ReadModel, shard_of
+from services.allocator.readmodel import ReadModel, reservation_key, shard_of
 from services.allocator.replicas import decide_in_shard
 from services.topology import load_topology
 
@@ -192,6 +192,29 @@ def test_a_reservation_survives_writes_that_do_not_hold_it() -> None:
     model.on_allocs("n1", record(alloc("r1", [0])), 1)
     model.on_allocs("n1", NodeAllocations(node="n1"), 2)
     assert set(held(model)) == {"reservation:p1"}
+
+
+def test_a_preemptors_reservation_is_lent_to_its_own_decision_only() -> None:
+    """The devices kept for a preemptor are held under a key no request has; its own decision
+    gets them lent (the placement pipeline's decide stage) and they come back unless it took
+    them; a new plan replaces the old reservation."""
+    model = model_with_node()
+    model.reserve_for("p1", "n1", ["gpu7", "mlx5_7"])
+    key = reservation_key("p1")
+    assert held(model) == {key: frozenset({"gpu7", "mlx5_7"})}
+    model.lend("p1")
+    assert held(model) == {}
+    model.keep("p1", taken=False)  # still not placed: kept again
+    assert held(model) == {key: frozenset({"gpu7", "mlx5_7"})}
+    model.reserve_for("p1", "n1", ["gpu6"])  # a new plan instead of the old one
+    assert held(model) == {key: frozenset({"gpu6"})}
+    model.lend("p1")
+    model.keep("p1", taken=True)  # placed on them: the reservation is over
+    assert held(model) == {} and model.reservations == {}
+    assert not model.unreserve_for("p1")
+    model.lend("nobody")  # a request without a reservation: nothing happens
+    model.keep("nobody", taken=False)
+    assert held(model) == {}
 
 
 def two_replica_model(shard: str) -> tuple[ReadModel, str, str]:

@@ -2,7 +2,7 @@
 promise it exists for — what admission accepts, the allocator does not reject for a rule.
 
 The agreement is checked by generating asks (valid and not) and sending each through the
-pod webhook's rules (``admission.policy.resolve`` on a pod with those resources and
+pod webhook's rules (``admission.podrules.resolve`` on a pod with those resources and
 annotations) and through the core (``normalise`` of the request the bridge would publish):
 both accept or both refuse, and accepted ones resolve to the same scope, policy and pairing.
 Before the resolver they differed, e.g. a class whose default pairing is ``per-gpu`` made the
@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
-from services.admission import names, policy
+from services.admission import names, podrules
 from services.admission.errors import PolicyError
 from services.allocator.core import InvalidRequest
 from services.allocator.core.request import normalise
@@ -182,9 +182,9 @@ def _pod_of(ask: Ask) -> dict[str, Any]:
 @given(asks)
 @settings(max_examples=400, deadline=None)
 def test_what_admission_accepts_the_allocator_accepts_alike(ask: Ask) -> None:
-    view = policy.read_pod(_pod_of(ask))
+    view = podrules.read_pod(_pod_of(ask))
     try:
-        req = policy.allocation_request(view, device_classes=CLASSES)
+        req = podrules.allocation_request(view, device_classes=CLASSES)
     except PolicyError:
         admitted = None
     else:

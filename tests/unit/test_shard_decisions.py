@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from schemas.messages import AllocationRequest, PodRef
 from services.allocator.core import Cluster, Placement
-from services.allocator.readmodel import HOSTNAME_LABEL, SHARD_LABEL
+from services.allocator.readmodel import HOSTNAME_LABEL
 from services.allocator.replicas import decide_in_shard
 from services.topology import load_topology
 
@@ -27,7 +27,7 @@ def two_shards(per_shard: int) -> Cluster:
     for shard in ("0", "1"):
         for i in range(per_shard):
             name = f"s{shard}-{i}"
-            c.set_node(name, topo, labels={HOSTNAME_LABEL: name, SHARD_LABEL: shard})
+            c.set_node(name, topo, labels={HOSTNAME_LABEL: name}, shard=shard)
     return c
 
 

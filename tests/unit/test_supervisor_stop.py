@@ -8,8 +8,8 @@ import asyncio
 
 import pytest
 
-from services.runtime.logging import setup_logging
-from services.runtime.tasks import Supervisor
+from services.runtime.observe.logging import setup_logging
+from services.runtime.process.tasks import Supervisor
 
 
 @pytest.mark.parametrize("json", [True, False])

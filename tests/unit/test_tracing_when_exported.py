@@ -1,4 +1,4 @@
-"""Spans are recorded only while an exporter is installed (services.runtime.tracing._WhenExported).
+"""Spans are recorded only while an exporter is installed (services.runtime.observe.tracing._WhenExported).
 
 With tracing off, a span under a received context must pass that context on unchanged (the
 next component's spans, and every log line's trace id, stay in the request's trace), and a
@@ -12,7 +12,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from services.runtime import tracing
+from services.runtime.observe import tracing
 
 PARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 

@@ -38,7 +38,7 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations, RequestRecord
-from services.runtime.records import KV_OPERATION
+from services.runtime.kv.records import KV_OPERATION
 from tools.loadtest import invariants
 
 FINISHED = frozenset({"freed", "cancelled", "rejected"})

@@ -51,20 +51,21 @@ from pathlib import Path
 import msgspec
 import nats
 
-from services.runtime.bus import Bus
-from services.runtime.embedded import EmbeddedNatsCluster, free_ports
 from services.runtime.errors import EmbeddedServerError
+from services.runtime.nats.bus import Bus
+from services.runtime.process.embedded import EmbeddedNatsCluster, free_ports
+from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings
-from services.runtime.tasks import Supervisor
 from tools.chaos import checker
 from tools.chaos.report import MAX_DETAILS, ChaosReport, RoundLog, Violation
 from tools.chaos.victims import COMPONENTS, LEADER_STREAM, NATS_ANY, NATS_META_LEADER, Plan, Schedule
 from tools.loadtest.driver import LoadDriver
 from tools.loadtest.errors import LoadtestError
-from tools.loadtest.harness import FleetEvents, auto_in_flight, wait_registered
+from tools.loadtest.harness import FleetEvents
 from tools.loadtest.mix import RequestStream, Workload, fleet_gpus, fleet_plan
 from tools.loadtest.procs import Child, Children
 from tools.loadtest.publisher import AsyncPublisher
+from tools.loadtest.registration import auto_in_flight, wait_registered
 
 Progress = Callable[[str], None]
 SERVICE_READY_S = 90.0

@@ -100,7 +100,7 @@ def _config(args: argparse.Namespace) -> ChaosConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.runtime.errors import SettingsError
-    from services.runtime.lifecycle import run_loop
+    from services.runtime.process.lifecycle import run_loop
     from services.runtime.settings import load_settings
     from tools.chaos import ChaosRunner, summary, to_json_line
     from tools.cli.interrupt import until_interrupted

@@ -1,11 +1,12 @@
 """The CLI's NATS connection: what :class:`services.client.TandemClient` needs, and no more.
 
-Why not :class:`services.runtime.bus.Bus`: a service's bus loads structlog and the
-OpenTelemetry SDK (about 1 s of imports here) and rides out a stream leader election by
-retrying a publish for 30 s, which is right for a service and wrong for a person at a prompt
-(`tandem submit` against a NATS without Tandem's streams hung 32 s, then printed a
-traceback). The CLI connects once, does not reconnect, fails at once with a reason, and
-imports nats-py only when a command needs it.
+Why not :class:`services.runtime.nats.bus.Bus`: a service's bus loads structlog and the
+OpenTelemetry SDK (most of a second of imports) and rides out a stream leader election by
+retrying a publish, which is right for a service and wrong for a person at a prompt
+(`tandem submit` against a NATS without Tandem's streams hung for the whole retry budget,
+then printed a traceback; docs/benchmarks.md, "Measurements behind the code"). The CLI
+connects once, does not reconnect, fails at once with a reason, and imports nats-py only when
+a command needs it.
 """
 
 from __future__ import annotations
@@ -57,9 +58,10 @@ def server_list(url: str) -> list[str]:
 def import_nats(servers: list[str]) -> None:
     """Import nats-py without aiohttp when no server is a websocket URL.
 
-    nats-py imports aiohttp (~0.35 s, most of a CLI call's budget) only to offer its
-    websocket transport; it falls back to none when the import fails. The CLI hides aiohttp
-    for that one import when it will not speak websocket, and puts everything back after."""
+    nats-py imports aiohttp (most of a CLI call's budget: docs/benchmarks.md, "Measurements
+    behind the code") only to offer its websocket transport; it falls back to none when the
+    import fails. The CLI hides aiohttp for that one import when it will not speak websocket,
+    and puts everything back after."""
     if "nats.aio.transport" in sys.modules or "aiohttp" in sys.modules:
         return
     if any(s.startswith(("ws://", "wss://")) for s in servers):
@@ -95,7 +97,7 @@ class CliConnection:
         opts: dict[str, Any] = {}
         user = urllib.parse.urlsplit(servers[0] if "://" in servers[0] else f"nats://{servers[0]}").username
         if settings is not None:
-            from services.runtime.natsauth import credentials, tls_context
+            from services.runtime.nats.auth import credentials, tls_context
 
             opts.update(credentials(settings))
             tls = tls_context(settings)
@@ -162,8 +164,8 @@ class CliConnection:
     ) -> None:
         """JetStream publish, waiting for the stream's ack (no retries: the user is waiting)."""
         hdrs = dict(headers or {})
-        if "services.runtime.tracing" in sys.modules:  # a command that traces (submit, release)
-            hdrs = sys.modules["services.runtime.tracing"].inject(hdrs)
+        if "services.runtime.observe.tracing" in sys.modules:  # a command that traces (submit, release)
+            hdrs = sys.modules["services.runtime.observe.tracing"].inject(hdrs)
         if msg_id:
             hdrs["Nats-Msg-Id"] = msg_id
         await self.js.publish(subject, codec.encode(message), headers=hdrs, timeout=PUBLISH_TIMEOUT_S)

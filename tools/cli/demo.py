@@ -43,18 +43,19 @@ from schemas.messages import (
     PreemptionPlan,
 )
 from services.client import TandemClient
-from services.runtime.bus import Bus
-from services.runtime.embedded import EmbeddedNats
-from services.runtime.logging import setup_logging
-from services.runtime.tracing import (
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import setup_logging
+from services.runtime.observe.tracing import (
     context_from_traceparent,
     current_traceparent,
     setup_tracing,
     shutdown_tracing,
     tracer,
 )
-from tools.cli.ops import ASSIGNMENT_HEADERS, assignment_rows, cli_settings
+from services.runtime.process.embedded import EmbeddedNats
+from tools.cli.session import cli_settings
 from tools.cli.table import render_table
+from tools.cli.views import ASSIGNMENT_HEADERS, assignment_rows
 from tools.localstack import DEFAULT_FLEET, LocalStack
 
 _tracer = tracer("tandem.demo")
@@ -178,13 +179,26 @@ async def run_demo(args: argparse.Namespace) -> int:
 
 
 async def _script(demo: Demo, t_start: float) -> int:
-    stack, client = demo.stack, demo.client
+    stack = demo.stack
     fleet = ", ".join(f"{e.count}x {e.topology}" for e in DEFAULT_FLEET)
     gpus = sum(len(a.topology.gpus()) for a in stack.agents.values() if a.topology)
     nics = sum(len(a.topology.nics()) for a in stack.agents.values() if a.topology)
     print(f"Tandem demo: embedded NATS JetStream, {len(stack.agents)} simulated nodes ({fleet})")
     print(f"             {gpus} GPUs, {nics} RDMA NICs")
+    placed = await _mixed_pods(demo)
+    await _gpu_failure(demo, placed)
+    board = await _pods_finish(demo, placed)
+    await _preemption(demo, placed, board)
+    await _shared_gpu(demo)
+    await _whole_job(demo)
+    _alignment_and_latency(demo)
+    await _one_trace(demo)
+    print(f"\nDemo finished in {time.perf_counter() - t_start:.1f} s")
+    return 0
 
+
+async def _mixed_pods(demo: Demo) -> dict[str, Assignment]:
+    """Step 1: the workload's pods ask on an empty fleet; all but one at most are placed."""
     _print_section(f"1. {len(WORKLOAD)} pods ask for GPUs and RDMA NICs")
     placed: dict[str, Assignment] = {}
     pending: list[str] = []
@@ -199,7 +213,13 @@ async def _script(demo: Demo, t_start: float) -> int:
         print(f"pending  {line}")
     if len(placed) < len(WORKLOAD) - 1:
         raise DemoFailure(f"only {len(placed)} of {len(WORKLOAD)} pods placed on an empty fleet")
+    return placed
 
+
+async def _gpu_failure(demo: Demo, placed: dict[str, Assignment]) -> None:
+    """Step 2: a GPU fails; a pod that needs it waits with the reason, and is placed once the
+    GPU recovers, without being submitted again."""
+    stack, client = demo.stack, demo.client
     _print_section("2. a GPU fails (XID 79: fallen off the bus), then recovers")
     node, free = _most_free_gpus(stack, placed)
     victim = f"gpu{free[0]}"
@@ -224,6 +244,11 @@ async def _script(demo: Demo, t_start: float) -> int:
     placed[late.request_id] = late
     print(f"{big.pod.name}: placed after recovery, not resubmitted → {late.node} gpus {_gpus(late)}")
 
+
+async def _pods_finish(demo: Demo, placed: dict[str, Assignment]) -> Assignment:
+    """Step 3: pods finish; their verified cleanup frees devices for the pending pods, and a
+    new 8-GPU pod takes a freed board (returned: step 4 preempts it)."""
+    client = demo.client
     _print_section("3. pods finish: verified cleanup frees their devices, pending pods move in")
     waiting = [rid for rid in demo.trace_ids if rid not in placed]
     for name in ("llm-pretrain-0", "finetune-a", "ddp-small-0", "inference-0", "llm-pretrain-1"):
@@ -243,11 +268,11 @@ async def _script(demo: Demo, t_start: float) -> int:
     placed[outcome.request_id] = outcome
     print("a new 8-GPU job takes the freed board:")
     print(render_table(assignment_rows([outcome]), ASSIGNMENT_HEADERS))
+    return outcome
 
-    await _preemption(demo, placed, outcome)
-    await _shared_gpu(demo)
-    await _whole_job(demo)
 
+def _alignment_and_latency(demo: Demo) -> None:
+    """What the pairs' alignment came to, and the request → assignment latency."""
     _print_section("Alignment achieved (GPU/NIC pairs by scope)")
     hist = Counter(p.scope for a in demo.all_assignments() for p in a.pairs)
     total = sum(hist.values())
@@ -260,6 +285,9 @@ async def _script(demo: Demo, t_start: float) -> int:
     p99 = lat[min(len(lat) - 1, round(0.99 * (len(lat) - 1)))]
     print(f"  {len(lat)} assignments: p50 {statistics.median(lat):.1f} ms, p99 {p99:.1f} ms")
 
+
+async def _one_trace(demo: Demo) -> None:
+    """One allocation's spans across the services, from the in-memory exporter."""
     _print_section("One allocation's trace")
     rid = "demo-llm-pretrain-0.1"
     trace_id = demo.trace_ids[rid]
@@ -281,8 +309,6 @@ async def _script(demo: Demo, t_start: float) -> int:
     }
     if not expected <= set(names):
         raise DemoFailure(f"trace {trace_id} lacks spans {sorted(expected - set(names))}")
-    print(f"\nDemo finished in {time.perf_counter() - t_start:.1f} s")
-    return 0
 
 
 async def _preemption(demo: Demo, placed: dict[str, Assignment], board: Assignment) -> None:

@@ -128,7 +128,7 @@ def _config(args: argparse.Namespace) -> LoadConfig:
 
 def _run(args: argparse.Namespace) -> int:
     from services.runtime.errors import SettingsError
-    from services.runtime.lifecycle import GC_THRESHOLDS, run_loop
+    from services.runtime.process.lifecycle import GC_THRESHOLDS, run_loop
     from services.runtime.settings import load_settings
     from tools.cli.interrupt import until_interrupted
     from tools.loadtest import Harness, LoadtestError, summary, to_json_line, violations
@@ -147,8 +147,9 @@ def _run(args: argparse.Namespace) -> int:
     harness = Harness(cfg, settings, progress=progress)
     # The harness stamps every answer when its loop handles it, so a pause of its own is added
     # to the latency of each answer that arrives meanwhile. With Python's default thresholds
-    # its full collections (every request's bookkeeping is kept to the end) took up to 41 ms,
-    # four times in a --rate 500 run; with the services' thresholds they are ten times rarer.
+    # its full collections (every request's bookkeeping is kept to the end) showed in the p99
+    # of a --rate 500 run; with the services' thresholds they are ten times rarer
+    # (docs/benchmarks.md, "Measurements behind the code").
     gc.set_threshold(*GC_THRESHOLDS)
     try:
         # uvloop, as the services run: the harness shares the cores

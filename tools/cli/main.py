@@ -103,8 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "light", False):
         # Commands that run service code: the libraries' logs go to stderr, errors only
         # (commands that run services, such as `up` and `demo`, set their own level).
-        # `light` commands load no code that logs, and skip structlog's ~0.3 s import.
-        from services.runtime.logging import setup_logging
+        # `light` commands load no code that logs, and skip structlog's import (a large part
+        # of a light command's start-up: docs/benchmarks.md, "Measurements behind the code").
+        from services.runtime.observe.logging import setup_logging
 
         setup_logging(level="error", json=False)
     try:

@@ -17,6 +17,11 @@ Inputs:
   Claims, reservations and the planner's clock (``claim`` / ``tick`` lines, ``"claim"`` on an
   ``alloc``) are :mod:`tools.cli.plan_claims`'s.
 
+Every request line is resolved by the one request resolver (:mod:`services.request`) with the
+replay's device classes (``--classes FILE``, else the built-in ones) before the core decides it,
+as the webhook and the claim bridge resolve theirs: the class's defaults are filled in and a
+line that breaks a rule stops the replay with the line and the field (:func:`resolved`).
+
 An ``alloc`` that finds no room and may preempt (its ``preemption``, or its class's, is
 ``lower-priority``) evicts the allocations :func:`services.allocator.core.preempt.plan` names:
 a ``preempted`` line for each, then the request's own line.
@@ -27,7 +32,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,12 +44,13 @@ from schemas.messages import AllocationRequest, AssignedGpu
 from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
 from services.allocator.core import Cluster, InvalidRequest, Placement, preempt
 from services.allocator.core.gang import DEFAULT_TIERS
+from services.request import RequestError, resolve
 from services.topology import TopologyFileError, import_nvidia_smi, load_topology
 from tools.cli.errors import CliError
 from tools.cli.plan_claims import ClaimBook
 from tools.cli.plan_jobs import JobBook, JobMode
 
-__all__ = ["run", "run_plan"]
+__all__ = ["resolved", "run", "run_plan"]
 
 _ALLOC_KEYS = {
     "kind",
@@ -123,134 +129,168 @@ def run_plan(
     line: one per pod, then the job's). ``tiers``: the fabric tiers, finest first; ``jobs``:
     how job lines are placed (see :mod:`tools.cli.plan_jobs`)."""
     enc = msgspec.json.Encoder()
-    job_book = JobBook(cluster, tiers=tiers, mode=jobs)
-    live: dict[str, str] = {}  # request id -> node
-    counts = {"assigned": 0, "unschedulable": 0, "freed": 0, "preempted": 0}
-    preempted: dict[str, str] = {}  # victim id -> the request that preempted it
-    alignment = dict.fromkeys(SCOPES, 0)
-    placement_scopes = dict.fromkeys(SCOPES, 0)
-    busy = 0.0  # seconds spent deciding and holding (not parsing/printing)
-    decisions = 0
-    claim_book = ClaimBook(
-        cluster,
-        alloc_keys=_ALLOC_KEYS,
-        make_request=_request,
-        make_line=_line,
-        no_extra=_no_extra,
-        is_live=live.__contains__,
-        gpu_line=_gpu,
-    )
+    replay = _Replay(cluster, tiers=tiers, jobs=jobs)
     for lineno, obj in _records(lines, source):
-        where = f"{source}:{lineno}"
+        for line in replay.line(obj, where=f"{source}:{lineno}"):
+            out.write(enc.encode(line).decode() + "\n")
+    if summary:
+        out.write(enc.encode(replay.summary()).decode() + "\n")
+
+
+class _Replay:
+    """One replay: what each ``alloc`` holds and where, who preempted whom, the counters of the
+    summary, and the books of claims (:mod:`.plan_claims`) and jobs (:mod:`.plan_jobs`)."""
+
+    def __init__(self, cluster: Cluster, *, tiers: tuple[str, ...], jobs: JobMode) -> None:
+        self.cluster = cluster
+        self.live: dict[str, str] = {}  # request id -> node
+        self.preempted: dict[str, str] = {}  # victim id -> the request that preempted it
+        self.counts = {"assigned": 0, "unschedulable": 0, "freed": 0, "preempted": 0}
+        self.alignment = dict.fromkeys(SCOPES, 0)
+        self.placement_scopes = dict.fromkeys(SCOPES, 0)
+        self.busy = 0.0  # seconds spent deciding and holding (not parsing/printing)
+        self.decisions = 0
+        self.jobs = JobBook(cluster, tiers=tiers, mode=jobs)
+        self.claims = ClaimBook(
+            cluster,
+            alloc_keys=_ALLOC_KEYS,
+            make_request=self.request,
+            make_line=_line,
+            no_extra=_no_extra,
+            is_live=self.live.__contains__,
+            gpu_line=_gpu,
+        )
+
+    def request(self, obj: dict[str, Any], where: str) -> AllocationRequest:
+        """The line's request, resolved with the replay's device classes (module docstring)."""
+        return resolved(_request(obj, where), classes=self.cluster.device_classes, where=where)
+
+    def line(self, obj: dict[str, Any], *, where: str) -> Iterator[dict[str, Any]]:
+        """The output lines of one input line, in order."""
+        if self.claims.wants(obj):
+            yield from self.claims.handle(obj, where=where)
+            return
         kind = obj.get("kind")
-        if claim_book.wants(obj):
-            for claim_line in claim_book.handle(obj, where=where):
-                out.write(enc.encode(claim_line).decode() + "\n")
-            continue
         rid = obj.get("id")
         if not isinstance(rid, str) or not rid:
             raise CliError(f"{where}: 'id' must be a non-empty string")
-        if kind == "free" and rid in job_book.live:
-            _no_extra(obj, _FREE_KEYS, where)
-            freed = job_book.free(rid)
-            out.write(enc.encode(freed).decode() + "\n")
-            continue
-        if kind == "job":
-            for job_line in job_book.place(obj, where):
-                out.write(enc.encode(job_line).decode() + "\n")
-            continue
         if kind == "free":
             _no_extra(obj, _FREE_KEYS, where)
-            node = live.pop(rid, None)
-            if node is not None:
-                cluster.release(node, rid)
-            counts["freed"] += 1 if node is not None else 0
-            why = f"was preempted by {preempted[rid]}" if rid in preempted else "was not allocated"
-            line = _line(rid, "freed", node=node, reason="" if node else why)
+            freed = self.jobs.free(rid) if rid in self.jobs.live else None
+            yield freed if freed is not None else self.free(rid)
+        elif kind == "job":
+            yield from self.jobs.place(obj, where)
         elif kind == "alloc":
             _no_extra(obj, _ALLOC_KEYS, where)
-            if rid in live or claim_book.holds(rid) or rid in job_book.live:
+            if rid in self.live or self.claims.holds(rid) or rid in self.jobs.live:
                 raise CliError(f"{where}: id {rid!r} is already allocated (free it first)")
-            req = _request(obj, where)
-            t0 = time.perf_counter()
-            try:
-                result = cluster.decide(req)
-                plan = _preemption(cluster, req, result)
-            except InvalidRequest as exc:
-                raise CliError(f"{where}: {exc}") from None
-            if plan is not None:
-                # Evict the victims (a line each, before the preemptor's), then place.
-                topo = cluster.topology(plan.node)
-                for victim in plan.victims:
-                    devs = set(victim.devices)
-                    cluster.release(plan.node, victim.request_id)
-                    live.pop(victim.request_id, None)
-                    preempted[victim.request_id] = rid
-                    counts["preempted"] += 1
-                    vline = _line(
-                        victim.request_id,
-                        "preempted",
-                        node=plan.node,
-                        gpus=[{"index": g.index, "uuid": g.uuid} for g in topo.gpus() if g.id in devs],
-                        nics=[{"name": d} for d in victim.devices if not d.startswith("gpu")],
-                        reason=f"evicted for {rid} (priority {req.priority} > {victim.priority})",
-                        by=rid,
-                    )
-                    out.write(enc.encode(vline).decode() + "\n")
-                result = plan.placement
-            if isinstance(result, Placement):
-                cluster.hold(
-                    result.node,
-                    rid,
-                    result.devices(),
-                    priority=req.priority,
-                    preemptible=True,
-                    shares=result.shares(),
-                )
-                preempted.pop(rid, None)
-            busy += time.perf_counter() - t0
-            decisions += 1
-            if isinstance(result, Placement):
-                live[rid] = result.node
-                counts["assigned"] += 1
-                for pair in result.pairs:
-                    alignment[pair.scope] += 1
-                placement_scopes[result.scope] += 1
-                line = _line(
-                    rid,
-                    "assigned",
-                    node=result.node,
-                    gpus=[_gpu(g) for g in result.gpus],
-                    nics=[{"name": n.name} for n in result.nics],
-                    pairs=[{"gpu": p.gpu, "nic": p.nic, "scope": p.scope} for p in result.pairs],
-                )
-            else:
-                counts["unschedulable"] += 1
-                line = _line(rid, "unschedulable", reason=result.reason)
+            yield from self.alloc(rid, self.request(obj, where), where=where)
         else:
             raise CliError(
                 f'{where}: \'kind\' must be "alloc", "job", "free", "claim" or "tick", got {kind!r}'
             )
-        out.write(enc.encode(line).decode() + "\n")
-    if summary:
-        totals = cluster.totals()
-        doc = {
-            "summary": {
-                **counts,
-                "nodes": len(cluster.nodes()),
-                "gpus_used": totals["gpus"] - totals["free_gpus"],
-                "gpus_total": totals["gpus"],
-                "alignment": alignment,
-                "placement_scope": placement_scopes,
-                "decisions": decisions,
-                "decisions_per_s": round(decisions / busy) if busy > 0 else None,
-            }
+
+    def free(self, rid: str) -> dict[str, Any]:
+        node = self.live.pop(rid, None)
+        if node is not None:
+            self.cluster.release(node, rid)
+        self.counts["freed"] += 1 if node is not None else 0
+        why = f"was preempted by {self.preempted[rid]}" if rid in self.preempted else "was not allocated"
+        return _line(rid, "freed", node=node, reason="" if node else why)
+
+    def alloc(self, rid: str, req: AllocationRequest, *, where: str) -> Iterator[dict[str, Any]]:
+        """Decide and hold; when it may preempt and nothing has room, a ``preempted`` line for
+        each victim first (docs/plan.md)."""
+        t0 = time.perf_counter()
+        try:
+            result = self.cluster.decide(req)
+            plan = _preemption(self.cluster, req, result)
+        except InvalidRequest as exc:
+            raise CliError(f"{where}: {exc}") from None
+        if plan is not None:
+            yield from self._evict(plan, rid=rid, req=req)
+            result = plan.placement
+        if isinstance(result, Placement):
+            self.cluster.hold(
+                result.node,
+                rid,
+                result.devices(),
+                priority=req.priority,
+                preemptible=True,
+                shares=result.shares(),
+            )
+            self.preempted.pop(rid, None)
+        self.busy += time.perf_counter() - t0
+        self.decisions += 1
+        if not isinstance(result, Placement):
+            self.counts["unschedulable"] += 1
+            yield _line(rid, "unschedulable", reason=result.reason)
+            return
+        self.live[rid] = result.node
+        self.counts["assigned"] += 1
+        for pair in result.pairs:
+            self.alignment[pair.scope] += 1
+        self.placement_scopes[result.scope] += 1
+        yield _line(
+            rid,
+            "assigned",
+            node=result.node,
+            gpus=[_gpu(g) for g in result.gpus],
+            nics=[{"name": n.name} for n in result.nics],
+            pairs=[{"gpu": p.gpu, "nic": p.nic, "scope": p.scope} for p in result.pairs],
+        )
+
+    def _evict(
+        self, plan: preempt.Preemption, *, rid: str, req: AllocationRequest
+    ) -> Iterator[dict[str, Any]]:
+        """Release the plan's victims, a line each (before the preemptor's)."""
+        topo = self.cluster.topology(plan.node)
+        for victim in plan.victims:
+            devs = set(victim.devices)
+            self.cluster.release(plan.node, victim.request_id)
+            self.live.pop(victim.request_id, None)
+            self.preempted[victim.request_id] = rid
+            self.counts["preempted"] += 1
+            yield _line(
+                victim.request_id,
+                "preempted",
+                node=plan.node,
+                gpus=[{"index": g.index, "uuid": g.uuid} for g in topo.gpus() if g.id in devs],
+                nics=[{"name": d} for d in victim.devices if not d.startswith("gpu")],
+                reason=f"evicted for {rid} (priority {req.priority} > {victim.priority})",
+                by=rid,
+            )
+
+    def summary(self) -> dict[str, Any]:
+        totals = self.cluster.totals()
+        doc: dict[str, Any] = {
+            **self.counts,
+            "nodes": len(self.cluster.nodes()),
+            "gpus_used": totals["gpus"] - totals["free_gpus"],
+            "gpus_total": totals["gpus"],
+            "alignment": self.alignment,
+            "placement_scope": self.placement_scopes,
+            "decisions": self.decisions,
+            "decisions_per_s": round(self.decisions / self.busy) if self.busy > 0 else None,
         }
-        if any(claim_book.summary().values()):
-            doc["summary"]["claims"] = claim_book.summary()
-        if job_book.seen:
-            doc["summary"]["jobs"] = job_book.summary()
-        out.write(enc.encode(doc).decode() + "\n")
+        if any(self.claims.summary().values()):
+            doc["claims"] = self.claims.summary()
+        if self.jobs.seen:
+            doc["jobs"] = self.jobs.summary()
+        return {"summary": doc}
+
+
+def resolved(req: AllocationRequest, *, classes: Mapping[str, DeviceClass], where: str) -> AllocationRequest:
+    """``req`` with its device class's defaults filled in (scope, policy, pairing, preemption)
+    by the one request resolver (:mod:`services.request`), or :class:`CliError` naming the line
+    and the field as the line spells it (the wire's names)."""
+    try:
+        r = resolve(req, classes=classes)
+    except RequestError as exc:
+        raise CliError(f"{where}: {exc}") from None
+    return msgspec.structs.replace(
+        req, scope=r.scope, policy=r.policy, pairing=r.pairing, preemption=r.preemption
+    )
 
 
 def _preemption(

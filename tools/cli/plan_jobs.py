@@ -21,15 +21,17 @@ idle by partial placements (now, and at the peak), and the decision time per job
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import msgspec
 
+from schemas.config import DeviceClass
 from schemas.messages import JobRequest
 from schemas.topology import SCOPES
 from services.allocator.core import Cluster, InvalidRequest, Placement
 from services.allocator.core.gang import JobPlacement, fabric_span, place_job
+from services.request import RequestError, resolve
 from tools.cli.errors import CliError
 
 __all__ = ["JOB_KEYS", "JobBook", "JobMode"]
@@ -77,7 +79,7 @@ class JobBook:
         jid = obj["id"]
         if jid in self.live:
             raise CliError(f"{where}: job {jid!r} is already placed (free it first)")
-        job = _job(obj, where)
+        job = _job(obj, where, classes=self.cluster.device_classes)
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             if self.mode == "per-pod":
@@ -227,7 +229,7 @@ def _pod_line(rid: str, p: Placement) -> dict[str, Any]:
     }
 
 
-def _job(obj: dict[str, Any], where: str) -> JobRequest:
+def _job(obj: dict[str, Any], where: str, *, classes: Mapping[str, DeviceClass]) -> JobRequest:
     extra = sorted(set(obj) - JOB_KEYS)
     if extra:
         raise CliError(
@@ -238,7 +240,14 @@ def _job(obj: dict[str, Any], where: str) -> JobRequest:
     data.setdefault("pods", 1)
     data.setdefault("gpus", 0)
     try:
-        return msgspec.convert(data, JobRequest)
+        job = msgspec.convert(data, JobRequest)
     except msgspec.ValidationError as exc:
         msg = str(exc).replace("`$.job_id`", "`$.id`")
         raise CliError(f"{where}: {msg}") from None
+    # Each pod's ask resolved as an alloc line's is (services.request): the class's defaults
+    # filled in, a rule broken named by the line and the field.
+    try:
+        r = resolve(job.template(), classes=classes)
+    except RequestError as exc:
+        raise CliError(f"{where}: job {job.job_id}: {exc}") from None
+    return msgspec.structs.replace(job, scope=r.scope, policy=r.policy, pairing=r.pairing)

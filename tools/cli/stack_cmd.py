@@ -4,7 +4,8 @@ drive a Tandem system.
 ``tandem up`` starts an embedded nats-server on 127.0.0.1 (port 4222 when free, else any)
 plus inventory, allocator and simulated node agents, and runs until Ctrl-C
 (:mod:`tools.cli.up`). The other commands talk to any Tandem system through NATS
-(``--nats`` or ``TANDEM_NATS_URL``; :mod:`tools.cli.ops`).
+(``--nats`` or ``TANDEM_NATS_URL``; :mod:`tools.cli.session` runs each, the modules named
+below hold them).
 
 This module only declares the commands (standard library only, so ``tandem --help`` stays
 fast); each handler imports its implementation when it runs.
@@ -113,13 +114,23 @@ def _target_args(p: argparse.ArgumentParser, verb: str) -> None:
     p.add_argument("--job", metavar="NAMESPACE/NAME", help=f"{verb} this whole job (`submit --job`)")
 
 
-def _ops(name: str) -> Callable[[argparse.Namespace], int]:
-    """A handler that runs ``tools.cli.ops.<name>(client, args)`` against the system."""
+def _on_system(module: str, name: str, *, check: str | None = None) -> Callable[[argparse.Namespace], int]:
+    """A handler that runs ``tools.cli.<module>.<name>(client, args)`` against the system
+    (:func:`tools.cli.session.with_client`), after ``tools.cli.<check>(args)`` (``MODULE.NAME``):
+    input that is wrong whatever the system says is refused before connecting. The modules are
+    imported only when the command runs."""
 
     def handler(args: argparse.Namespace) -> int:
-        from tools.cli import ops
+        from importlib import import_module
 
-        return _run(ops.with_client(args, getattr(ops, name)))
+        from tools.cli.session import with_client
+
+        checked = None
+        if check is not None:
+            where, _, fn = check.rpartition(".")
+            checked = getattr(import_module(f"tools.cli.{where}"), fn)
+        command = getattr(import_module(f"tools.cli.{module}"), name)
+        return _run(with_client(args, command, check=checked))
 
     return handler
 
@@ -148,10 +159,18 @@ def _requests_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--node", metavar="NODE", help="only requests placed on this node")
     p.add_argument("--namespace", "-n", metavar="NAMESPACE", help="only requests of pods in this namespace")
     _output_arg(p, ("table", "wide", "json", "yaml"))
-    p.set_defaults(func=_ops("requests"), light=True)
+    p.set_defaults(func=_on_system("request_rows", "requests"), light=True)
 
 
 def register(sub: Any) -> None:
+    """The commands, in help order."""
+    for add in (_add_up, _add_submit, _add_release, _add_status):
+        add(sub)
+    for add in (_add_requests, _add_explain, _add_dlq, _add_device):
+        add(sub)
+
+
+def _add_up(sub: Any) -> None:
     up = sub.add_parser("up", help="run NATS + all services + simulated nodes until Ctrl-C")
     up.add_argument(
         "--node",
@@ -197,6 +216,8 @@ def register(sub: Any) -> None:
     )
     up.set_defaults(func=_up)
 
+
+def _add_submit(sub: Any) -> None:
     s = sub.add_parser(
         "submit",
         help="request GPUs/NICs for a pod, a DeviceClaim (a reservation) or a whole job; say what happened",
@@ -222,6 +243,34 @@ def register(sub: Any) -> None:
         metavar="NAMESPACE/NAME",
         help="a whole job instead of a pod: --pods pods, each asking --gpus/--rdma, placed all or none",
     )
+    _submit_asks(s)
+    _submit_job_and_claim(s)
+    s.add_argument(
+        "--new",
+        action="store_true",
+        help="submit even when the --pod, --claim or --job already has a live request (default: "
+        "refused, naming it; one pod, one request, as in Kubernetes)",
+    )
+    s.add_argument(
+        "--wait",
+        action="store_true",
+        help="while pending, keep waiting and show progress until assigned (Ctrl-C stops waiting; "
+        "the request stays pending)",
+    )
+    s.add_argument(
+        "--timeout",
+        type=seconds,
+        default=None,
+        metavar="SECONDS",
+        help="seconds to wait for the allocator's first answer (default 10), or with --wait "
+        "for the assignment (default: no limit)",
+    )
+    _output_arg(s, READ_FORMATS)
+    s.set_defaults(func=_on_system("submit", "submit", check="submit.check_submit"), light=True)
+
+
+def _submit_asks(s: argparse.ArgumentParser) -> None:
+    """What each pod asks: the fields of a request (services.request checks them together)."""
     s.add_argument("--gpus", type=count, required=True, help="number of GPUs (0-64)")
     s.add_argument("--rdma", type=count, default=0, help="number of RDMA NICs (0-64; default 0)")
     s.add_argument("--scope", choices=SCOPES, help="alignment scope of GPU/NIC pairs (default: the class's)")
@@ -262,6 +311,11 @@ def register(sub: Any) -> None:
         help="--gpus MIG instances of this profile (e.g. 1g.10gb) instead of whole GPUs",
     )
     s.add_argument("--mtu", type=int, metavar="BYTES", help="MTU of the pod's RDMA netdevs (576-9216)")
+
+
+def _submit_job_and_claim(s: argparse.ArgumentParser) -> None:
+    """The flags of a whole job (--job) and of a claim (--claim); workloads.check_flags refuses
+    one given with the other kind."""
     s.add_argument("--pods", type=positive_int, metavar="N", help="with --job: how many pods (1-1024)")
     s.add_argument(
         "--fabric", metavar="TIER", help="with --job: keep the job within one block of this fabric tier"
@@ -285,29 +339,9 @@ def register(sub: Any) -> None:
         metavar="TIME",
         help="with --claim: a reservation, released at this RFC 3339 time (2026-12-02T06:00:00Z)",
     )
-    s.add_argument(
-        "--new",
-        action="store_true",
-        help="submit even when the --pod, --claim or --job already has a live request (default: "
-        "refused, naming it; one pod, one request, as in Kubernetes)",
-    )
-    s.add_argument(
-        "--wait",
-        action="store_true",
-        help="while pending, keep waiting and show progress until assigned (Ctrl-C stops waiting; "
-        "the request stays pending)",
-    )
-    s.add_argument(
-        "--timeout",
-        type=seconds,
-        default=None,
-        metavar="SECONDS",
-        help="seconds to wait for the allocator's first answer (default 10), or with --wait "
-        "for the assignment (default: no limit)",
-    )
-    _output_arg(s, READ_FORMATS)
-    s.set_defaults(func=_ops("submit"), light=True)
 
+
+def _add_release(sub: Any) -> None:
     r = sub.add_parser(
         "release",
         help="release a request's devices and wait until cleanup is verified and they are free",
@@ -330,8 +364,10 @@ def register(sub: Any) -> None:
         metavar="SECONDS",
         help="seconds to wait for the cleanup and the free (default 30)",
     )
-    r.set_defaults(func=_ops("release"), light=True)
+    r.set_defaults(func=_on_system("release", "release", check="targets.check_target"), light=True)
 
+
+def _add_status(sub: Any) -> None:
     st = sub.add_parser("status", help="nodes, devices and allocations as tables")
     _nats_arg(st)
     st.add_argument("--devices", action="store_true", help="also one row per device")
@@ -344,8 +380,10 @@ def register(sub: Any) -> None:
         help="seconds between two prints with --watch (default 2)",
     )
     _output_arg(st)
-    st.set_defaults(func=_ops("status"), light=True)
+    st.set_defaults(func=_on_system("status", "status"), light=True)
 
+
+def _add_requests(sub: Any) -> None:
     rq = sub.add_parser(
         "requests",
         help="every request: pod, state, node, devices, age, last reason",
@@ -357,18 +395,24 @@ def register(sub: Any) -> None:
     gsub = g.add_subparsers(dest="get_what", required=True, metavar="WHAT")
     _requests_args(gsub.add_parser("requests", help="same as `tandem requests`"))
 
+
+def _add_explain(sub: Any) -> None:
     e = sub.add_parser("explain", help="where a request stands and why (e.g. why a pod is pending)")
     _nats_arg(e)
     _target_args(e, "explain")
     _output_arg(e)
-    e.set_defaults(func=_ops("explain"), light=True)
+    e.set_defaults(func=_on_system("explain", "explain", check="targets.check_target"), light=True)
 
+
+def _add_dlq(sub: Any) -> None:
     q = sub.add_parser("dlq", help="messages parked on the dead-letter subjects, with the error")
     _nats_arg(q)
     q.add_argument("--limit", type=positive_int, default=20, help="newest N messages (default 20)")
     _output_arg(q)
-    q.set_defaults(func=_ops("dlq"), light=True)
+    q.set_defaults(func=_on_system("status", "dlq"), light=True)
 
+
+def _add_device(sub: Any) -> None:
     d = sub.add_parser(
         "device",
         help="list devices, or fail / recover / cordon / uncordon one",
@@ -381,4 +425,4 @@ def register(sub: Any) -> None:
     d.add_argument("device", nargs="?", metavar="DEVICE", help="gpuN or an RDMA device name such as mlx5_0")
     d.add_argument("--reason", default="", help="why (kept with the device's health)")
     _output_arg(d)
-    d.set_defaults(func=_ops("device"), light=True)
+    d.set_defaults(func=_on_system("devices", "device", check="devices.check_device"), light=True)

@@ -172,9 +172,10 @@ def _show(args: argparse.Namespace) -> int:
     if args.live:
         import asyncio
 
-        from tools.cli import ops
+        from tools.cli.devices import topology_live
+        from tools.cli.session import with_client
 
-        return asyncio.run(ops.with_client(args, ops.topology_live))
+        return asyncio.run(with_client(args, topology_live))
     from services.topology.picture import render_as
 
     sys.stdout.write(render_as(_load(args.source), args.output))

@@ -15,14 +15,17 @@ import argparse
 import asyncio
 import re
 import socket
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tools.cli.errors import CliError
-from tools.cli.ops import cli_settings
+from tools.cli.session import cli_settings
 
 if TYPE_CHECKING:
-    from services.runtime.embedded import EmbeddedNats
-    from services.runtime.jaeger import Jaeger
+    from schemas.config import DeviceClass
+    from services.runtime.process.embedded import EmbeddedNats
+    from services.runtime.process.jaeger import Jaeger
+    from services.runtime.settings import Settings
     from tools.localstack import LocalStack
 
 MAX_NODES = 10_000
@@ -93,18 +96,12 @@ def run_up(args: argparse.Namespace) -> int:
 async def _up(args: argparse.Namespace) -> int:
     import msgspec
 
-    from services.runtime.embedded import EmbeddedNats
-    from services.runtime.jaeger import Jaeger
-    from services.runtime.lifecycle import install_signal_handlers
-    from services.runtime.logging import setup_logging
-    from services.runtime.tracing import setup_tracing, shutdown_tracing
-    from tools.localstack import (
-        DEFAULT_FLEET,
-        LocalStack,
-        describe_classes,
-        local_device_classes,
-        parse_fleet,
-    )
+    from services.runtime.observe.logging import setup_logging
+    from services.runtime.observe.tracing import setup_tracing, shutdown_tracing
+    from services.runtime.process.embedded import EmbeddedNats
+    from services.runtime.process.jaeger import Jaeger
+    from services.runtime.process.lifecycle import install_signal_handlers
+    from tools.localstack import DEFAULT_FLEET, LocalStack, local_device_classes, parse_fleet
 
     fleet = parse_fleet(args.node) if args.node else list(DEFAULT_FLEET)
     # Everything that can be refused is checked before anything starts, so a refusal leaves
@@ -134,33 +131,8 @@ async def _up(args: argparse.Namespace) -> int:
         await stack.start()
         await stack.wait_ready()
         ops = await stack.serve_ops(port=args.ops_port)
-        print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {server.url}", flush=True)
-        source = (
-            "the classes of docs/sharing.md; TANDEM_CONFIG or --config FILE names others"
-            if settings.device_classes == documented
-            else "from the configuration"
-        )
-        print(f"  device classes: {describe_classes(settings.device_classes)}  ({source})", flush=True)
-        for name, server_ops in ops.items():
-            print(f"  {name}: http://127.0.0.1:{server_ops.port}/metrics  (/healthz, /readyz)", flush=True)
-        if jaeger is not None:
-            print(f"  Jaeger UI and query API: {jaeger.ui_url}  (traces of every service)", flush=True)
-            print(
-                f"  export OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}  (the CLI's spans too)",
-                flush=True,
-            )
-        elif settings.otlp_endpoint:
-            print(f"  traces: exported to {settings.otlp_endpoint} (OTLP/HTTP)", flush=True)
-        else:
-            print(
-                "  traces: not exported (`tandem up --jaeger` starts a local Jaeger; "
-                "or set OTEL_EXPORTER_OTLP_ENDPOINT)",
-                flush=True,
-            )
-        print(
-            f"  export TANDEM_NATS_URL={server.url}; tandem status; tandem submit --gpus 4 --rdma 4",
-            flush=True,
-        )
+        ports = {name: ops_server.port for name, ops_server in ops.items()}
+        _say_up(stack, settings, nats_url=server.url, documented=documented, ports=ports, jaeger=jaeger)
         stop = asyncio.Event()
         install_signal_handlers(stop)
         await stop.wait()
@@ -175,9 +147,51 @@ async def _up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _say_up(
+    stack: LocalStack,
+    settings: Settings,
+    *,
+    nats_url: str,
+    documented: Mapping[str, DeviceClass],
+    ports: Mapping[str, int],
+    jaeger: Jaeger | None,
+) -> None:
+    """What runs and where: NATS, the device classes served, each service's ops port, where
+    the traces go, and the commands to go on with."""
+    from tools.localstack import describe_classes
+
+    print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {nats_url}", flush=True)
+    source = (
+        "the classes of docs/sharing.md; TANDEM_CONFIG or --config FILE names others"
+        if settings.device_classes == documented
+        else "from the configuration"
+    )
+    print(f"  device classes: {describe_classes(settings.device_classes)}  ({source})", flush=True)
+    for name, port in ports.items():
+        print(f"  {name}: http://127.0.0.1:{port}/metrics  (/healthz, /readyz)", flush=True)
+    if jaeger is not None:
+        print(f"  Jaeger UI and query API: {jaeger.ui_url}  (traces of every service)", flush=True)
+        print(
+            f"  export OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}  (the CLI's spans too)",
+            flush=True,
+        )
+    elif settings.otlp_endpoint:
+        print(f"  traces: exported to {settings.otlp_endpoint} (OTLP/HTTP)", flush=True)
+    else:
+        print(
+            "  traces: not exported (`tandem up --jaeger` starts a local Jaeger; "
+            "or set OTEL_EXPORTER_OTLP_ENDPOINT)",
+            flush=True,
+        )
+    print(
+        f"  export TANDEM_NATS_URL={nats_url}; tandem status; tandem submit --gpus 4 --rdma 4",
+        flush=True,
+    )
+
+
 def _jaeger_binary(explicit: str) -> str:
     from services.runtime.errors import EmbeddedServerError
-    from services.runtime.jaeger import find_jaeger
+    from services.runtime.process.jaeger import find_jaeger
 
     try:
         return find_jaeger(explicit or None)

@@ -3,7 +3,7 @@ name: a pod's request (``--pod``), a DeviceClaim's (``--claim``) or a whole job 
 
 One :class:`Submission` carries any of the three, so submit's sending, waiting, "never fits"
 verdict, refusal of a second live one and its output are one piece of code in
-:mod:`tools.cli.ops`, not three. What differs is only what goes on the wire, which is what
+:mod:`tools.cli.submit`, not three. What differs is only what goes on the wire, which is what
 the pod bridge sends for the same thing in a cluster:
 
 * a **pod**: an ``AllocationRequest`` (request id ``<uid>.1``) on ``tandem.alloc.request``;
@@ -22,14 +22,19 @@ the pod bridge sends for the same thing in a cluster:
   job id's record and refuses an id reused for another job), and ``--job NS/NAME`` finds it
   again (:func:`job_name`).
 
-The scope, policy and pairing a request leaves out are the device class's, applied by the
-allocator: the CLI does not know the running system's classes (its own configuration may
-differ), so it never fills them in or judges a class.
+What is sent is checked before connecting, first as the wire will (:func:`_validated`), then
+by the one request resolver (:func:`services.request.check`): every rule that holds whatever
+the device class, the errors naming the flags (``--pairing: per-gpu gives every GPU its own
+NIC, ...``). The scope, policy and pairing a request leaves out are the device class's, applied
+by the allocator with the same resolver: the CLI does not know the running system's classes
+(its own configuration may differ), so it never fills them in or judges a class — an unknown
+class, or shares of a class that does not share, is the allocator's ``rejected: ...``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 import uuid
 from dataclasses import dataclass
@@ -47,6 +52,7 @@ from schemas.messages import (
     PodRef,
     RequestRecord,
 )
+from services.request import Field, RequestError, check
 from tools.cli.errors import CliError
 from tools.cli.refs import parse_ref
 
@@ -70,6 +76,30 @@ NOT_FOR = {
         "mtu": "a claim's NICs go to the pods that use it",
     },
 }
+
+
+# How submit's user writes each field of a request (services.request names the field in errors).
+FLAG_NAMES: dict[Field, str] = {
+    "gpus": "--gpus",
+    "rdma": "--rdma",
+    "device_class": "--device-class",
+    "scope": "--scope",
+    "policy": "--policy",
+    "pairing": "--pairing",
+    "preemption": "--preemption",
+    "gpu_memory_mib": "--gpu-memory-mib",
+    "gpu_cores_percent": "--gpu-cores-percent",
+    "mig_profile": "--mig-profile",
+}
+# The flag behind a wire field a validation error names (``$.network.mtu``: --mtu).
+WIRE_FLAGS: dict[str, str] = {
+    **{str(f): flag for f, flag in FLAG_NAMES.items()},
+    "priority": "--priority",
+    "network": "--mtu",
+    "pods": "--pods",
+    "fabric": "--fabric",
+}
+_WIRE_PATH = re.compile(r"`\$\.([a-z_]+)")
 
 
 @dataclass(frozen=True)
@@ -168,10 +198,13 @@ def check_flags(args: argparse.Namespace) -> Kind:
 
 
 def build(args: argparse.Namespace) -> Submission:
-    """The submission the flags ask for, validated as the wire will; :class:`CliError` else."""
+    """The submission the flags ask for, validated as the wire will and checked by the request
+    resolver (module docstring); :class:`CliError` else."""
     kind = check_flags(args)
     if kind == "job":
-        return Submission(kind="job", job=_validated(_job(args)))
+        job = _validated(_job(args))
+        _check(job.template())
+        return Submission(kind="job", job=job)
     return Submission(kind=kind, request=new_request(args))
 
 
@@ -202,7 +235,7 @@ def new_request(args: argparse.Namespace) -> AllocationRequest:
         mig_profile=getattr(args, "mig_profile", None),
         claim=claim,
     )
-    return _validated(req)
+    return _check(_validated(req))
 
 
 def _each_pod_asks(args: argparse.Namespace) -> dict[str, Any]:
@@ -258,10 +291,23 @@ def _job(args: argparse.Namespace) -> JobRequest:
 
 
 def _validated(message: M) -> M:
+    """``message`` as the wire accepts it; else the error, naming the flag behind the field."""
     try:
         return codec.validated(message)
     except msgspec.ValidationError as exc:
+        at = _WIRE_PATH.search(str(exc))
+        flag = WIRE_FLAGS.get(at.group(1), "") if at is not None else ""
+        said = f"{flag}: {exc}" if flag else str(exc)
+        raise CliError(f"invalid request: {said}", hint="see `tandem submit --help`") from None
+
+
+def _check(req: AllocationRequest) -> AllocationRequest:
+    """``req`` (a pod's, a claim's, a job's template) by the rules of :func:`services.request.check`."""
+    try:
+        check(req, names=FLAG_NAMES)
+    except RequestError as exc:
         raise CliError(f"invalid request: {exc}", hint="see `tandem submit --help`") from None
+    return req
 
 
 # ---------------------------------------------------------------------------------------------

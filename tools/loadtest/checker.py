@@ -1,21 +1,21 @@
 """``python -m tools.loadtest.checker``: the invariant checks in the middle of a load run, in
 a process of their own, read at a pace.
 
-A check reads and decodes every node's record (5,000 at 5,000 nodes). Whatever it takes from
-the system, the requests answered meanwhile pay for. Measured with ``tandem loadtest --nodes
-5000 --requests 20000 --rate 500``, p99 submit → assigned, two runs each, same session:
+A check reads and decodes every node's record (one per node). Whatever it takes from the
+system, the requests answered meanwhile pay for; p99 submit → assigned under ``tandem loadtest``
+was measured with the checks in each place they could run (docs/benchmarks.md, "Measurements
+behind the code"):
 
-* no checks in the middle: 23 and 28 ms;
-* on a thread of the harness (one ordered consumer, every record at once): 48 and 62 ms —
-  through the GIL it still held up the handling of the answers the harness times;
-* in a process of its own, the same read: 53 and 90 ms — 5,000 deliveries in one burst take
-  the server and both cores at once;
+* on a thread of the harness (one ordered consumer, every record at once), through the GIL it
+  still held up the handling of the answers the harness times;
+* in a process of its own, the same read: every delivery in one burst takes the server and
+  both cores at once;
 * in a process of its own that follows the bucket from the start (a watch: every change sent
-  once more, as it happens): 43 and 48 ms, and the p50 went from 5 to 7 ms.
+  once more, as it happens), the p50 moved too.
 
-So this process reads at a pace instead (:func:`~services.runtime.kvwatch.read_paced`:
-``PACE_BATCH`` records, then ``PACE_PAUSE_S`` to breathe — 5,000 records over 1-4 s under
-load), at the lowest CPU priority (:func:`lower_priority`). It is started once, with the
+So this process reads at a pace instead (:func:`~services.runtime.kv.watch.read_paced`:
+``PACE_BATCH`` records, then ``PACE_PAUSE_S`` to breathe), at the lowest CPU priority
+(:func:`lower_priority`). It is started once, with the
 fleet: started per check, its imports alone cost more CPU than the check.
 
 Protocol, one line each way: the harness writes ``snapshot`` on stdin; the checker reads the
@@ -36,8 +36,8 @@ import msgspec
 import nats.errors
 
 from schemas import codec, subjects
-from services.runtime.bus import Bus
-from services.runtime.kvwatch import read_paced
+from services.runtime.kv.watch import read_paced
+from services.runtime.nats.bus import Bus
 from services.runtime.settings import Settings
 from tools.loadtest import invariants
 from tools.loadtest.child import child_main
@@ -68,10 +68,9 @@ def lower_priority() -> None:
     in a session of its own, and with ``sched_autogroup_enabled`` (the default on most
     distributions, and on this machine) each session is a scheduling group of its own, which
     weighs as much as any other whatever the nice value of its tasks. The group's own nice
-    value (``/proc/self/autogroup``) is what ranks it against the allocator's. Measured: with
-    the process nice alone the checker took 10-26 % of a core in the stretches where answers
-    came late and p99 submit → assigned at ``--rate 500`` was 43-66 ms; with its group at 19,
-    36 ms in two runs each, back to back (docs/benchmarks.md)."""
+    value (``/proc/self/autogroup``) is what ranks it against the allocator's: with the process
+    nice alone the checker still took a share of a core where answers came late, and the p99
+    showed it (docs/benchmarks.md, "Measurements behind the code")."""
     os.nice(19)
     if os.getsid(0) != os.getpid():
         return  # not a session of its own (run by hand from a shell): leave the shell's group alone

@@ -11,8 +11,8 @@ import asyncio
 import sys
 from collections.abc import Awaitable, Callable, Sequence
 
-from services.runtime.lifecycle import run_loop, settings_from_argv
-from services.runtime.logging import setup_logging
+from services.runtime.observe.logging import setup_logging
+from services.runtime.process.lifecycle import run_loop, settings_from_argv
 from services.runtime.settings import Settings
 
 __all__ = ["child_main"]

@@ -30,7 +30,8 @@ GPUs in requests. The time arrivals spent waiting is ``arrival_wait_s``.
 Pending requests are given up after ``give_up`` seconds, as a user deletes a pod that does not
 start: a ``Release`` without a node (``tandem.alloc.release._unplaced``), which the allocator
 turns into a cancel. Without that, the mix's 8-GPU requests (a whole free server each) pile up
-at 85 % and crowd out everything else — the core benchmark drops a refused request at once.
+and crowd out everything else (docs/benchmarks.md, "Measurements behind the code") — the core
+benchmark drops a refused request at once.
 
 Pacing: with ``rate`` the i-th request is due at ``start + i / rate`` (an open-loop arrival
 schedule: a slow system does not slow the arrivals, short of the fill's wait); without it,

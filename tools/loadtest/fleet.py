@@ -73,12 +73,12 @@ from schemas.messages import (
 from schemas.topology import Gpu, Nic, locate
 from services.nodeagent.cleanup import retry_delay
 from services.nodeagent.follow import AllocationsFollower, node_actions
-from services.runtime.bus import Bus
 from services.runtime.errors import SettingsError
-from services.runtime.lifecycle import run
-from services.runtime.logging import get_logger
+from services.runtime.nats.bus import Bus
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.lifecycle import run
+from services.runtime.process.tasks import Service, Supervisor
 from services.runtime.settings import Settings, load_settings
-from services.runtime.tasks import Service, Supervisor
 from tools.loadtest.ledger import DeviceHolds
 from tools.loadtest.mix import FLEET_MIX, NodeSpec, fleet_plan, node_topology
 from tools.loadtest.publisher import AsyncPublisher

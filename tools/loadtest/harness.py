@@ -44,15 +44,14 @@ from typing import Any
 
 import msgspec
 import nats
-from nats.js import JetStreamContext
 from nats.js.errors import BucketNotFoundError
 
 from schemas import subjects
-from services.runtime.bus import Bus
-from services.runtime.embedded import EmbeddedNats, free_ports
 from services.runtime.errors import EmbeddedServerError
+from services.runtime.nats.bus import Bus
+from services.runtime.process.embedded import EmbeddedNats, free_ports
+from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings
-from services.runtime.tasks import Supervisor
 from tools.loadtest import ceiling, invariants, ledgerwatch
 from tools.loadtest.driver import LoadDriver, Req
 from tools.loadtest.errors import LoadtestError
@@ -68,6 +67,7 @@ from tools.loadtest.mix import (
 )
 from tools.loadtest.procs import Child, Children, cpu_seconds, rss_mb
 from tools.loadtest.publisher import AsyncPublisher
+from tools.loadtest.registration import auto_in_flight, lost_requests, wait_registered
 from tools.loadtest.report import CeilingFigures, CpuFigures, Report, RssFigures, percentiles
 
 Progress = Callable[[str], None]
@@ -599,16 +599,7 @@ class Harness:
     ) -> Report:
         cfg = self.cfg
         reqs = driver.reqs
-        lost: list[str] = []
-        for rid, r in reqs.items():
-            held_now = rid in placed
-            if r.released is not None:
-                if r.freed is None and held_now:  # the release never completed
-                    lost.append(f"{rid} (released, still on {placed[rid]})")
-            elif r.first is None and not held_now:  # never answered, not placed either
-                lost.append(f"{rid} (no answer)")
-            elif r.assigned is not None and not held_now:  # assigned, never released, gone
-                lost.append(f"{rid} (assigned to {r.node}, held by no node)")
+        lost = lost_requests(reqs, placed)
         if lost:
             self.progress(f"lost: {', '.join(lost[:10])}{' ...' if len(lost) > 10 else ''}")
         assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
@@ -687,43 +678,6 @@ class Harness:
         self.children.kill_now()
         if self.server is not None:
             self.server.stop()
-
-
-async def wait_registered(
-    js: JetStreamContext,
-    names: list[str],
-    *,
-    deadline: float,
-    alive: Callable[[], None],
-    why: str = "in time",
-) -> None:
-    """Until every node of ``names`` has a record in KV ``tandem-nodes`` (written by the
-    inventory); ``deadline`` on the loop's clock; ``alive`` raises when a child died."""
-    loop = asyncio.get_running_loop()
-    wanted = set(names)
-    seen: set[str] = set()
-    kv = await js.key_value(subjects.KV_NODES)
-    watcher = await kv.watchall(meta_only=True, ignore_deletes=True)
-    try:
-        while not wanted <= seen:
-            if loop.time() > deadline:
-                got = len(seen & wanted)
-                raise LoadtestError(f"only {got} of {len(wanted)} nodes registered {why}")
-            alive()
-            try:
-                entry = await watcher.updates(timeout=0.5)  # type: ignore[no-untyped-call]
-            except nats.errors.TimeoutError:
-                continue
-            if entry is not None and entry.operation is None:
-                seen.add(entry.key)
-    finally:
-        await watcher.stop()  # type: ignore[no-untyped-call]
-
-
-def auto_in_flight(fleet_gpus: int, workload: Workload) -> int:
-    """The open loop's default bound: requests worth 5 % of the fleet's GPUs (8 to 1024), so
-    the queue does not empty a fleet kept at its target (see tools.loadtest.driver)."""
-    return max(8, min(1024, round(0.05 * fleet_gpus / workload.mean_gpus())))
 
 
 def _minus(value: float | None, base: float | None) -> float | None:

@@ -2,7 +2,7 @@
 
 A snapshot reads every node's allocation record (one ordered consumer delivering the last value
 of every key — one pass, not a get per key — read on past an early "nothing pending" from the
-server: :func:`services.runtime.kvread.last_raw_values`) and checks what no harness bookkeeping can vouch
+server: :func:`services.runtime.kv.read.last_raw_values`) and checks what no harness bookkeeping can vouch
 for:
 
 * ``double_held``: a device of a node listed by two allocations of that node's record — except
@@ -33,7 +33,7 @@ from nats.js import JetStreamContext
 
 from schemas import codec, subjects
 from schemas.messages import NodeAllocations
-from services.runtime.kvread import last_raw_values
+from services.runtime.kv.read import last_raw_values
 from tools.loadtest import mix
 
 T = TypeVar("T")
@@ -92,7 +92,7 @@ async def last_values(
 ) -> dict[str, T | None]:
     """The current value of every key of ``bucket``, decoded (None: undecodable); one ordered
     consumer delivering the last value of each key, not a get per key, and not cut short by
-    the server's early "nothing pending" (:mod:`services.runtime.kvread`)."""
+    the server's early "nothing pending" (:mod:`services.runtime.kv.read`)."""
     return decode_all(await last_raw_values(js, await js.key_value(bucket), bucket), decoder)
 
 

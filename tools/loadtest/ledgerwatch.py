@@ -2,7 +2,7 @@
 
 :class:`~tools.loadtest.ledger.Ledger` judges; this module reads. Three ordered consumers,
 each delivery handed to the ledger from the subscription's callback (as
-:func:`services.runtime.kvwatch.watch_raw` does, without nats-py's watcher and its queue):
+:func:`services.runtime.kv.watch.watch_raw` does, without nats-py's watcher and its queue):
 
 * the stream of KV ``tandem-allocs`` (``KV_tandem-allocs``, subject ``$KV.tandem-allocs.>``)
   and that of KV ``tandem-requests``: the last revision of every key as it stands when the
@@ -46,10 +46,10 @@ from nats.js.errors import NotFoundError
 
 from schemas import codec, subjects
 from schemas.messages import Freed
-from services.runtime.bus import Bus
-from services.runtime.jsack import position
-from services.runtime.kvwatch import WATCH_INACTIVE_THRESHOLD_S, kv_change
-from services.runtime.logging import get_logger
+from services.runtime.kv.watch import WATCH_INACTIVE_THRESHOLD_S, kv_change
+from services.runtime.nats.bus import Bus
+from services.runtime.nats.jsack import position
+from services.runtime.observe.logging import get_logger
 from services.runtime.settings import Settings
 from tools.loadtest.child import child_main
 from tools.loadtest.ledger import Ledger, LedgerCounts
@@ -61,8 +61,9 @@ READY_EVENT = "ready"
 FINISH_TIMEOUT_S = 60.0
 CATCH_UP_POLL_S = 0.05
 # An ordered consumer whose heartbeats stop for two of these is made again from where it was
-# (nats-py): with its default 5 s, a consumer lost with a NATS server stalled the reader 10 s,
-# and a key written a few times a second had lost revisions by then (a bucket keeps 5).
+# (nats-py): with its default heartbeat, a consumer lost with a NATS server stalled the reader
+# long enough that a key written a few times a second had lost revisions by then (a bucket keeps
+# 5; docs/benchmarks.md, "Measurements behind the code").
 IDLE_HEARTBEAT_S = 0.5
 # The subscriptions must never drop a delivery for being slow (a dropped one is a hole).
 PENDING_MSGS = 4_000_000

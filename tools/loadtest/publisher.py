@@ -2,7 +2,7 @@
 
 ``submit`` only queues (it never blocks the caller, so a callback can publish without waiting
 for a round trip); :meth:`AsyncPublisher.run` sends the queue through the connection's
-:class:`~services.runtime.puback.AckInbox` (the services' own publish path: a counter token
+:class:`~services.runtime.nats.puback.AckInbox` (the services' own publish path: a counter token
 and a timer per publish, msgspec for the answer; nats-py's ``publish_async`` made a NUID and a
 random token and parsed JSON for each, a fifth of the simulated fleet's CPU) keeping at most
 ``window`` publishes unacknowledged, and re-sends a publish whose ack failed or did not come
@@ -11,9 +11,9 @@ a re-send of one that was stored after all — with a growing pause, for up to `
 (a stream leader election answers "no responders" for seconds). ``flush`` waits until
 everything queued is acknowledged.
 
-Run :meth:`AsyncPublisher.run` under a :class:`~services.runtime.tasks.Supervisor`. This is
+Run :meth:`AsyncPublisher.run` under a :class:`~services.runtime.process.tasks.Supervisor`. This is
 the harness's and the simulated fleet's own sender: the services publish one awaited message
-at a time through :class:`~services.runtime.bus.Bus`, which is one of the costs the harness
+at a time through :class:`~services.runtime.nats.bus.Bus`, which is one of the costs the harness
 measures.
 """
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from nats.aio.msg import Msg
 
-from services.runtime.puback import AckInbox, pub_ack
+from services.runtime.nats.puback import AckInbox, pub_ack
 
 # A publish is re-sent, with a growing pause, until it is stored or this long has passed since
 # its first attempt: a stream without a leader (a NATS server died) answers "no responders"

@@ -6,7 +6,7 @@ Exception tree (the core raises nothing else on bad input)::
      └── InvalidRequest      unknown device class, unknown scope, impossible pairing, empty request
 
 A request that is valid but cannot be placed *now* is not an exception: ``Cluster.decide``
-returns an :class:`~services.allocator.core.cluster.Unschedulable` value with the reasons.
+returns an :class:`~services.allocator.core.placement.Unschedulable` value with the reasons.
 """
 
 from __future__ import annotations

@@ -59,9 +59,10 @@ from dataclasses import dataclass, field
 from schemas.messages import JobRequest
 from schemas.topology import SCOPE_NAMES
 
-from .cluster import Cluster, Placement, Unschedulable
+from .cluster import Cluster
 from .errors import InvalidRequest
 from .model import Shape
+from .placement import Placement, Unschedulable
 from .request import Spec
 from .search import Choice, Refusal
 

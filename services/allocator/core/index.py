@@ -1,16 +1,17 @@
-"""One index of nodes, grouped: the structure the cluster keeps three of.
+"""One index of nodes, grouped: the structure each indexed device kind keeps one of.
 
 A :class:`GroupIndex` holds the nodes grouped by a key (hardware id, free mask), the log of
 every membership change, and per group how many of its nodes have devices out of service.
-Signature states (:class:`~services.allocator.core.cluster.Cluster`) are built from the groups
+Signature states (:mod:`~services.allocator.core.signatures`) are built from the groups
 once and then replay the log from their cursor, so a decision costs the changes since the
 last one of its kind, not a walk over the fleet. Positions in the log are absolute: the
 change at position ``p`` is ``log[p - base]``; compaction drops a prefix and moves ``base``,
 and a rebuild (:meth:`reset`) starts the log over from where it ended, so a cursor never
 points into a different history.
 
-The cluster keeps three: whole GPUs (keyed by slot bits), shares (the full mask, slot and
-share bits) and stacking (the share groups that have a shared GPU).
+Three device kinds keep one (:mod:`~services.allocator.core.plugins`): whole GPUs (keyed by
+slot bits), shares (the full mask, slot and share bits) and stacking (the share groups that
+have a shared GPU).
 """
 
 from __future__ import annotations

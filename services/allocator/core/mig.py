@@ -139,6 +139,7 @@ class _MigNode:
     shape: Shape
     labels: Mapping[str, str]
     instances: list[_Inst]
+    shard: str | None = None  # see .scores (shard preference)
     nic_free: int = 0
     free: frozenset[str] = frozenset()
     used_gpus: frozenset[int] = frozenset()  # GPU slots with an instance held
@@ -169,7 +170,15 @@ class MigIndex:
 
     # -- state ------------------------------------------------------------------------------
 
-    def set_node(self, name: str, topology: NodeTopology, shape: Shape, labels: Mapping[str, str]) -> int:
+    def set_node(
+        self,
+        name: str,
+        topology: NodeTopology,
+        shape: Shape,
+        labels: Mapping[str, str],
+        *,
+        shard: str | None = None,
+    ) -> int:
         """Register (or replace) a node; returns the slot mask of its MIG-mode GPUs, which the
         cluster must keep out of the free mask. A node without MIG GPUs is forgotten here."""
         block = 0
@@ -194,7 +203,7 @@ class MigIndex:
         else:
             seq = old.seq
             self._index(old, -1)
-        node = self._nodes[name] = _MigNode(name, seq, topology, shape, dict(labels), instances)
+        node = self._nodes[name] = _MigNode(name, seq, topology, shape, dict(labels), instances, shard)
         lkey = (shape.id, tuple((i.device, i.gpu_slot, i.profile) for i in instances))
         node.layout = self._layouts.setdefault(lkey, len(self._layouts))
         node.by_device = {i.device: i for i in instances}
@@ -271,9 +280,13 @@ class MigIndex:
                 out.setdefault(inst.profile, []).append(inst.device)
         return out
 
-    def decide(self, spec: Spec, *, policy: str) -> tuple[MigChoice, int] | dict[str, tuple[str, int]]:
+    def decide(
+        self, spec: Spec, *, policy: str, shard: str | None = None
+    ) -> tuple[MigChoice, int] | dict[str, tuple[str, int]]:
         """The best node for a MIG request: ``(choice, candidate nodes)``, or the refusals
-        ``{text: (code, nodes)}`` of the nodes that have a free instance of the profile."""
+        ``{text: (code, nodes)}`` of the nodes that have a free instance of the profile.
+        ``shard``: only the nodes of that shard (the first tier of a shard preference, whose
+        refusals nobody reads: the other nodes count as not matching the selector)."""
         refused: dict[str, tuple[str, int]] = {}
         best: tuple[int, ...] | None = None
         # (choice, nodes) of the groups whose order equals the best: the node registered
@@ -283,9 +296,12 @@ class MigIndex:
         for gkey in self._by_profile.get(spec.mig_profile, {}):
             members = self._groups[gkey]
             names: Collection[str] = members
-            if spec.selector:
+            if spec.selector or shard is not None:
                 names = [
-                    n for n in members if all(self._nodes[n].labels.get(k) == v for k, v in spec.selector)
+                    n
+                    for n in members
+                    if all(self._nodes[n].labels.get(k) == v for k, v in spec.selector)
+                    and (shard is None or self._nodes[n].shard == shard)
                 ]
                 off = len(members) - len(names)
                 if off:

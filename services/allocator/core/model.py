@@ -260,66 +260,83 @@ def _class_view(shape: Shape, dc: DeviceClass) -> ClassView:
     )
 
 
-def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object, ...]) -> Shape:
-    """Build the slot/unit tables for ``topo`` (whose signature the caller computed)."""
-    unit_ids: dict[tuple[object, ...], int] = {}
-    unit_level: list[int] = []
-    unit_mask: list[int] = []
-    level_units: list[list[int]] = [[] for _ in range(LEVELS)]
+class _Units:
+    """The alignment units of a topology as :func:`compile_shape` builds them: id per path,
+    level, slot mask (filled once the slots are known) and parent."""
 
-    unit_parent: list[int] = []
+    __slots__ = ("ids", "level", "level_units", "mask", "parent")
 
-    def unit(level: int, key: tuple[object, ...], parent: int) -> int:
+    def __init__(self) -> None:
+        self.ids: dict[tuple[object, ...], int] = {}
+        self.level: list[int] = []
+        self.mask: list[int] = []
+        self.parent: list[int] = []
+        self.level_units: list[list[int]] = [[] for _ in range(LEVELS)]
+
+    def unit(self, level: int, key: tuple[object, ...], parent: int) -> int:
         k = (level, *key)
-        u = unit_ids.get(k)
+        u = self.ids.get(k)
         if u is None:
-            u = unit_ids[k] = len(unit_level)
-            unit_level.append(level)
-            unit_mask.append(0)
-            unit_parent.append(parent)
-            level_units[level].append(u)
+            u = self.ids[k] = len(self.level)
+            self.level.append(level)
+            self.mask.append(0)
+            self.parent.append(parent)
+            self.level_units[level].append(u)
         return u
 
-    gpu_rows: list[tuple[Gpu, tuple[int, int, int, int]]] = []
-    nic_rows: list[tuple[Nic, tuple[int, int, int, int]]] = []
+
+Where = tuple[int, int, int, int]  # unit id per PCIe level (-1: not under a switch)
+
+
+def _located(topo: NodeTopology, units: _Units) -> tuple[list[tuple[Gpu, Where]], list[tuple[Nic, Where]]]:
+    """The GPUs and NICs in tree order, each with its units."""
+    gpu_rows: list[tuple[Gpu, Where]] = []
+    nic_rows: list[tuple[Nic, Where]] = []
     for loc in locate(topo):
         # Keyed by the whole path, so that units nest (the search relies on the tree).
-        so = unit(3, (loc.socket,), -1)
-        nu = unit(2, (loc.socket, loc.numa), so)
-        rt = unit(1, (loc.socket, loc.numa, loc.root), nu)
-        sw = -1 if loc.switch is None else unit(0, (loc.socket, loc.numa, loc.root, loc.switch), rt)
+        so = units.unit(3, (loc.socket,), -1)
+        nu = units.unit(2, (loc.socket, loc.numa), so)
+        rt = units.unit(1, (loc.socket, loc.numa, loc.root), nu)
+        sw = -1 if loc.switch is None else units.unit(0, (loc.socket, loc.numa, loc.root, loc.switch), rt)
         where = (sw, rt, nu, so)
         if isinstance(loc.device, Gpu):
             gpu_rows.append((loc.device, where))
         else:
             nic_rows.append((loc.device, where))
+    return gpu_rows, nic_rows
 
-    n_gpus = len(gpu_rows)
-    slot_id: list[str] = []
-    gpu_loc: list[tuple[int, int, int, int]] = []
-    for g, where in gpu_rows:
-        slot_id.append(g.id)
-        gpu_loc.append(where)
-    nics: list[NicSlot] = []
-    pf_vfs: dict[int, int] = {}
-    vf_parent: dict[int, int] = {}
-    pf_all = vf_all = 0
-    for nic, where in nic_rows:
-        pf = n_gpus + len(nics)
-        nics.append(NicSlot(pf, nic.name, pf, nic.name, None, nic.link_type, nic.speed_gbps, where))
-        slot_id.append(nic.name)
-        pf_all |= 1 << pf
-        vmask = 0
-        for vf in nic.vfs:
-            s = n_gpus + len(nics)
-            nics.append(NicSlot(s, vf.name, pf, nic.name, vf.index, nic.link_type, nic.speed_gbps, where))
-            slot_id.append(vf.name)
-            vmask |= 1 << s
-            vf_parent[s] = pf
-        if vmask:
-            pf_vfs[pf] = vmask
-        vf_all |= vmask
-    n_slots = len(slot_id)
+
+class _NicTable:
+    """The NIC slots (each PF followed by its VFs) and their masks, from slot ``n_gpus`` on."""
+
+    __slots__ = ("nics", "pf_all", "pf_vfs", "slot_id", "vf_all", "vf_parent")
+
+    def __init__(self, nic_rows: list[tuple[Nic, Where]], n_gpus: int) -> None:
+        self.nics: list[NicSlot] = []
+        self.slot_id: list[str] = []
+        self.pf_vfs: dict[int, int] = {}
+        self.vf_parent: dict[int, int] = {}
+        self.pf_all = self.vf_all = 0
+        nics = self.nics
+        for nic, where in nic_rows:
+            pf = n_gpus + len(nics)
+            nics.append(NicSlot(pf, nic.name, pf, nic.name, None, nic.link_type, nic.speed_gbps, where))
+            self.slot_id.append(nic.name)
+            self.pf_all |= 1 << pf
+            vmask = 0
+            for vf in nic.vfs:
+                s = n_gpus + len(nics)
+                nics.append(NicSlot(s, vf.name, pf, nic.name, vf.index, nic.link_type, nic.speed_gbps, where))
+                self.slot_id.append(vf.name)
+                vmask |= 1 << s
+                self.vf_parent[s] = pf
+            if vmask:
+                self.pf_vfs[pf] = vmask
+            self.vf_all |= vmask
+
+
+def _paths(topo: NodeTopology) -> list[tuple[int, int, int, int, int, int]]:
+    """Every slot's path in the topology (GPUs first, then NICs with their VFs)."""
     gpu_paths: list[tuple[int, int, int, int, int, int]] = []
     nic_paths: list[tuple[int, int, int, int, int, int]] = []
     for si, sock in enumerate(topo.sockets):
@@ -332,11 +349,13 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
                     for di, nic in enumerate(holder.nics):
                         nic_paths.append((si, ni, ri, wi, di, -1))
                         nic_paths.extend((si, ni, ri, wi, di, vi) for vi in range(len(nic.vfs)))
-    for s in range(n_slots):
-        where = gpu_loc[s] if s < n_gpus else nics[s - n_gpus].loc
-        for u in where:
-            if u >= 0:
-                unit_mask[u] |= 1 << s
+    return gpu_paths + nic_paths
+
+
+def _partitions(
+    topo: NodeTopology, gpu_rows: list[tuple[Gpu, Where]]
+) -> tuple[list[tuple[int, int]], list[int]]:
+    """The NVLink partitions as (GPU slot mask, size), and the masks of the maximal ones."""
     index_slot = {g.index: s for s, (g, _) in enumerate(gpu_rows)}
     partitions = []
     for part in nvlink_partitions(topo):
@@ -348,6 +367,25 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
             partitions.append((m, m.bit_count()))
     masks = {m for m, _ in partitions}
     maximal_parts = sorted(m for m in masks if not any(m != o and m & o == m for o in masks))
+    return partitions, maximal_parts
+
+
+def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object, ...]) -> Shape:
+    """Build the slot/unit tables for ``topo`` (whose signature the caller computed)."""
+    units = _Units()
+    gpu_rows, nic_rows = _located(topo, units)
+    n_gpus = len(gpu_rows)
+    gpu_loc = [where for _, where in gpu_rows]
+    table = _NicTable(nic_rows, n_gpus)
+    slot_id = [g.id for g, _ in gpu_rows] + table.slot_id
+    n_slots = len(slot_id)
+    unit_mask = units.mask
+    for s in range(n_slots):
+        where = gpu_loc[s] if s < n_gpus else table.nics[s - n_gpus].loc
+        for u in where:
+            if u >= 0:
+                unit_mask[u] |= 1 << s
+    partitions, maximal_parts = _partitions(topo, gpu_rows)
     return Shape(
         id=shape_id,
         signature=signature,
@@ -356,26 +394,26 @@ def compile_shape(topo: NodeTopology, *, shape_id: int, signature: tuple[object,
         gpu_model=[g.model for g, _ in gpu_rows],
         gpu_memory=[g.memory_mib for g, _ in gpu_rows],
         gpu_loc=gpu_loc,
-        nics=nics,
+        nics=table.nics,
         n_slots=n_slots,
         slot_of={d: s for s, d in enumerate(slot_id)},
         slot_id=slot_id,
-        unit_level=unit_level,
+        unit_level=units.level,
         unit_mask=unit_mask,
-        unit_parent=unit_parent,
-        level_units=level_units,
+        unit_parent=units.parent,
+        level_units=units.level_units,
         gpu_all=(1 << n_gpus) - 1,
-        pf_all=pf_all,
-        vf_all=vf_all,
-        vf_parent=vf_parent,
-        pf_vfs=pf_vfs,
+        pf_all=table.pf_all,
+        vf_all=table.vf_all,
+        vf_parent=table.vf_parent,
+        pf_vfs=table.pf_vfs,
         partitions=partitions,
         maximal_parts=maximal_parts,
-        paths=gpu_paths + nic_paths,
+        paths=_paths(topo),
         aligned=sum(
-            min((m & ((1 << n_gpus) - 1)).bit_count(), (m & pf_all).bit_count())
+            min((m & ((1 << n_gpus) - 1)).bit_count(), (m & table.pf_all).bit_count())
             for u, m in enumerate(unit_mask)
-            if unit_level[u] == 0
+            if units.level[u] == 0
         ),
     )
 

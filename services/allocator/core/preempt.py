@@ -69,16 +69,18 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any
+from typing import Any, NamedTuple
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest
 
-from .cluster import Cluster, Placement
+from .cluster import Cluster
 from .errors import InvalidRequest
 from .model import Shape
+from .placement import Placement
 from .request import Spec
 from .search import Choice
+from .victims import Hold, PreemptionView
 
 __all__ = ["Preemption", "Victim", "may_preempt", "plan"]
 
@@ -132,9 +134,9 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
     # Pass 1: each group of nodes alike (Cluster.preemption_groups) as this request sees it —
     # holds of its priority or above are as good as protected — and, per distinct view, the
     # first node by name (which wins every tie, so the others need no search).
-    first: dict[tuple[int, int, tuple[tuple[int, int], ...]], str] = {}
+    first: dict[PreemptionView, str] = {}
     for (shape_id, blocked, holds), members in cluster.preemption_groups().items():
-        eligible = tuple(h for h in holds if h[0] < prio and h[1])
+        eligible = tuple(h for h in holds if h.priority < prio and h.slots)
         if not eligible:
             continue
         for p, m in holds:
@@ -147,7 +149,7 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
             name = min(names)
         else:
             name = min(members)
-        view = (shape_id, blocked, eligible)
+        view = PreemptionView(shape_id, blocked, eligible)
         if view not in first or name < first[view]:
             first[view] = name
     # Pass 2: each distinct view's own best set (cached: views outlive plans, only the nodes
@@ -159,50 +161,74 @@ def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
     if cache is None:
         cache = _CACHES[cluster] = {}
     skey = spec.key
-    best: tuple[tuple[Any, ...], str, Choice, tuple[tuple[int, int], ...], tuple[int, ...]] | None = None
-    for view, name in sorted(first.items(), key=lambda kv: (kv[0][2][-1][0], kv[1])):
-        eligible = view[2]
+    best: _Plan | None = None
+    for view, name in sorted(first.items(), key=_lowest_first):
+        eligible = view.holds
         key = (skey, view)
         if key in cache:
             own = cache[key]
         else:
-            lowest = (1, (eligible[-1][0],))
-            if best is not None and lowest > best[0][:2]:
+            lowest = (1, (eligible[-1].priority,))
+            if best is not None and lowest > best.order[:2]:
                 break  # every later view's lowest priority is as high or higher
             shape = cluster.shape_of(name)
-            every = cluster.evaluate_free(spec, shape, shape.effective_free(view[1]))
+            every = cluster.evaluate_free(spec, shape, shape.effective_free(view.blocked))
             if not isinstance(every, Choice):
                 own = cache[key] = None
                 continue
-            if best is not None and (*lowest, every.key) > best[0][:3]:
+            if best is not None and (*lowest, every.key) > best.order[:3]:
                 continue
             if len(cache) >= _CACHE_MAX:
                 cache.clear()
-            own = cache[key] = _best_in_view(cluster, spec, shape, view[1], eligible)
+            own = cache[key] = _best_in_view(cluster, spec, shape, view.blocked, eligible)
         if own is None:
             continue
-        order = (*own[0][:4], name, own[0][4])
-        if best is None or order < best[0]:
-            best = (order, name, own[1], view[2], own[0][4])
+        size, prios, quality, frag, chosen = own.rank
+        order = (size, prios, quality, frag, name, chosen)
+        if best is None or order < best.order:
+            best = _Plan(order, name, own.choice, eligible, chosen)
     if best is None:
         return None
-    order, name, choice, eligible, chosen = best
-    victims = _victims(cluster, name, [eligible[i] for i in chosen])
-    return Preemption(placement=cluster.placement_of(name, choice, spec), victims=victims, order=order)
+    victims = _victims(cluster, best.node, [best.eligible[i] for i in best.chosen])
+    return Preemption(
+        placement=cluster.placement_of(best.node, best.choice, spec), victims=victims, order=best.order
+    )
+
+
+def _lowest_first(item: tuple[PreemptionView, str]) -> tuple[int, str]:
+    """Views in order of their lowest eligible priority, then by node."""
+    view, name = item
+    return (view.holds[-1].priority, name)
+
+
+class _ViewBest(NamedTuple):
+    """A view's best set: ``rank`` = (size, priorities, quality, fragmentation, chosen
+    indexes into the view's eligible holds), smaller first; the placement it leaves room for."""
+
+    rank: tuple[Any, ...]
+    choice: Choice
+
+
+class _Plan(NamedTuple):
+    """The best plan so far: its rank in the module docstring's order, and what it evicts."""
+
+    order: tuple[Any, ...]
+    node: str
+    choice: Choice
+    eligible: tuple[Hold, ...]
+    chosen: tuple[int, ...]
 
 
 # Per cluster: (request key, view) -> that view's best set, or None (see plan).
-_CACHES: weakref.WeakKeyDictionary[Cluster, dict[tuple[object, ...], _Own | None]] = (
+_CACHES: weakref.WeakKeyDictionary[Cluster, dict[tuple[object, ...], _ViewBest | None]] = (
     weakref.WeakKeyDictionary()
 )
 _CACHE_MAX = 50_000
-# A view's best: ((size, priorities, quality, fragmentation, chosen indexes), the choice).
-_Own = tuple[tuple[Any, ...], Choice]
 
 
 def _best_in_view(
-    cluster: Cluster, spec: Spec, shape: Shape, blocked: int, eligible: tuple[tuple[int, int], ...]
-) -> _Own | None:
+    cluster: Cluster, spec: Spec, shape: Shape, blocked: int, eligible: tuple[Hold, ...]
+) -> _ViewBest | None:
     """The best set of eligible holds to evict on a node with this view, or None: sets by
     increasing size, and within a size in order of priorities (highest first), stopping at
     the first size that has one and, within it, once the priorities rank behind the best."""
@@ -216,28 +242,28 @@ def _best_in_view(
         # ``eligible`` is in order of priority, highest first, and each set lists its holds
         # in that order, so its priorities are sorted too.
         pool = combinations(singles, size) if plain else _sets_of_size(units, size)
-        sets = sorted(pool, key=lambda ix: tuple(eligible[i][0] for i in ix))
-        found: _Own | None = None
+        sets = sorted(pool, key=lambda ix: tuple(eligible[i].priority for i in ix))
+        found: _ViewBest | None = None
         for ix in sets:
-            prios = tuple(eligible[i][0] for i in ix)
-            if found is not None and prios > found[0][1]:
+            prios = tuple(eligible[i].priority for i in ix)
+            if found is not None and prios > found.rank[1]:
                 break
             mask = blocked
             for i in range(n):
                 if i not in ix:
-                    mask |= eligible[i][1]
+                    mask |= eligible[i].slots
             res = cluster.evaluate_free(spec, shape, shape.effective_free(mask))
             if not isinstance(res, Choice):
                 continue
             order = (size, prios, res.key, res.frag, ix)
-            if found is None or order < found[0]:
-                found = (order, res)
+            if found is None or order < found.rank:
+                found = _ViewBest(order, res)
         if found is not None:
             return found
     return None  # pragma: no cover - evicting all made room above
 
 
-def _units(eligible: tuple[tuple[int, int], ...], blocked: int, gpu_all: int) -> list[tuple[int, ...]]:
+def _units(eligible: tuple[Hold, ...], blocked: int, gpu_all: int) -> list[tuple[int, ...]]:
     """The eligible holds (indexes) in the units a minimal set takes whole: the holds whose
     slots are one GPU alone, by that GPU (on a shared GPU, some of its shares evicted free
     nothing; a GPU that ``blocked`` keeps frees nothing at all, so its holds are left out),
@@ -270,7 +296,7 @@ def _sets_of_size(units: list[tuple[int, ...]], size: int) -> list[tuple[int, ..
     return out
 
 
-def _victims(cluster: Cluster, name: str, chosen: list[tuple[int, int]]) -> list[Victim]:
+def _victims(cluster: Cluster, name: str, chosen: list[Hold]) -> list[Victim]:
     """The holds on ``name`` behind the chosen (priority, slots) entries."""
     holds = cluster.preemptible_holds(name)
     devices = cluster.holds(name)
@@ -279,5 +305,5 @@ def _victims(cluster: Cluster, name: str, chosen: list[tuple[int, int]]) -> list
     for entry in chosen:
         rid = min(r for r, h in holds.items() if h == entry and r not in taken)
         taken.add(rid)
-        out.append(Victim(rid, entry[0], tuple(sorted(devices[rid]))))
+        out.append(Victim(rid, entry.priority, tuple(sorted(devices[rid]))))
     return out

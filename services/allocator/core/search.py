@@ -130,7 +130,7 @@ def capacity_cost(shape: Shape, free: int, choice: Choice) -> int:
     1 / 2 / 4 / 8 ... GPU + NIC jobs it could still take fully aligned. The cost is how much
     that drops: a 1+1 job that turns a node able to take 8+8 into one able to take 4+4 costs 4,
     one that takes a pair from a node with 3 or 5-7 aligned pairs left costs 0 (it uses a
-    partial unit). Used by the binpack order under reserve pressure (see :mod:`.cluster`)."""
+    partial unit). Used by the binpack order under reserve pressure (see :mod:`.scores`)."""
     taken = 0
     for s in (*choice.gpus, *choice.nics):
         taken |= 1 << s
@@ -231,6 +231,8 @@ Table = dict[tuple[int, int], tuple[int, Plan]]
 # A GPU leaf type: location (unit per level) and membership in the partitions that cut across
 # the PCIe tree. GPUs of one type are interchangeable, so a leaf is a count.
 LeafKey = tuple[tuple[int, int, int, int], int]
+# A GPU leaf: its type, its slots, and the sizes of the whole partitions that are exactly it.
+Leaf = tuple[LeafKey, list[int], int]
 
 
 class _Search:
@@ -341,6 +343,55 @@ class _Search:
         tree) are enumerated: for each union ``U`` of irregular partitions, in increasing size,
         the GPUs outside ``U`` are dropped and ``|U|`` is charged; a set that touches fewer
         than ``U`` is also found, charged less, under the smaller union."""
+        top, unit_nv, leaves, irregular, sig = self._leaves(allowed)
+        constant = top * self.nvb_w if self.g else 0
+
+        full = 0
+        for m in sig.values():
+            full |= m
+        found = self._dp(leaves, unit_nv, lead=lead)
+        assert found is not None
+        weight = [size for _, size in irregular]
+
+        def charge(union: int) -> int:
+            return sum(weight[i] for i in range(len(weight)) if union >> i & 1)
+
+        best = (found[0] + constant + charge(full) * self.nvb_w, found[1])
+        if not full:
+            return best
+        unions = {0}
+        for m in set(sig.values()):
+            unions |= {x | m for x in unions}
+        for union in sorted(unions, key=charge):
+            w = charge(union)
+            if w + top > (best[0] >> self.s_nvb) & self.nvb_mask:
+                break  # charges only grow from here: no later union can beat the best
+            if union == full:
+                continue
+            subset = [leaf for leaf in leaves if sig[leaf[0]] & ~union == 0]
+            if sum(len(slots) for _, slots, _ in subset) < self.g:
+                continue
+            mask = 0
+            for _, slots, _ in subset:
+                for s in slots:
+                    mask |= 1 << s
+            if self._pairs_bound(mask, lead=lead) >> self.low > best[0] >> self.low:
+                continue  # cannot reach the best pair counts: no need to search
+            got = self._dp(subset, unit_nv, lead=lead)
+            if got is not None:
+                v = got[0] + constant + w * self.nvb_w
+                if v < best[0]:
+                    best = (v, got[1])
+        return best
+
+    def _leaves(
+        self, allowed: int
+    ) -> tuple[int, dict[int, int], list[Leaf], list[tuple[int, int]], dict[LeafKey, int]]:
+        """The GPU leaves of a :meth:`_solve` run and where its whole NVLink partitions are
+        charged: ``(size of the partitions that are all the allowed GPUs, per unit the sizes
+        of those that are exactly its GPUs, leaves as (type, slots, sizes of those that are
+        exactly the leaf's), the irregular ones as (mask, size), per leaf type the irregular
+        ones it belongs to)``."""
         shape = self.shape
         unit_gpus: dict[int, int] = {}
         for lvl in range(LEVELS):
@@ -393,46 +444,8 @@ class _Search:
                 if e >> slots[0] & 1:
                     m |= 1 << i
             sig[key] = m
-        constant = top * self.nvb_w if self.g else 0
         leaves = [(key, slots, leaf_nv.get(key, 0)) for key, slots in types.items()]
-
-        full = 0
-        for m in sig.values():
-            full |= m
-        found = self._dp(leaves, unit_nv, lead=lead)
-        assert found is not None
-        weight = [size for _, size in irregular]
-
-        def charge(union: int) -> int:
-            return sum(weight[i] for i in range(len(weight)) if union >> i & 1)
-
-        best = (found[0] + constant + charge(full) * self.nvb_w, found[1])
-        if not full:
-            return best
-        unions = {0}
-        for m in set(sig.values()):
-            unions |= {x | m for x in unions}
-        for union in sorted(unions, key=charge):
-            w = charge(union)
-            if w + top > (best[0] >> self.s_nvb) & self.nvb_mask:
-                break  # charges only grow from here: no later union can beat the best
-            if union == full:
-                continue
-            subset = [leaf for leaf in leaves if sig[leaf[0]] & ~union == 0]
-            if sum(len(slots) for _, slots, _ in subset) < self.g:
-                continue
-            mask = 0
-            for _, slots, _ in subset:
-                for s in slots:
-                    mask |= 1 << s
-            if self._pairs_bound(mask, lead=lead) >> self.low > best[0] >> self.low:
-                continue  # cannot reach the best pair counts: no need to search
-            got = self._dp(subset, unit_nv, lead=lead)
-            if got is not None:
-                v = got[0] + constant + w * self.nvb_w
-                if v < best[0]:
-                    best = (v, got[1])
-        return best
+        return top, unit_nv, leaves, irregular, sig
 
     def _pairs_bound(self, allowed: int, *, lead: bool) -> int:
         """A score no placement using only ``allowed`` GPUs can beat in its pair counts: per
@@ -464,7 +477,7 @@ class _Search:
 
     def _dp(
         self,
-        leaves: list[tuple[LeafKey, list[int], int]],
+        leaves: list[Leaf],
         unit_nv: dict[int, int],
         *,
         lead: bool,

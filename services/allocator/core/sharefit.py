@@ -1,7 +1,7 @@
 """The best-fit index of shared GPUs: one-GPU share requests decided without a signature.
 
 Why. A share request's in-node result and node order depend on its size (memory, compute), so
-through the share index (:mod:`.cluster`, :mod:`.shares`) every distinct size is a signature
+through the share index (:mod:`.plugins.shares`, :mod:`.shares`) every distinct size is a signature
 of its own, and every signature replays every change of the share index since its last
 decision: the work grew with (distinct sizes x changes), and a rarely used size met a backlog
 of hundreds of groups (``docs/benchmarks.md``, "Shares"). The most common share request asks
@@ -19,9 +19,9 @@ one GPU and no NIC, and for it the order is simple enough to index directly, by 
 
 So the stacking choice is a query over the shared GPUs by what they have left, and the choice
 of a fresh GPU is a whole-GPU decision (a fresh GPU has all its memory and compute, so the
-share's size matters only as a minimum GPU memory): :meth:`Cluster._decide_share_one` asks
+share's size matters only as a minimum GPU memory): :meth:`.plugins.shares.Shares.place` asks
 this index, then, if it has nothing, the whole-GPU index with a request whose device class
-also asks that minimum memory (:func:`open_spec`), normalised to the smallest GPU memory of
+also asks that minimum memory (``Shares.open_spec``), normalised to the smallest GPU memory of
 the fleet that is at least the share's, so that every share size the fleet's GPUs all hold
 is one signature there. Neither keeps state per size.
 
@@ -86,7 +86,7 @@ class FitIndex:
             low = mask & ((1 << shape.n_slots) - 1)
             free_g = (low & shape.gpu_all).bit_count()
             free_n = (low & shape.pf_all).bit_count()
-            # The rest of the node order once the fit terms tie (Cluster._order, for a
+            # The rest of the node order once the fit terms tie (scores.NodeOrder.order, for a
             # placement with no pair and no fragmentation): the one-sided waste (free NICs),
             # then binpack: the less capable server and the fullest node; spread: the
             # emptiest node. Then the node name and the slot, so that the answer is unique.
@@ -168,7 +168,7 @@ class StackIndex:
     search picks for it alone (the search on the node's free NICs and ``s``): that choice does
     not depend on the share's size, only whether ``s`` fits does. So each shared GPU of the
     class is filed once per change of its node, under the alignment part of its node order
-    (:meth:`Cluster._order`: fresh-node cost, which is 0 for a node with a shared GPU, and
+    (:meth:`.scores.NodeOrder.order`: fresh-node cost, which is 0 for a node with a shared GPU, and
     the cross-node alignment), as an entry that sorts like the rest of that order with the fit
     terms of :func:`.shares.fit_terms` first (memory left, compute left, -shares: best fit),
     then server capability, fragmentation, fullness, shape, in-node quality, and the node name

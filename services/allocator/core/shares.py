@@ -15,11 +15,11 @@ three states: whole-free, held whole, or shared (one or more shares on it). The 
   fits on, plus the free NICs).
 
 Why in the group key. The cluster index groups nodes by ``(hardware, free mask)`` and caches
-one search per (request key, shape, mask) (see :mod:`.cluster`). The share state of a node is
-packed into the same integer *above* the slot bits: GPU slot ``s`` owns the
-:data:`FIELD`-bit field at ``n_slots + s * FIELD`` holding its sharing mode (one bit: MPS or
-HAMi), used memory (MiB), used compute (percent) and share count; a GPU without shares has a
-zero field, so a node without
+one search per (request key, shape, mask) (see :mod:`.cluster`, :mod:`.plugins.shares`). The
+share state of a node is packed into the same integer *above* the slot bits: GPU slot ``s``
+owns the :data:`FIELD`-bit field at ``n_slots + s * FIELD`` holding its sharing mode (one bit:
+MPS or HAMi), used memory (MiB), used compute (percent) and share count; a GPU without shares
+has a zero field, so a node without
 shares has exactly the mask it had before shares existed. Two nodes with the same shape,
 free devices and share usage are then one group, the change log, the signature heaps and the
 lazy evaluation work unchanged, and a share decision costs what a whole-GPU decision costs:
@@ -38,14 +38,15 @@ least memory, then compute, left after placing, then the most shares), spread th
 they are zero for every other placement. Then the one-sided waste and the node policy's own
 order. A placement on fresh GPUs only is scored as a whole-GPU search of the fresh GPUs
 scores it (shared GPUs are not free for the fragmentation terms), so that the share index
-and the fresh-GPU tier of :mod:`.cluster` rank it the same.
+and the fresh-GPU tier of :mod:`.plugins.shares` rank it the same.
 
-How a share request is decided (:mod:`.cluster`, :mod:`.sharefit`): without a node selector,
-by indexes that keep no state per share size: one-GPU shares without NICs by the best-fit
-index of shared GPUs, one-GPU shares with NICs (binpack) by a per-GPU stacking index, others
-by the better of a fresh-GPU tier (the whole-GPU index, one signature for every size) and a
-stacking tier (this module's search on the nodes that have a shared GPU the share fits on);
-with a node selector, or when nothing can take it (for the reasons), by the share index below.
+How a share request is decided (:mod:`.plugins.shares`, :mod:`.plugins.stack`,
+:mod:`.sharefit`): without a node selector, by indexes that keep no state per share size:
+one-GPU shares without NICs by the best-fit index of shared GPUs, one-GPU shares with NICs
+(binpack) by a per-GPU stacking index, others by the better of a fresh-GPU tier (the whole-GPU
+index, one signature for every size) and a stacking tier (this module's search on the nodes
+that have a shared GPU the share fits on); with a node selector, or when nothing can take it
+(for the reasons), by the share index below.
 
 One mode per GPU: the node agent limits a GPU's shares either through HAMi-core in each
 container or through the GPU's MPS daemon, not both, so a share goes only on a fresh GPU or on
@@ -324,7 +325,7 @@ def search_spec(spec: Spec) -> Spec:
     share's memory as the class's minimum GPU memory (a view of its own, by name), so that a
     fresh GPU too small for the share is no candidate but still counts as free for the
     fragmentation terms, exactly as in the whole-GPU index's fresh-GPU tier (see
-    :meth:`.cluster.Cluster._open_spec`)."""
+    .plugins.shares.Shares.open_spec)."""
     if spec.memory_mib <= spec.dc.gpu_min_memory_mib:
         return spec
     got = _SEARCH_SPECS.get(spec.key)
@@ -395,31 +396,10 @@ def evaluate_shared(
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
     if spec.gpus == 1 and policy == "binpack" and shared:
-        # One GPU with NICs, binpack: among the shared GPUs that fit and reach the best
-        # alignment at the requested scope (the cross-node part: pairs finer than asked do not
-        # open a fresh GPU), the best fit, then the least fragmentation, the finer pairs
-        # (what .sharefit.StackIndex orders by across nodes).
-        use = gpu_use(shape, mask)
-        nics = cand & ~shape.gpu_all
-        scope = int(spec.scope)
-        want = cross_key(res.key, scope)
-        best: tuple[tuple[int, ...], Choice, tuple[int, int, int]] | None = None
-        for s in range(shape.n_gpus):
-            if not shared >> s & 1:
-                continue
-            alt = search(nics | 1 << s)
-            if not isinstance(alt, Choice) or cross_key(alt.key, scope) != want:
-                continue
-            fit = fit_terms(shape, use[s], s, spec, policy=policy)
-            rank = (*fit, *alt.frag, *alt.key, s)
-            if best is None or rank < best[0]:
-                best = (rank, alt, fit)
-        if best is not None:
-            alt, fit = best[1], best[2]
-            return replace(alt, cross=(*alt.cross[:-1], 0, *fit, alt.cross[-1]))
-    chosen = 0
-    for s in res.gpus:
-        chosen |= 1 << s
+        stacked = _stacked_with_nics(shape, mask, spec, res, cand=cand, shared=shared, search=search)
+        if stacked is not None:
+            return stacked
+    chosen = _mask_of(res.gpus)
     alt_gpus: int | None = None
     if policy == "binpack" and shared and chosen & ~shared:
         alt_gpus = shared
@@ -432,18 +412,56 @@ def evaluate_shared(
         alt = search(low if alt_gpus == fresh_gpus else (cand & ~shape.gpu_all) | alt_gpus)
         if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
             res = alt
-            chosen = 0
-            for s in res.gpus:
-                chosen |= 1 << s
+            chosen = _mask_of(res.gpus)
     if shared and not chosen & shared and alt_gpus != fresh_gpus:
         # On fresh GPUs only: scored as the fresh-GPU tier scores it (the shared GPUs are not
         # free for the fragmentation terms), so that both paths rank it the same.
         alt = search(low)
         if isinstance(alt, Choice) and cross_key(alt.key, scope) == cross_key(res.key, scope):
             res = alt
-            chosen = 0
-            for s in res.gpus:
-                chosen |= 1 << s
+            chosen = _mask_of(res.gpus)
     opened = (chosen & ~shared).bit_count()
     term = opened if policy == "binpack" else -opened
     return replace(res, cross=(*res.cross[:-1], term, *_NO_FIT, res.cross[-1]))
+
+
+def _stacked_with_nics(
+    shape: Shape,
+    mask: int,
+    spec: Spec,
+    res: Choice,
+    *,
+    cand: int,
+    shared: int,
+    search: Callable[[int], Choice | Refusal],
+) -> Choice | None:
+    """One GPU with NICs, binpack: among the shared GPUs that fit and reach the best
+    alignment at the requested scope (``res``'s, the cross-node part: pairs finer than asked do
+    not open a fresh GPU), the best fit, then the least fragmentation, the finer pairs (what
+    .sharefit.StackIndex orders by across nodes); None when no shared GPU reaches it."""
+    use = gpu_use(shape, mask)
+    nics = cand & ~shape.gpu_all
+    scope = int(spec.scope)
+    want = cross_key(res.key, scope)
+    best: tuple[tuple[int, ...], Choice, tuple[int, int, int]] | None = None
+    for s in range(shape.n_gpus):
+        if not shared >> s & 1:
+            continue
+        alt = search(nics | 1 << s)
+        if not isinstance(alt, Choice) or cross_key(alt.key, scope) != want:
+            continue
+        fit = fit_terms(shape, use[s], s, spec, policy="binpack")
+        rank = (*fit, *alt.frag, *alt.key, s)
+        if best is None or rank < best[0]:
+            best = (rank, alt, fit)
+    if best is None:
+        return None
+    alt, fit = best[1], best[2]
+    return replace(alt, cross=(*alt.cross[:-1], 0, *fit, alt.cross[-1]))
+
+
+def _mask_of(slots: tuple[int, ...]) -> int:
+    m = 0
+    for s in slots:
+        m |= 1 << s
+    return m

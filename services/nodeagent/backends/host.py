@@ -21,7 +21,7 @@ from services.nodeagent.backends.base import BackendError, HealthChange
 from services.nodeagent.backends.nvml import NvmlBackend, node_domain
 from services.nodeagent.backends.pcie import Placement, build_topology
 from services.nodeagent.backends.sysfs import SysfsBackend
-from services.runtime.tasks import Supervisor
+from services.runtime.process.tasks import Supervisor
 
 
 class HostBackend:

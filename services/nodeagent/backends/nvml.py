@@ -50,7 +50,7 @@ import msgspec
 from schemas.topology import MIG_PROFILE_PATTERN, Gpu, MigInstance, NodeTopology, NvlinkDomain
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id
-from services.runtime.logging import get_logger
+from services.runtime.observe.logging import get_logger
 
 __all__ = [
     "DEFAULT_IGNORED_XIDS",

@@ -34,7 +34,7 @@ from typing import Literal
 from schemas.topology import LinkType, Nic, NodeTopology, VirtualFunction
 from services.nodeagent.backends.base import BackendError, BackendUnavailable, HealthChange
 from services.nodeagent.backends.pcie import Placement, build_topology, normalize_bus_id, parse_device_path
-from services.runtime.tasks import Supervisor
+from services.runtime.process.tasks import Supervisor
 
 __all__ = [
     "SysfsBackend",

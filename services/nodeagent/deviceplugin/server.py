@@ -44,8 +44,8 @@ from services.nodeagent.deviceplugin.logic import (
 )
 from services.nodeagent.deviceplugin.v1beta1 import api_pb2 as pb
 from services.nodeagent.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
-from services.runtime.logging import get_logger
-from services.runtime.tasks import Supervisor
+from services.runtime.observe.logging import get_logger
+from services.runtime.process.tasks import Supervisor
 
 __all__ = ["API_VERSION", "DevicePlugins", "PluginApplier", "PluginState", "ResourcePlugin"]
 

@@ -41,6 +41,8 @@ class SliceApi(Protocol):
 
     async def delete_resource_slice(self, name: str) -> None: ...
 
+    async def close(self) -> None: ...
+
 
 class SlicePublisher:
     def __init__(self, api: SliceApi, *, node: str) -> None:
