@@ -14,6 +14,7 @@ import msgspec
 
 from services.nodeagent.backends.base import BackendUnavailable
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.dra.sync import slice_api
 from services.nodeagent.host_agent import HostAgent, HostAgentConfig, build_host_agent
 from services.nodeagent.service import NodeAgent
 from services.runtime.errors import SettingsError
@@ -42,6 +43,7 @@ async def build(bus: Bus, settings: Settings) -> NodeAgent | HostAgent:
         applier=SimulatedApplier(),
         heartbeat_interval=settings.heartbeat_interval,
         clean_period=settings.health_clean_period,
+        slice_api=await slice_api(enabled=settings.dra_slices),
     )
 
 

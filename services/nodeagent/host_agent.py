@@ -32,6 +32,7 @@ from services.nodeagent.backends.host import HostBackend
 from services.nodeagent.backends.nvml import DEFAULT_IGNORED_XIDS, NvmlBackend
 from services.nodeagent.backends.sysfs import SysfsBackend
 from services.nodeagent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePlugins, PluginApplier
+from services.nodeagent.dra.sync import slice_api
 from services.nodeagent.netns import NamedNetnsResolver, NetnsResolver, PodCgroupResolver, VfApplier
 from services.nodeagent.service import NodeAgent
 from services.nodeagent.state import StateFile
@@ -143,5 +144,6 @@ async def build_host_agent(
         applier=PluginApplier(plugins, vfs),
         heartbeat_interval=settings.heartbeat_interval,
         clean_period=settings.health_clean_period,
+        slice_api=await slice_api(enabled=settings.dra_slices),
     )
     return HostAgent(agent, plugins=plugins, vfs=vfs, sync_interval=cfg.sync_interval)

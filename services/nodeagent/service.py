@@ -45,6 +45,7 @@ from schemas.messages import (
     Assignment,
     Cleaned,
     DeviceCommand,
+    DeviceHealth,
     HealthEvent,
     Heartbeat,
     NodeAllocations,
@@ -60,6 +61,8 @@ from services.nodeagent.cleanup import (
     problems_by_device,
     retry_delay,
 )
+from services.nodeagent.dra.publisher import SliceApi
+from services.nodeagent.dra.sync import SliceSync
 from services.nodeagent.follow import AllocationsFollower, node_actions
 from services.nodeagent.health import HealthTracker, recover_due
 from services.nodeagent.metrics import AGENT_DEVICES, SUBMIT_TO_APPLIED_SECONDS
@@ -125,6 +128,7 @@ class NodeAgent(Service):
         cleanup_retry_first: float = RETRY_FIRST_S,
         cleanup_retry_max: float = RETRY_MAX_S,
         clock: Callable[[], float] = time.time,
+        slice_api: SliceApi | None = None,
     ) -> None:
         self.bus = bus
         self.node = node
@@ -148,6 +152,9 @@ class NodeAgent(Service):
             bus, node=node, on_record=self._on_record, resync_interval=resync_interval
         )
         self.heartbeats_paused = False  # tests and the demo simulate a silent node
+        # DRA: the node's devices as ResourceSlices, kept up to date beside the inventory.
+        self.slice_api = slice_api
+        self.slices = None if slice_api is None else SliceSync(slice_api, node=node, view=self._device_view)
         self._seq = 0
         self._tasks = Supervisor(f"nodeagent:{node}")
         # Its spans say which node made them (service.instance.id and k8s.node.name).
@@ -167,6 +174,9 @@ class NodeAgent(Service):
         self._tasks.spawn("rescan", self._rescan_loop)
         self._tasks.spawn("recovery", self._recovery_loop)
         self._tasks.spawn("cleanup-retry", self._cleanup_retry_loop)
+        if self.slices is not None:
+            self._tasks.spawn("resource-slices", self.slices.run)
+            self.slices.changed()
         await self.follower.start()
         AGENT_DEVICES.track(self.node, self.device_counts)
         log.info("nodeagent_started", node=self.node, backend=self.backend.name)
@@ -176,6 +186,8 @@ class NodeAgent(Service):
         await self.follower.stop()
         await self._tasks.aclose()
         await self.backend.close()
+        if self.slice_api is not None:
+            await self.slice_api.close()
         CLEANUPS_UNVERIFIED.dec(len(self.unverified))
         self.unverified.clear()
 
@@ -209,6 +221,12 @@ class NodeAgent(Service):
             ts=self.clock(),
         )
         await self.bus.publish(subjects.node_inventory(self.node), inv)
+        if self.slices is not None:
+            self.slices.changed()
+
+    def _device_view(self) -> tuple[NodeTopology | None, dict[str, DeviceHealth]]:
+        """What the ResourceSlices describe: the devices and their health, now."""
+        return self.topology, dict(self.health.state)
 
     async def _publish_health(self, device: str) -> HealthEvent:
         h = self.health.state[device]
@@ -221,6 +239,8 @@ class NodeAgent(Service):
             ts=self.clock(),
         )
         await self.bus.publish(subjects.node_health(self.node), event)
+        if self.slices is not None:
+            self.slices.changed()
         HEALTH_CHANGES.labels(str(h.healthy).lower()).inc()
         log.info("device_health", device=device, healthy=h.healthy, cordoned=h.cordoned, reason=h.reason)
         return event

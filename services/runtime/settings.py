@@ -87,6 +87,9 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     backend: str = "simulated"
     topology_file: str | None = None
     health_clean_period: float = 60.0
+    # DRA (docs/dra.md): the node agent publishes its node's devices as ResourceSlices through
+    # the Kubernetes API (its pod's service account; chart value dra.enabled).
+    dra_slices: bool = False
     # Options of the real-node ("host") agent: sysfs root, plugin dir, netns resolver, XID
     # ignore list... validated by services.nodeagent.host_agent.HostAgentConfig at start.
     host_agent: dict[str, Any] = {}

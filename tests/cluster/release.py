@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 import helm_python as helm
 
-from schemas.messages import PodRef, RequestRecord
+from schemas.messages import HealthEvent, PodRef, RequestRecord
 from services.admission import names
 from services.client import TandemClient
 from services.runtime.process.embedded import EmbeddedNats
@@ -134,6 +134,10 @@ class Release:
                 await conn.close()
 
         return asyncio.run(go())
+
+    def command(self, node: str, device: str, action: str, *, reason: str = "") -> HealthEvent:
+        """An operator's device command (``tandem device cordon|uncordon|...``) over NATS."""
+        return self._read(lambda client: client.command(node, device, action, reason=reason))
 
     def requests_of(self, namespace: str, name: str) -> list[RequestRecord]:
         return self._read(lambda client: client.requests_of_pod(PodRef(namespace=namespace, name=name)))

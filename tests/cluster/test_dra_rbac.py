@@ -14,16 +14,19 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from services.nodeagent.dra.slices import resource_slices
+from services.nodeagent.dra.slices import TAINT_CORDONED, resource_slices
 from services.topology import load_topology
-from tests.cluster.release import Release
+from tests.cluster.release import Release, eventually
 from tests.cluster.test_rbac import token_of
 
 SLICES = "/apis/resource.k8s.io/v1/resourceslices"
 
 
 def _slice(node: str) -> dict[str, Any]:
+    """A slice of a pool of its own (the node's agent keeps the pool named after the node)."""
     (body,) = resource_slices(load_topology("dgx-h100"), node=node, generation=1)
+    body["metadata"]["name"] = f"{node}-rbac-test"
+    body["spec"]["pool"]["name"] = f"{node}-rbac-test"
     return body
 
 
@@ -74,7 +77,7 @@ def test_a_node_agent_writes_its_own_nodes_slices_and_no_one_elses(release: Rele
 
         # Another driver's slice on its own node: refused too.
         foreign = _slice(own_node)
-        foreign["metadata"]["name"] = f"{own_node}-gpu.example.com-0"
+        foreign["metadata"]["name"] = f"{own_node}-gpu.example.com"
         foreign["spec"]["driver"] = "gpu.example.com"
         status, answer = cp.request_as(token, "POST", SLICES, foreign)
         assert status in (403, 422), answer
@@ -82,3 +85,37 @@ def test_a_node_agent_writes_its_own_nodes_slices_and_no_one_elses(release: Rele
     finally:
         status, answer = cp.request_as(token, "DELETE", f"{SLICES}/{mine['metadata']['name']}")
         assert status == 200, answer
+
+
+def test_running_node_agents_publish_their_nodes_slices_and_taint_a_cordoned_device(release: Release) -> None:
+    """The chart's node agents (dra.enabled), each with its own pod's token: every node that
+    runs one gets its pool of slices; an operator's cordon (``tandem device cordon``, here the
+    same NATS command) taints the device in the slice, and an uncordon takes the taint away."""
+    cp = release.cp
+    agents = release.pods["nodeagent"]
+    nodes = sorted(p.pod["spec"]["nodeName"] for p in agents)
+
+    def pools() -> dict[str, list[dict[str, Any]]]:
+        items = cp.request("GET", f"{SLICES}?fieldSelector=spec.driver%3Dtandem.io")["items"]
+        out: dict[str, list[dict[str, Any]]] = {}
+        for s in items:
+            out.setdefault(s["spec"]["nodeName"], []).append(s)
+        return out
+
+    eventually(lambda: sorted(pools()) == nodes, what=f"a pool for every agent's node {nodes}")
+    node = nodes[0]
+    (pool,) = pools()[node]
+    assert pool["spec"]["pool"]["name"] == node
+    assert {d["name"] for d in pool["spec"]["devices"]} >= {"gpu0", "mlx5-0"}
+    generation = pool["spec"]["pool"]["generation"]
+
+    def gpu1_taints() -> list[str]:
+        (s,) = pools()[node]
+        gpu1 = next(d for d in s["spec"]["devices"] if d["name"] == "gpu1")
+        return [t["key"] for t in gpu1.get("taints", [])]
+
+    release.command(node, "gpu1", "cordon", reason="maintenance")
+    eventually(lambda: gpu1_taints() == [TAINT_CORDONED], what="gpu1 tainted as cordoned")
+    release.command(node, "gpu1", "uncordon")
+    eventually(lambda: gpu1_taints() == [], what="gpu1's taint gone")
+    assert pools()[node][0]["spec"]["pool"]["generation"] == generation + 2
