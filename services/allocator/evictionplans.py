@@ -58,6 +58,7 @@ __all__ = ["Preemptions", "reservation_key"]
 
 log = get_logger(__name__)
 
+
 class Preemptions:
     def __init__(
         self,

@@ -684,6 +684,7 @@ class Cluster:
         if self._shares.on:
             self._shares.on = False
             self._shares.turn_on()
+
     def _compact(self, index: GroupIndex) -> None:
         """A kind's index log grew past its bound (see :meth:`.signatures.Signatures.compact`)."""
         self._signatures.compact(index)

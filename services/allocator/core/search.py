@@ -170,6 +170,7 @@ _NOUN = {
     Scope.SOCKET: "CPU socket",
 }
 
+
 def _pair_scope(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> int:
     for k in range(LEVELS):
         if a[k] >= 0 and a[k] == b[k]:
