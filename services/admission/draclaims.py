@@ -152,7 +152,13 @@ def pod_devices(claims: Sequence[Claim], *, default_class: str) -> PodDevices | 
         gpu_cores_percent=shares.get("cores"),
         mig_profile=parameters.get("migProfile"),
     )
-    if any(s.kind == "mig" for s in slots) and ask.mig_profile is None:
+    kinds = {s.kind for s in slots}
+    if {"gpu", "mig"} <= kinds:
+        raise InvalidClaim(
+            f"ResourceClaims {', '.join(sorted({s.claim for s in slots}))}: a pod asks whole GPUs (or"
+            " shares of them) or MIG instances, not both"
+        )
+    if "mig" in kinds and ask.mig_profile is None:
         raise InvalidClaim(
             f"{slots[0].claim}: a request of mig.tandem.io needs migProfile in the claim's"
             f" {PARAMETERS_KIND} (spec.devices.config[].opaque.parameters)"

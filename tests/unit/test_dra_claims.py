@@ -138,6 +138,17 @@ def test_a_gpu_share_and_a_mig_profile_come_from_capacity_and_parameters() -> No
             "ResourceClaim team/b spec.devices.config: scope: 'pcie-switch' differs from 'numa'",
         ),
         ([claim("c", req("m", "mig.tandem.io"))], "a request of mig.tandem.io needs migProfile"),
+        (
+            [
+                claim(
+                    "c",
+                    req("g", "gpu.tandem.io"),
+                    req("m", "mig.tandem.io"),
+                    config=[params(migProfile="1g.10gb")],
+                )
+            ],
+            "ResourceClaims c: a pod asks whole GPUs (or shares of them) or MIG instances, not both",
+        ),
     ],
 )
 def test_what_tandem_would_not_honour_is_refused_naming_the_claim_and_field(
