@@ -41,9 +41,17 @@ def tandem(url: str, *args: str, check: int | None = 0) -> subprocess.CompletedP
 
 
 def spawn(url: str, *args: str) -> subprocess.Popen[str]:
-    """``tandem ARGS --nats URL`` running on, its output read as it comes (waits, watches)."""
+    """``tandem ARGS --nats URL`` running on, its output read as it comes (waits, watches).
+
+    Ctrl-C reaches it as at a terminal: SIGINT back to its default disposition in the child,
+    since a suite started in the background (``make test &`` from a script) runs with SIGINT
+    ignored, which children inherit and with which Python never raises KeyboardInterrupt."""
     return subprocess.Popen(
-        [TANDEM, *args, "--nats", url], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [TANDEM, *args, "--nats", url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
