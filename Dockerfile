@@ -36,7 +36,7 @@ RUN set -eu; \
     /opt/tandem/bin/python -m pip install --no-cache-dir --disable-pip-version-check . ; \
     /opt/tandem/bin/python -m pip uninstall --yes --quiet pip setuptools wheel 2>/dev/null || true; \
     find /opt/tandem -name '*.so*' -type f -exec strip --strip-unneeded {} +; \
-    /opt/tandem/bin/python -c "import services.allocator, services.admission, services.inventory, services.nodeagent"; \
+    /opt/tandem/bin/python -c "import services.allocator, services.admission, services.inventory, services.nodeagent, tools.cli.main"; \
     /opt/tandem/bin/nats-server --version
 
 FROM ${BASE}
