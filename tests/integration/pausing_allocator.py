@@ -2,9 +2,10 @@
 
 ``python -m tests.integration.pausing_allocator --config FILE`` runs the ordinary allocator
 (``services.allocator``) with one fault installed from outside: the prepare step of a job
-commit (:meth:`services.allocator.jobplacement.Jobs.prepare`) writes the first node's pods, then
-waits ``PAUSE_S`` before the other nodes', so the test can SIGKILL the replica with the job
-half-prepared (tests/integration/test_job_commit.py).
+commit (:meth:`services.allocator.jobplacement.Jobs.prepare`) writes the first node's pods and
+then never goes on to the other nodes': it holds until the test, having seen the first node
+prepared, SIGKILLs the replica with the job half-prepared (tests/integration/test_job_commit.py).
+The hold waits for that kill, not for a time, so it cannot run out on a slow machine.
 """
 
 from __future__ import annotations
@@ -20,19 +21,17 @@ from services.runtime.process.lifecycle import service_main
 
 log = get_logger(__name__)
 
-PAUSE_S = 120.0
-
 _prepare = Jobs.prepare
 
 
 async def _paused_prepare(self: Jobs, by_node: dict[str, dict[str, AllocRecord]]) -> None:
-    items = list(by_node.items())
-    if len(items) > 1:
-        await _prepare(self, dict(items[:1]))
-        log.warning("fault_job_prepare_pause", node=items[0][0], seconds=PAUSE_S)
-        await asyncio.sleep(PAUSE_S)
-        items = items[1:]
-    await _prepare(self, dict(items))
+    if len(by_node) < 2:
+        await _prepare(self, by_node)
+        return
+    first = next(iter(by_node))
+    await _prepare(self, {first: by_node[first]})
+    log.warning("fault_job_prepare_hold", node=first)
+    await asyncio.Event().wait()  # never set: the test's SIGKILL ends the hold
 
 
 if __name__ == "__main__":
