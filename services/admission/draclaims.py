@@ -32,6 +32,7 @@ from typing import Any, Literal, NamedTuple
 
 from schemas.messages import AssignedGpu, AssignedNic, Assignment
 from services.admission.errors import InvalidClaim
+from services.kube.quantity import quantity
 from services.request import Ask, Field
 
 DRIVER = "tandem.io"
@@ -55,19 +56,6 @@ _PARAMETERS: Mapping[str, Field] = {
     "preemption": "preemption",
     "migProfile": "mig_profile",
 }
-# Quantity suffixes (Kubernetes' binary and decimal ones) as bytes.
-_BYTES = {
-    "": 1,
-    "Ki": 2**10,
-    "Mi": 2**20,
-    "Gi": 2**30,
-    "Ti": 2**40,
-    "k": 10**3,
-    "M": 10**6,
-    "G": 10**9,
-    "T": 10**12,
-}
-
 Obj = dict[str, Any]
 
 
@@ -298,10 +286,9 @@ def _quantity(claim: Claim, path: str, value: str, *, memory: bool) -> int:
         if value.isdigit():
             return int(value)
         raise InvalidClaim(claim.where(path) + f": {value!r} is not a whole percent of the GPU's compute")
-    number = value.rstrip("KMGTPEikmgtpe")
-    factor = _BYTES.get(value[len(number) :])
-    if number.isdigit() and factor is not None and (int(number) * factor) % 2**20 == 0:
-        return int(number) * factor // 2**20
+    size = quantity(value)
+    if size is not None and size % 2**20 == 0:
+        return size // 2**20
     raise InvalidClaim(
         claim.where(path) + f": {value!r} is not a memory size in whole MiB (e.g. 20Gi, 512Mi)"
     )

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from schemas.messages import DeviceHealth
 from schemas.topology import NodeTopology
 from services.kube.errors import Conflict, NotFound
+from services.kube.quantity import quantity
 from services.nodeagent.dra.slices import DRIVER, resource_slices
 
 Obj = dict[str, Any]
@@ -76,7 +77,8 @@ class SlicePublisher:
         # Taken only once written: a write refused half-way leaves the API's generation, which
         # the next call reads back, so no generation is skipped.
         generation = self.generation + 1
-        want = resource_slices(topology, node=self.node, generation=generation, health=health)
+        for body in want:
+            body["spec"]["pool"]["generation"] = generation
         held = self._held
         for body in want:
             name = body["metadata"]["name"]
@@ -118,17 +120,12 @@ def comparable_devices(devices: list[Obj]) -> list[Obj]:
         if "taints" in d:
             d["taints"] = [{k: v for k, v in t.items() if k != "timeAdded"} for t in d["taints"]]
         if "capacity" in d:
-            d["capacity"] = {k: _bytes(v["value"]) for k, v in d["capacity"].items()}
+            d["capacity"] = {k: _number(v["value"]) for k, v in d["capacity"].items()}
         out.append(d)
     return out
 
 
-_SUFFIX = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50}
-
-
-def _bytes(quantity: str) -> int | str:
-    """A binary-suffixed or plain quantity as a number; anything else kept as written."""
-    for suffix, factor in _SUFFIX.items():
-        if quantity.endswith(suffix) and quantity[: -len(suffix)].isdigit():
-            return int(quantity[: -len(suffix)]) * factor
-    return int(quantity) if quantity.isdigit() else quantity
+def _number(value: str) -> int | str:
+    """A quantity as a number when it is one Tandem writes, else as written."""
+    size = quantity(value)
+    return value if size is None else size

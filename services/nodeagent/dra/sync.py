@@ -69,7 +69,7 @@ class SliceSync:
             if topology is None:
                 continue
             try:
-                await self.publisher.publish(topology, dict(health))
+                await self.publisher.publish(topology, health)
             except (KubeError, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 self.failures += 1
                 log.warning("resource_slices_not_published", error=str(exc), retry_in_s=delay)
