@@ -48,7 +48,7 @@ def percentile(values: list[float], q: float) -> float:
 
 def run(nodes: int, lines: int, seed: int, *, target: float = 0.85, claims: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
-    cluster = Cluster(policy="binpack", device_classes=default_device_classes())
+    cluster = Cluster(node_policy="binpack", device_classes=default_device_classes())
     for name, topo in build_fleet(nodes):
         cluster.set_node(name, topo)
     build_s = time.perf_counter() - t0

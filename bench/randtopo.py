@@ -217,6 +217,8 @@ CLASSES = {
     "vf": DeviceClass(nic_function="vf"),
     "any": DeviceClass(nic_function="any", nic_min_speed_gbps=200),
     "big": DeviceClass(gpu_min_memory_mib=81920, gpu_models=["h100", "a100"]),
+    # The default node order is alignment-first; this class keeps the other one tested.
+    "packed": DeviceClass(node_order="used-first"),
 }
 
 
@@ -240,7 +242,7 @@ def random_cluster(
         kw["reserve"] = reserve
     if pinned_max is not None:
         kw["pinned_max"] = pinned_max
-    cluster = Cluster(policy=policy, device_classes=CLASSES, **kw)  # type: ignore[arg-type]
+    cluster = Cluster(node_policy=policy, device_classes=CLASSES, **kw)  # type: ignore[arg-type]
     topos: dict[str, NodeTopology] = {}
     blocked: dict[str, set[str]] = {}
     shared = random_topology(rng)

@@ -51,7 +51,7 @@ from bench.baselines import BASELINES, Baseline, Pick
 from bench.fleet import HOSTNAME_LABEL, MIX, MIXES, REAL_MIX, Workload, fleet, requests, sixteen_gpu
 from bench.randtopo import all_device_ids, random_cluster, random_request
 from bench.report import machine, markdown
-from schemas.config import default_device_classes
+from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import SCOPES, NodeTopology
 from services.allocator.core import Cluster, Placement, Unschedulable, normalise
@@ -84,9 +84,16 @@ class TandemAdapter:
     label = "Tandem: joint exact search, (shape, free-mask) index"
 
     def __init__(
-        self, nodes: list[tuple[str, NodeTopology]], *, policy: str = "binpack", hostname: bool = False
+        self,
+        nodes: list[tuple[str, NodeTopology]],
+        *,
+        policy: str = "binpack",
+        hostname: bool = False,
+        node_order: str | None = None,
     ) -> None:
-        self.cluster = Cluster(policy=policy)
+        # node_order: the default class's (--node-order), else the core's default.
+        classes = {"default": DeviceClass(node_order=node_order)} if node_order else None  # type: ignore[arg-type]
+        self.cluster = Cluster(node_policy=policy, device_classes=classes)
         for name, topo in nodes:
             # hostname: label every node as the allocator service does (_sync_node).
             labels = {**topo.labels, HOSTNAME_LABEL: name} if hostname else None
@@ -318,14 +325,20 @@ SERVICE_PINNED = 0.10
 
 
 def speed_child(
-    n_nodes: int, decisions: int, seed: int, *, freeze: bool = True, service: bool = False
+    n_nodes: int,
+    decisions: int,
+    seed: int,
+    *,
+    freeze: bool = True,
+    service: bool = False,
+    node_order: str | None = None,
 ) -> dict[str, Any]:
     t0 = time.perf_counter()
     nodes = fleet(n_nodes)
     t_fleet = time.perf_counter() - t0
     rss_fleet = _rss_now_mb()
     t0 = time.perf_counter()
-    adapter = TandemAdapter(nodes, hostname=service)
+    adapter = TandemAdapter(nodes, hostname=service, node_order=node_order)
     t_build = time.perf_counter() - t0
     if freeze:
         # What a long-running allocator does once its inventory is loaded: the ~90 tracked
@@ -383,7 +396,9 @@ def _rss_now_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
+def speed(
+    sizes: list[int], decisions: int, seed: int, *, node_order: str | None = None
+) -> list[dict[str, Any]]:
     out = []
     # Each size plain and in the service's configuration (hostname labels, pinned requests);
     # the largest once more without gc.freeze(), to show what a full collection costs.
@@ -392,6 +407,7 @@ def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
         cmd = [sys.executable, "-m", "bench.run", "--speed-child", str(n), "--decisions", str(decisions)]
         cmd += ["--seed", str(seed), *([] if freeze else ["--no-gc-freeze"])]
         cmd += ["--service"] if service else []
+        cmd += ["--node-order", node_order] if node_order else []
         res = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT.parent)
         if res.returncode != 0:
             raise SystemExit(f"speed child for {n} nodes failed:\n{res.stderr}")
@@ -405,10 +421,12 @@ def speed(sizes: list[int], decisions: int, seed: int) -> list[dict[str, Any]]:
 # 2. quality
 
 
-def quality(n_nodes: int, decisions: int, seed: int, *, mix: str = "builtin") -> list[dict[str, Any]]:
+def quality(
+    n_nodes: int, decisions: int, seed: int, *, mix: str = "builtin", node_order: str | None = None
+) -> list[dict[str, Any]]:
     nodes = fleet(n_nodes, MIXES[mix])
     rows = []
-    makers: list[tuple[str, Any]] = [("tandem", lambda: TandemAdapter(nodes))]
+    makers: list[tuple[str, Any]] = [("tandem", lambda: TandemAdapter(nodes, node_order=node_order))]
     makers += [(b.name, lambda b=b: BaselineAdapter(b(nodes))) for b in BASELINES]
     for target in (*UTILS, *STRESS):
         for name, make in makers:
@@ -455,13 +473,14 @@ def _node_key(
     spec: Any,
     policy: str,
 ) -> tuple[int, ...]:
-    """(fresh-node cost, alignment key, one-sided waste), recomputed from the free sets."""
+    """(alignment key, one-sided waste, fresh-node cost), recomputed from the free sets; the
+    fresh-node cost first for a class with node order used-first."""
     free = exhaustive.effective_free(topos[name], blocked[name])
     gpus = {g.id for g in topos[name].gpus()}
     pfs = {n.name for n in topos[name].nics()}
     fresh = len(gpus) if policy == "binpack" and not spec.required and (gpus | pfs) <= free else 0
     waste = len(pfs & free) if spec.rdma == 0 else len(gpus & free) if spec.gpus == 0 else 0
-    return (fresh, *cross, waste)
+    return (fresh, *cross, waste) if spec.dc.node_order == "used-first" else (*cross, waste, fresh)
 
 
 def optimality(cases: int, seed: int) -> dict[str, Any]:
@@ -487,7 +506,7 @@ def optimality(cases: int, seed: int) -> dict[str, Any]:
             ok = bool(refs) and got.quality == refs.get(got.node)
             # Across nodes: the chosen node's alignment key is the best any node offers.
             s = int(spec.scope)
-            pol = cluster.policy
+            pol = cluster.node_policy
             ok = ok and _node_key(got.node, cross_key(got.quality, s), topos, blocked, spec, pol) == min(
                 _node_key(name, cross_key(k, s), topos, blocked, spec, pol) for name, k in refs.items()
             )
@@ -606,6 +625,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimality-cases", type=int, default=500)
     ap.add_argument("--big-samples", type=int, default=1000, help="decisions per 16-GPU server")
     ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument(
+        "--node-order",
+        choices=("alignment-first", "used-first"),
+        help="the node order of Tandem's default class (default: the core's default)",
+    )
     ap.add_argument("--quick", action="store_true", help="small smoke run")
     ap.add_argument("--out", type=Path, default=ROOT / "results.json")
     ap.add_argument("--speed-child", type=int, help=argparse.SUPPRESS)
@@ -614,7 +638,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.speed_child is not None:
         child = speed_child(
-            args.speed_child, args.decisions, args.seed, freeze=not args.no_gc_freeze, service=args.service
+            args.speed_child,
+            args.decisions,
+            args.seed,
+            freeze=not args.no_gc_freeze,
+            service=args.service,
+            node_order=args.node_order,
         )
         print(json.dumps(child))
         return 0
@@ -632,11 +661,15 @@ def main(argv: list[str] | None = None) -> int:
         "seed": args.seed,
     }
     print("speed ...", file=sys.stderr)
-    results["speed"] = speed(sizes, args.decisions, args.seed)
+    results["node_order"] = args.node_order or "default"
+    results["speed"] = speed(sizes, args.decisions, args.seed, node_order=args.node_order)
     print("quality ...", file=sys.stderr)
     results["quality_nodes"] = args.quality_nodes
-    results["quality"] = quality(args.quality_nodes, args.quality_decisions, args.seed)
-    results["quality_real"] = quality(args.quality_nodes, args.quality_decisions, args.seed, mix="real")
+    order = args.node_order
+    results["quality"] = quality(args.quality_nodes, args.quality_decisions, args.seed, node_order=order)
+    results["quality_real"] = quality(
+        args.quality_nodes, args.quality_decisions, args.seed, mix="real", node_order=order
+    )
     print("optimality ...", file=sys.stderr)
     results["optimality"] = optimality(args.optimality_cases, args.seed)
     print("16-GPU servers ...", file=sys.stderr)

@@ -26,12 +26,12 @@ class DeviceClass(msgspec.Struct, gc=False, omit_defaults=True, forbid_unknown_f
     policy: Literal["required", "preferred"] = "preferred"
     pairing: Literal["per-gpu", "shared"] | None = None
     """None: ``per-gpu`` when the request asks as many NICs as GPUs, else ``shared``."""
-    node_order: Literal["used-first", "alignment-first"] = "used-first"
-    """With the ``binpack`` policy, where a ``preferred`` request goes. ``used-first`` (the
-    default): a used node that can take it, even at a worse scope, else the smallest free
-    server, so that the big servers stay whole for large aligned jobs. ``alignment-first``:
-    the best scope anywhere, a used node only among equals (every pair on its switch at
-    moderate fill, more refusals near full: docs/benchmarks.md, "Node order")."""
+    node_order: Literal["alignment-first", "used-first"] = "alignment-first"
+    """With the ``binpack`` policy, where a ``preferred`` request goes. ``alignment-first``
+    (the default): the best scope any node offers now, packing (a used node, then the less
+    capable server) only among equals. ``used-first``: a used node that can take it, even at
+    a worse scope, else the smallest free server, so that the big servers stay whole for large
+    aligned jobs (fewer refusals near full, weaker pairs: docs/benchmarks.md, "Node order")."""
     preemption: Literal["never", "lower-priority"] = "never"
     """Whether a request of this class that cannot be placed may evict allocations of lower
     priority (a request's own ``preemption`` overrides it; docs/sharing.md)."""

@@ -146,7 +146,7 @@ class LocalStack:
             allocator = Allocator(
                 await self._bus("allocator", instance=instance),
                 instance=instance,
-                policy=s.node_policy,
+                node_policy=s.node_policy,
                 device_classes=s.device_classes,
                 retry_interval=self.retry_interval,
             )

@@ -16,7 +16,7 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
     allocator = Allocator(
         bus,
         instance=settings.instance,
-        policy=settings.node_policy,
+        node_policy=settings.node_policy,
         device_classes=settings.device_classes,
         finished_request_ttl=settings.finished_request_ttl,
         claim_timeout=settings.claim_timeout,

@@ -2,7 +2,9 @@
 
 A request that may preempt (``preemption: lower-priority``, on the request or its device
 class) and finds no room goes through :meth:`Preemptions.consider` instead of only being
-recorded ``pending``:
+recorded ``pending``. It reads the request as the failed decision resolved it (the
+``Unschedulable``'s ``spec``: whether it may preempt, its priority), so nothing here
+re-derives a default:
 
 1. the core's search (:func:`services.allocator.core.preempt.plan`) names the victims: the
    fewest running allocations of lower priority, then the lowest priorities, then the best
@@ -44,10 +46,9 @@ import zlib
 from collections.abc import Collection
 
 from schemas import subjects
-from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, NodeAllocations, PreemptionPlan, RequestRecord, Victim
 from services.allocator import commits, metrics
-from services.allocator.core import preempt
+from services.allocator.core import Unschedulable, preempt
 from services.allocator.readmodel import ReadModel, reservation_key
 from services.allocator.requestbook import CLAIMED_STATES, RequestBook
 from services.runtime.kv.records import RecordStore
@@ -68,14 +69,12 @@ class Preemptions:
         model: ReadModel,
         book: RequestBook,
         node_allocs: RecordStore[NodeAllocations],
-        device_classes: dict[str, DeviceClass],
     ) -> None:
         self.bus = bus
         self.instance = instance
         self.model = model
         self.book = book
         self.node_allocs = node_allocs
-        self.device_classes = device_classes
         book.on_record = self._on_record
 
     def sweep(self, live: Collection[str], *, busy: Collection[str]) -> None:
@@ -97,16 +96,18 @@ class Preemptions:
         return any(v in self.model.placed for v in record.victims)
 
     async def consider(
-        self, req: AllocationRequest, *, traceparent: str = "", republish: bool = False
+        self, req: AllocationRequest, why: Unschedulable, *, traceparent: str = "", republish: bool = False
     ) -> str | None:
-        """Preempt for an unschedulable request when it may: None when it may not or nothing
-        can make room (the caller records it pending as usual), else the outcome
-        (``pending``: victims being evicted; ``duplicate``: it has an outcome already).
+        """Preempt for a request the decision found ``why`` unschedulable when it may: None
+        when it may not or nothing can make room (the caller records it pending as usual), else
+        the outcome (``pending``: victims being evicted; ``duplicate``: it has an outcome
+        already).
 
         ``republish``: the request message is being handled (not a retry of a pending
         request), so it may be a redelivery: a plan already recorded is published again (same
         message id), in case the first publish was lost after the record was written."""
-        if not preempt.may_preempt(req, self.device_classes):
+        spec = why.spec  # resolved by the decision: the PostFilter works on it
+        if spec.preempt_below is None:
             return None
         rid = req.request_id
         if self.waiting(req):
@@ -114,7 +115,7 @@ class Preemptions:
                 await self._publish_recorded(req)
             return "pending"
         self.model.catch_up()  # victims may be on any node
-        plan = preempt.plan(self.model.cluster, req)
+        plan = preempt.plan(self.model.cluster, spec)
         if plan is None:
             return None
         # Reserved now, before any await: the next decisions must not take these devices.

@@ -173,7 +173,9 @@ class Jobs:
                         "tandem.rdma": job.rdma,
                     }
                 )
-                result = await self._place(job, traceparent=traceparent_of(context) if context else "")
+                # A job that came without a trace (a CLI that exports nothing) is in this span's.
+                trace = (traceparent_of(context) if context else "") or current_traceparent() or ""
+                result = await self._place(job, traceparent=trace)
                 span.set_attribute("tandem.outcome", result)
         except BaseException as exc:
             outcome.set_exception(exc)

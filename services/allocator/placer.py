@@ -58,7 +58,6 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
 from schemas import limits, subjects
-from schemas.config import DeviceClass
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
@@ -256,6 +255,10 @@ class Placer:
                 "allocator.decide", context=context, kind=SpanKind.CONSUMER
             ) as span:
                 _describe(span, req, retry=retry)
+                if not trace:  # it came without one (a CLI that exports nothing): this
+                    # decision starts its trace, kept in its record for the retries and the release
+                    trace = current_traceparent() or ""
+                    context = context_from_traceparent(trace)
                 t0 = time.perf_counter()
                 try:
                     decision = ahead if ahead is not None else self.decide(req)
@@ -305,7 +308,7 @@ class Placer:
         """Preempt when the request may, else record it ``pending`` with the reason and
         announce a new reason (``AllocationFailed``; see :mod:`.requestbook` for how often).
         ``message``: it may be a redelivery, so a plan recorded before is published again."""
-        preempting = await self.preemptions.consider(req, traceparent=trace, republish=message)
+        preempting = await self.preemptions.consider(req, why, traceparent=trace, republish=message)
         if preempting is not None:
             return preempting
         try:
@@ -431,7 +434,7 @@ class Placer:
                 # (docs/sharing.md, "Preemption").
                 preemptible=req.claim is None,
             )
-            room = self._share_room(req.device_class, assignment) if assignment.shares() else None
+            room = self._share_room(attempt.placement, assignment) if assignment.shares() else None
             try:
                 await self.node_allocs.update(
                     assignment.node,
@@ -452,14 +455,14 @@ class Placer:
             cspan.set_attribute("tandem.committed", True)
             return "committed"
 
-    def _share_room(self, device_class: str, assignment: Assignment) -> commits.ShareRoom:
+    def _share_room(self, placement: Placement, assignment: Assignment) -> commits.ShareRoom:
         """What the node's GPUs can hold in shares, checked again by the commit against the
-        node's record as it is then (:mod:`.commits`)."""
-        cluster = self.model.cluster
-        topo = cluster.topology(assignment.node)
-        dc = cluster.device_classes.get(device_class) or DeviceClass()
+        node's record as it is then (:mod:`.commits`); the class's limit as the decision
+        resolved it."""
+        topo = self.model.cluster.topology(assignment.node)
         return commits.ShareRoom(
-            memory_mib={g.id: g.memory_mib for g in topo.gpus()}, max_shares=dc.max_shares_per_gpu
+            memory_mib={g.id: g.memory_mib for g in topo.gpus()},
+            max_shares=placement.spec.dc.max_shares_per_gpu,
         )
 
     # -- announce ---------------------------------------------------------------------------

@@ -56,6 +56,7 @@ from __future__ import annotations
 import asyncio
 import zlib
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from schemas.messages import AllocRecord, NodeAllocations, NodeLabels, NodeRecord
 from services.allocator.core import Cluster, Unschedulable
@@ -225,12 +226,7 @@ class ReadModel:
             clauses.append(f"devices out of service on {_named(impaired)}")
         if not clauses:
             return why
-        return Unschedulable(
-            reason="; ".join([why.reason, *clauses]),
-            counts=why.counts,
-            reasons=why.reasons,
-            candidates=why.candidates,
-        )
+        return replace(why, reason="; ".join([why.reason, *clauses]))
 
     def _selected(self, node: str, record: NodeRecord, selector: Mapping[str, str]) -> bool:
         if not selector:

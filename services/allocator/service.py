@@ -88,7 +88,7 @@ class Allocator(Service):
         bus: Bus,
         *,
         instance: str,
-        policy: str = "binpack",
+        node_policy: str = "binpack",
         device_classes: dict[str, DeviceClass] | None = None,
         retry_interval: float = 5.0,
         claim_timeout: float = 30.0,
@@ -98,7 +98,7 @@ class Allocator(Service):
     ) -> None:
         self.bus = bus
         self.instance = instance
-        self.model = ReadModel(Cluster(policy=policy, device_classes=device_classes))
+        self.model = ReadModel(Cluster(node_policy=node_policy, device_classes=device_classes))
         self.cluster = self.model.cluster
         self.concurrency = concurrency
         self.node_allocs: RecordStore[NodeAllocations] = RecordStore(
@@ -118,7 +118,6 @@ class Allocator(Service):
             model=self.model,
             book=self.book,
             node_allocs=self.node_allocs,
-            device_classes=self.cluster.device_classes,
         )
         self.placer = Placer(
             bus,

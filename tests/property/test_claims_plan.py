@@ -99,7 +99,7 @@ def devices(line: dict[str, Any]) -> set[Dev]:
 @SETTINGS
 @given(trace=traces())
 def test_a_claims_devices_are_never_given_to_anyone_else(trace: list[dict[str, Any]]) -> None:
-    cluster = Cluster(policy="binpack", device_classes=default_device_classes())
+    cluster = Cluster(node_policy="binpack", device_classes=default_device_classes())
     topo = load_topology("pcie-4gpu-2nic")
     for i in range(2):
         cluster.set_node(f"n{i}", topo)
@@ -112,7 +112,7 @@ def test_a_mig_claims_instances_are_never_given_to_anyone_else(trace: list[dict[
     """The same, with claims and pods asking MIG instances on the documented MIG node (GPUs 0-3
     in MIG mode) beside a plain node: a claimed instance goes to no one else, and a pod on a
     MIG claim gets exactly its instances."""
-    cluster = Cluster(policy="binpack", device_classes=default_device_classes())
+    cluster = Cluster(node_policy="binpack", device_classes=default_device_classes())
     cluster.set_node("mig", load_topology(str(MIG_NODE)))
     cluster.set_node("plain", load_topology("pcie-4gpu-2nic"))
     check(cluster, trace)

@@ -188,7 +188,7 @@ def reference(cluster: Cluster, ledger: Ledger, node: str, req: AllocationReques
 
 def _fleet(seed: int, n: int, policy: str) -> tuple[Cluster, dict[str, NodeTopology]]:
     rng = random.Random(seed)
-    cluster = Cluster(policy=policy, device_classes=MIG_CLASSES, pinned_max=rng.choice((0, 32)))
+    cluster = Cluster(node_policy=policy, device_classes=MIG_CLASSES, pinned_max=rng.choice((0, 32)))
     topos: dict[str, NodeTopology] = {}
     shared_layout = rng.getrandbits(32)
     for i in range(n):
@@ -348,7 +348,6 @@ def test_mig_request_errors_name_the_field() -> None:
 
 
 def test_fit_count_and_preemption_for_mig_requests() -> None:
-    from services.allocator.core import preempt
     from services.topology import load_topology
 
     topo = load_topology(str(Path(__file__).resolve().parents[2] / "docs/examples/mig/dgx-h100-mig.yaml"))
@@ -368,4 +367,4 @@ def test_fit_count_and_preemption_for_mig_requests() -> None:
     urgent = AllocationRequest(
         request_id="u", pod=PodRef("ns", "u"), gpus=1, mig_profile="1g.10gb", preemption="lower-priority"
     )
-    assert not preempt.may_preempt(urgent, cluster.device_classes)
+    assert cluster.normalise(urgent).preempt_below is None

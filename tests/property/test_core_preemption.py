@@ -37,7 +37,7 @@ def _cluster(
     seed: int, n_nodes: int
 ) -> tuple[Cluster, dict[str, NodeTopology], dict[str, set[str]], list[Hold]]:
     rng = random.Random(seed)
-    cluster = Cluster(policy=rng.choice(("binpack", "spread")), device_classes=CLASSES)
+    cluster = Cluster(node_policy=rng.choice(("binpack", "spread")), device_classes=CLASSES)
     topos: dict[str, NodeTopology] = {}
     bad: dict[str, set[str]] = {}
     holds: list[Hold] = []
@@ -114,11 +114,14 @@ def _check(
     """Plan for ``req`` and check the plan against the exhaustive reference (module docstring);
     the plan, or None when none is needed or possible."""
     prio = req.priority
-    assert preempt.may_preempt(req, CLASSES)
-    if isinstance(cluster.decide(req), Placement):
+    decided = cluster.decide(req)
+    if isinstance(decided, Placement):
         event("fits without preemption")
         return None  # fits without evicting anyone: preemption is not asked
-    spec = cluster.normalise(req)
+    # The step after the failed decision works on the request as that decision resolved it.
+    spec = decided.spec
+    assert spec.preempt_below == prio
+    assert spec == cluster.normalise(req)
     matching = [
         name for name in topos if all(cluster.labels(name).get(k) == v for k, v in req.node_selector.items())
     ]
@@ -140,7 +143,7 @@ def _check(
         if best is not None:
             break
 
-    got = preempt.plan(cluster, req)
+    got = preempt.plan(cluster, spec)
     event("no plan" if best is None else f"plan evicting {best[0]}")
     if best is None:
         assert got is None, f"planned {got} where no set of eligible holds makes room"

@@ -114,20 +114,25 @@ def test_cluster_decision_is_best_over_nodes(seed: int, rseed: int, n: int, pinn
     check_placement(got, cluster, topos, blocked, req)
     assert got.quality == refs[got.node]
 
-    # Across nodes: (fresh-node cost, scope met, pairs within the asked scope and coarser,
-    # NVLink fit, one-sided waste) is the best any node offers.
-    policy = cluster.policy
+    # Across nodes: (scope met, pairs within the asked scope and coarser, NVLink fit,
+    # one-sided waste, fresh-node cost) is the best any node offers; with node order
+    # used-first the fresh-node cost comes first.
+    policy = cluster.node_policy
+    used_first = spec.dc.node_order == "used-first"
 
-    def node_key(name: str) -> tuple[int, ...]:
+    def node_key(name: str, cross: tuple[int, ...]) -> tuple[int, ...]:
         free = exhaustive.effective_free(topos[name], blocked[name])
         gpus = {g.id for g in topos[name].gpus()}
         pfs = {n.name for n in topos[name].nics()}
         fresh = len(gpus) if policy == "binpack" and not spec.required and (gpus | pfs) <= free else 0
         waste = len(pfs & free) if spec.rdma == 0 else len(gpus & free) if spec.gpus == 0 else 0
-        return (fresh, *cross_key(refs[name], int(spec.scope)), waste)
+        return (fresh, *cross, waste) if used_first else (*cross, waste, fresh)
 
-    got_key = (*node_key(got.node)[:1], *cross_key(got.quality, int(spec.scope)), node_key(got.node)[-1])
-    assert got_key == min(node_key(name) for name in refs)
+    def ref_key(name: str) -> tuple[int, ...]:
+        return node_key(name, cross_key(refs[name], int(spec.scope)))
+
+    got_key = node_key(got.node, cross_key(got.quality, int(spec.scope)))
+    assert got_key == min(ref_key(name) for name in refs)
     # candidates: nodes with enough free devices of the class (some may miss the scope).
     assert len(refs) <= got.candidates <= n
 
@@ -162,7 +167,7 @@ def test_churn_keeps_invariants_and_matches_fresh_index(seed: int, pinned_max: i
         req = random_request(rng, f"c{step}")
         got = cluster.decide(req)
         # A cluster rebuilt from the same state must reach an equally good decision.
-        fresh = Cluster(policy=cluster.policy, device_classes=CLASSES)
+        fresh = Cluster(node_policy=cluster.node_policy, device_classes=CLASSES)
         for name, topo in topos.items():
             fresh.set_node(
                 name, topo, labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name)
@@ -242,7 +247,7 @@ def test_reserve_pressure_orders_nodes_by_capacity_cost(
     req = random_request(random.Random(rseed))
     spec = cluster.normalise(req)
     free = {name: exhaustive.effective_free(topo, blocked[name]) for name, topo in topos.items()}
-    pressure = cluster.policy == "binpack" and exhaustive.under_pressure(topos, free, reserve)
+    pressure = cluster.node_policy == "binpack" and exhaustive.under_pressure(topos, free, reserve)
     refs = {}
     for name, topo in topos.items():
         labels = cluster.labels(name)
@@ -271,7 +276,7 @@ def test_reserve_pressure_orders_nodes_by_capacity_cost(
 
     keys = {}
     for name in refs:
-        one = Cluster(policy="binpack", device_classes=CLASSES, reserve=0.0)
+        one = Cluster(node_policy="binpack", device_classes=CLASSES, reserve=0.0)
         one.set_node(
             name, topos[name], labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name)
         )

@@ -59,7 +59,7 @@ def _brute(cluster: Cluster, spec: Spec) -> tuple[Order, str] | None:
     best: tuple[Order, str] | None = None
     for name in cluster.nodes():
         node = cluster._nodes[name]
-        res = evaluate_shared(node.shape, node.mask, spec, policy=cluster.policy)
+        res = evaluate_shared(node.shape, node.mask, spec, node_policy=cluster.node_policy)
         if not isinstance(res, Choice):
             continue
         order = cluster._order(spec, (node.hw, node.mask), res, pressure=False)
@@ -78,9 +78,9 @@ def _order_of(cluster: Cluster, spec: Spec, got: Placement) -> Order:
     opened = sum(1 for s in slots if s not in use)
     key, frag = got.quality[:10], got.quality[10:]
     fit = (0, 0, 0)
-    binpack = cluster.policy == "binpack"
+    binpack = cluster.node_policy == "binpack"
     if spec.gpus == 1 and opened == 0 and (spec.rdma == 0 or binpack):
-        fit = fit_terms(shape, use[slots[0]], slots[0], spec, policy=cluster.policy)
+        fit = fit_terms(shape, use[slots[0]], slots[0], spec, node_policy=cluster.node_policy)
     low = node.mask & ((1 << shape.n_slots) - 1)
     cross = (
         *cross_key(key, int(spec.scope)),
@@ -109,7 +109,7 @@ def _best_fit(cluster: Cluster, spec: Spec) -> tuple[int, int, int] | None:
                 points.append(left)
     if not points:
         return None
-    return min(points) if cluster.policy == "binpack" else max(points)
+    return min(points) if cluster.node_policy == "binpack" else max(points)
 
 
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -138,7 +138,7 @@ class Ledger:
 
 def _fleet(seed: int, n: int, policy: str) -> tuple[Cluster, dict[str, NodeTopology]]:
     rng = random.Random(seed)
-    cluster = Cluster(policy=policy, device_classes=SHARE_CLASSES, pinned_max=rng.choice((0, 32)))
+    cluster = Cluster(node_policy=policy, device_classes=SHARE_CLASSES, pinned_max=rng.choice((0, 32)))
     topos: dict[str, NodeTopology] = {}
     same = random_topology(rng)
     for i in range(n):
@@ -154,7 +154,9 @@ def _rebuilt(
 ) -> Cluster:
     """The same state in a new cluster; ``shares_whole``: every shared GPU held whole instead;
     ``modes``: each share hold's sharing mode (the ledger's)."""
-    fresh = Cluster(policy=cluster.policy, device_classes=SHARE_CLASSES, pinned_max=cluster.pinned_max)
+    fresh = Cluster(
+        node_policy=cluster.node_policy, device_classes=SHARE_CLASSES, pinned_max=cluster.pinned_max
+    )
     for name, topo in topos.items():
         fresh.set_node(name, topo, labels=cluster.labels(name), unavailable=cluster.unavailable_devices(name))
         shares = cluster.shares(name)

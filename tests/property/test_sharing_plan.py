@@ -190,7 +190,7 @@ def _check_fits(held: dict[str, Holding], memory: dict[int, int]) -> None:
 @SETTINGS
 @given(trace=traces())
 def test_shares_claims_and_preemption_together_keep_every_invariant(trace: list[dict[str, Any]]) -> None:
-    cluster = Cluster(policy="binpack", device_classes=dict(CLASSES))
+    cluster = Cluster(node_policy="binpack", device_classes=dict(CLASSES))
     topo = topology()
     for i in range(NODES):
         cluster.set_node(f"n{i}", topo)

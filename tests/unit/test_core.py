@@ -177,7 +177,7 @@ def test_invalid_requests() -> None:
     with pytest.raises(InvalidRequest, match="gpus and rdma are both 0"):
         c.decide(req("p", 0, 0))
     with pytest.raises(InvalidRequest, match="node policy"):
-        Cluster(policy="random")  # type: ignore[arg-type]
+        Cluster(node_policy="random")  # type: ignore[arg-type]
     assert c.normalise(req("p", 2, 1)).pairing == "shared"
     assert c.normalise(req("p", 2, 2)).pairing == "per-gpu"
     assert c.normalise(req("p", 0, 2)).pairing == "shared"
@@ -197,7 +197,7 @@ def test_node_selector_and_labels() -> None:
 
 def test_binpack_and_spread() -> None:
     for policy, expect in (("binpack", "busy"), ("spread", "idle")):
-        c = Cluster(policy=policy)  # type: ignore[arg-type]
+        c = Cluster(node_policy=policy)  # type: ignore[arg-type]
         c.set_node("idle", load_topology("dgx-h100"))
         c.set_node("busy", load_topology("dgx-h100"))
         c.hold("busy", "x", ["gpu0", "gpu1", "mlx5_0", "mlx5_1"])
@@ -216,20 +216,21 @@ def test_quality_before_binpack() -> None:
     assert p.candidates == 2
 
 
-def test_a_used_node_first_unless_the_class_says_alignment_first() -> None:
+def test_the_best_scope_first_unless_the_class_says_used_first() -> None:
     """A used node that can only pair across switches, and a free one with whole switches:
-    by default the used node (free servers stay whole for large aligned jobs); a class with
-    node_order "alignment-first" takes the better scope; a required scope is met either way."""
-    classes = {"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
+    by default the better scope (issue 26, item 8); a class with node_order "used-first"
+    takes the used node (free servers stay whole for large aligned jobs); a required scope
+    is met either way."""
+    classes = {"default": DeviceClass(), "packed": DeviceClass(node_order="used-first")}
     c = Cluster(device_classes=classes)
     c.set_node("fresh", load_topology("dgx-h100"))
     c.set_node("busy", load_topology("dgx-h100"))
     c.hold("busy", "x", ["gpu0", "gpu1", "gpu2", "gpu3", "gpu4", "gpu5", "mlx5_6", "mlx5_7"])
-    p = placed(c.decide(req("r", 2, 2)))  # preferred: a used node, alignment missed
-    assert p.node == "busy" and not p.met
-    a = placed(c.decide(req("a", 2, 2, device_class="aligned")))
+    a = placed(c.decide(req("a", 2, 2)))
     assert a.node == "fresh" and a.met and a.scope == "pcie-switch"
-    q = placed(c.decide(req("q", 2, 2, policy="required")))
+    p = placed(c.decide(req("r", 2, 2, device_class="packed")))  # a used node, alignment missed
+    assert p.node == "busy" and not p.met
+    q = placed(c.decide(req("q", 2, 2, policy="required", device_class="packed")))
     assert q.node == "fresh" and q.met and q.scope == "pcie-switch"
 
 
@@ -241,18 +242,18 @@ def test_among_equal_alignment_a_used_node_before_a_fresh_one() -> None:
     assert placed(c.decide(req("r", 2, 2))).node == "busy"
 
 
-def test_on_an_empty_mixed_fleet_alignment_first_takes_the_aligned_server() -> None:
-    """Issue 26, item 8: 2 GPUs + 2 NICs on an empty cluster. The default opens the smallest
-    server (a PCIe box, one pair across its root), keeping the DGX whole for large aligned jobs;
-    a class with node_order alignment-first takes the DGX, both pairs on their switches."""
-    classes = {"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
+def test_on_an_empty_mixed_fleet_the_default_takes_the_aligned_server() -> None:
+    """Issue 26, item 8: 2 GPUs + 2 NICs on an empty cluster. The default takes the DGX, both
+    pairs on their switches; a class with node_order used-first opens the smallest server (a
+    PCIe box, one pair across its root), keeping the DGX whole for large aligned jobs."""
+    classes = {"default": DeviceClass(), "packed": DeviceClass(node_order="used-first")}
     c = Cluster(device_classes=classes)
     c.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
     c.set_node("h100-0", load_topology("dgx-h100"))
-    p = placed(c.decide(req("r", 2, 2)))
-    assert p.node == "pcie-0" and p.scope == "pcie-root"
-    a = placed(c.decide(req("a", 2, 2, device_class="aligned")))
+    a = placed(c.decide(req("a", 2, 2)))
     assert a.node == "h100-0" and a.scope == "pcie-switch"
+    p = placed(c.decide(req("r", 2, 2, device_class="packed")))
+    assert p.node == "pcie-0" and p.scope == "pcie-root"
 
 
 def test_gpu_only_request_goes_where_no_nic_is_wasted() -> None:
@@ -411,27 +412,46 @@ def test_refusal_says_when_failed_devices_are_part_of_why() -> None:
 
 
 def test_scope_reason_says_why_a_preferred_scope_was_missed() -> None:
-    """Default node order (used-first): on an empty mixed cluster a 2+2 request takes the
+    """A class with node order used-first: on an empty mixed cluster a 2+2 request takes the
     smallest free server, a PCIe box pairing across its root complex, while a DGX could pair
-    both on their switches; the reason names that server and the class option. When no node
-    could do better, it says so; a placement that met its scope has no reason."""
-    c = Cluster(
-        device_classes={"default": DeviceClass(), "aligned": DeviceClass(node_order="alignment-first")}
-    )
+    both on their switches; the reason names that server and the class option. The default
+    (alignment-first) goes to the DGX and meets the scope: no reason. When no node could do
+    better, the reason says why no node could: the refusals of the scope required."""
+    c = Cluster(device_classes={"default": DeviceClass(), "packed": DeviceClass(node_order="used-first")})
     c.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
     c.set_node("h100-0", load_topology("dgx-h100"))
-    r = req("r", 2, 2)
+    r = req("r", 2, 2, device_class="packed")
     p = placed(c.decide(r))
     assert (p.node, p.scope, p.met) == ("pcie-0", "pcie-root", False)
     why = c.scope_reason(r, p)
     assert why.startswith("pcie-switch pairs were possible on h100-0, a server not in use"), why
-    assert "node_order: used-first" in why
-    # The alignment-first class goes to the DGX and meets the scope: nothing to explain.
-    a = req("a", 2, 2, device_class="aligned")
+    assert "the class 'packed' places on servers in use" in why and "(node_order: used-first)" in why
+    a = req("a", 2, 2)
     q = placed(c.decide(a))
     assert (q.node, q.met) == ("h100-0", True) and c.scope_reason(a, q) == ""
-    # Only PCIe boxes: nothing could pair at pcie-switch.
-    only = Cluster()
-    only.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
-    p = placed(only.decide(r))
-    assert only.scope_reason(r, p) == "no node could pair at pcie-switch now"
+    # Only PCIe boxes, one of them nearly full: nothing could pair at pcie-switch, and why.
+    for order in ("alignment-first", "used-first"):
+        only = Cluster(device_classes={"default": DeviceClass(node_order=order)})
+        only.set_node("pcie-0", load_topology("pcie-4gpu-2nic"))
+        only.set_node("pcie-1", load_topology("pcie-4gpu-2nic"))
+        only.hold("pcie-1", "x", ["gpu0", "gpu1", "gpu2"])
+        p = placed(only.decide(a))
+        assert (p.node, p.scope) == ("pcie-0", "pcie-root")
+        assert only.scope_reason(a, p) == (
+            "no node could pair at pcie-switch now (1 node: 2 GPUs free but only 1 NICs under "
+            "their PCIe switches; 1 node: fewer than 2 free GPUs)"
+        ), order
+
+
+def test_scope_reason_names_a_better_node_of_another_replicas_shard() -> None:
+    """Alignment-first, but an allocator replica takes a node of its own shard while one can
+    take the request (services/allocator/replicas.py): a weaker scope, and the note says so."""
+    c = Cluster()
+    c.set_node("pcie-0", load_topology("pcie-4gpu-2nic"), shard="0")
+    c.set_node("h100-0", load_topology("dgx-h100"), shard="1")
+    r = req("r", 2, 2)
+    p = placed(c.decide(r, prefer_shard="0"))
+    assert (p.node, p.scope) == ("pcie-0", "pcie-root")
+    assert c.scope_reason(r, p).startswith(
+        "pcie-switch pairs were possible on h100-0, a node another allocator replica places on first"
+    )

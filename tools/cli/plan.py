@@ -42,7 +42,7 @@ import yaml
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest, AssignedGpu
 from schemas.topology import SCOPES, NodeTopology, NvlinkDomain
-from services.allocator.core import Cluster, InvalidRequest, Placement, preempt
+from services.allocator.core import Cluster, InvalidRequest, Placement, Unschedulable, preempt
 from services.allocator.core.gang import DEFAULT_TIERS
 from services.request import RequestError, resolve
 from services.topology import TopologyFileError, import_nvidia_smi, load_topology
@@ -73,7 +73,7 @@ _FREE_KEYS = {"kind", "id"}
 
 def run(args: argparse.Namespace) -> int:
     classes = _load_classes(args.classes) if args.classes else default_device_classes()
-    cluster = Cluster(policy=args.policy, device_classes=classes)
+    cluster = Cluster(node_policy=args.policy, device_classes=classes)
     if args.cluster is not None:
         _load_cluster_file(cluster, args.cluster)
     else:
@@ -204,7 +204,7 @@ class _Replay:
         t0 = time.perf_counter()
         try:
             result = self.cluster.decide(req)
-            plan = _preemption(self.cluster, req, result)
+            plan = _preemption(self.cluster, result)
         except InvalidRequest as exc:
             raise CliError(f"{where}: {exc}") from None
         if plan is not None:
@@ -293,13 +293,12 @@ def resolved(req: AllocationRequest, *, classes: Mapping[str, DeviceClass], wher
     )
 
 
-def _preemption(
-    cluster: Cluster, req: AllocationRequest, result: Placement | object
-) -> preempt.Preemption | None:
-    """The preemption plan for a request that may preempt and found no room (docs/plan.md)."""
-    if isinstance(result, Placement) or not preempt.may_preempt(req, cluster.device_classes):
+def _preemption(cluster: Cluster, result: Placement | Unschedulable) -> preempt.Preemption | None:
+    """The preemption plan for a request that may preempt and found no room (docs/plan.md):
+    the core's step after the failed decision, on the request as that decision resolved it."""
+    if isinstance(result, Placement):
         return None
-    return preempt.plan(cluster, req)
+    return preempt.plan(cluster, result.spec)  # None: it may not preempt, or nothing helps
 
 
 def _line(

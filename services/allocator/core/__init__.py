@@ -2,11 +2,12 @@
 
 Public API::
 
-    cluster = Cluster(policy="binpack", device_classes={...})
+    cluster = Cluster(node_policy="binpack", device_classes={...})
     cluster.set_node(name, topology, labels=..., unavailable=..., shard=...)
     cluster.hold(name, request_id, devices) / cluster.release(name, request_id)
     cluster.decide(request) -> Placement | Unschedulable      # does not change holds
     cluster.decide(request, prefer_shard=..., before_fallback=...)   # a replica's own shard first
+    preempt.plan(cluster, why.spec)     # after a failed decision ``why``: victims, or None
     place_job(cluster, job, tiers=("leaf", "spine"))          # a whole job: JobPlacement |
                                                               # JobUnschedulable; holds nothing
     cluster.cache_stats()                                     # sizes of the (bounded) caches

@@ -44,23 +44,19 @@ in-use devices handed out twice). Not thread-safe: one owner calls it.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
-from dataclasses import replace
 from typing import Literal
-
-import msgspec
 
 from schemas.config import DeviceClass, default_device_classes
 from schemas.messages import AllocationRequest
 from schemas.topology import NodeTopology, Scope
 
+from . import scopenote
 from .errors import InvalidRequest
 from .index import GroupIndex, GroupKey
 from .labels import Labels
-from .mig import is_mig_device
 from .model import Shape, bits, compile_shape, shape_signature
 from .nodes import Hardware, Node, port_down
 from .placement import (
-    SCOPE,
     SELECTOR_REFUSAL,
     NodeReason,
     Placement,
@@ -69,11 +65,11 @@ from .placement import (
     wire_placement,
 )
 from .plugins import Best, DeviceKind, IndexedKind, MigInstances, Shares, Stacking, WholeGpus
-from .plugins.shares import ShareHolds, node_mask
+from .plugins.base import overriding
 from .request import Spec, normalise
 from .scores import DEFAULT_RESERVE, NodeOrder, OrderKey
 from .search import Choice, Refusal
-from .shares import GpuUse, gpu_use, slot_bits
+from .shares import GpuUse, slot_bits
 from .signatures import Signatures
 from .victims import PreemptionView, Victims
 
@@ -89,6 +85,7 @@ _SIG_RECORDS = 300_000
 _SELECTOR_MATCH_MAX = 50_000  # memoized selector matches before they are cleared (.signatures)
 # Selectors matching at most this many nodes are decided on those nodes directly.
 DEFAULT_PINNED_MAX = 32
+_NO_HOLDS: dict[str, tuple[str, ...]] = {}  # a node without holds (never written)
 
 
 class Cluster:
@@ -101,33 +98,32 @@ class Cluster:
 
     def __init__(
         self,
-        policy: NodePolicy | str = "binpack",
+        node_policy: NodePolicy | str = "binpack",
         device_classes: Mapping[str, DeviceClass] | None = None,
         *,
         reserve: float = DEFAULT_RESERVE,
         pinned_max: int = DEFAULT_PINNED_MAX,
     ) -> None:
-        if policy not in ("binpack", "spread"):
-            raise InvalidRequest(f"unknown node policy {policy!r}; expected binpack or spread")
+        if node_policy not in ("binpack", "spread"):
+            raise InvalidRequest(f"unknown node policy {node_policy!r}; expected binpack or spread")
         if not 0.0 <= reserve <= 1.0:
             raise InvalidRequest(f"reserve must be a fraction between 0 and 1, got {reserve!r}")
         if pinned_max < 0:
             raise InvalidRequest(f"pinned_max must not be negative, got {pinned_max!r}")
         self.reserve = reserve
         self.pinned_max = pinned_max
-        self.policy: NodePolicy = "binpack" if policy == "binpack" else "spread"
+        self.node_policy: NodePolicy = "binpack" if node_policy == "binpack" else "spread"
         self.device_classes: dict[str, DeviceClass] = dict(
             device_classes if device_classes is not None else default_device_classes()
         )
         self._nodes: dict[str, Node] = {}
         self._holds: dict[str, dict[str, tuple[str, ...]]] = {}
-        self._share_holds: ShareHolds = {}  # node -> request -> its shares (see .plugins.shares)
         self._victims = Victims(self._nodes, self._holds)
         self._shapes: dict[tuple[object, ...], Shape] = {}
         # Labels, shards, grouping keys and the hardware ids they make (see the docstring).
         self._labels = Labels()
         self._hw: list[Hardware] = self._labels.hw  # hardware id -> shape, grouping labels, shard
-        self._scores = NodeOrder(self._hw, policy=self.policy, reserve=reserve)
+        self._scores = NodeOrder(self._hw, node_policy=self.node_policy, reserve=reserve)
         # The node order, as the property tests call it.
         self._order = self._scores.order
         # The device kinds, in the order they are asked (see .plugins.base).
@@ -140,12 +136,20 @@ class Cluster:
             best=self._best,
             log_max=_LOG_MAX,
             compact=self._compact,
+            went_live=self._went_live,
         )
         self._stacking: Stacking = self._shares.stack
-        self._mig = MigInstances(self._nodes, policy=self.policy)
+        self._mig = MigInstances(self._nodes, node_policy=self.node_policy)
         self._alone: tuple[DeviceKind, ...] = (self._mig,)  # kinds with an index of their own
         self._indexed: tuple[IndexedKind, ...] = (self._stacking, self._shares, self._whole_kind)
         self._whole = self._whole_kind.index  # the main index (tests read its log)
+        # What the registry tells the kinds (.plugins.base.Hooks): every kind at a node's
+        # registration; per hold, refresh and move only the live kinds that override the hook
+        # (bound in _went_live), and a hold with shares every kind that keeps holds.
+        self._kinds: tuple[DeviceKind, ...] = (*self._alone, *self._indexed)
+        self._hold_set_any = overriding(self._kinds, "hold_set")
+        self._protects = overriding(self._kinds, "protects")
+        self._went_live()
         self._signatures = Signatures(
             self._hw,
             self._nodes,
@@ -177,11 +181,18 @@ class Cluster:
         shape = self._shapes.get(sig)
         if shape is None:
             shape = self._shapes[sig] = compile_shape(topology, shape_id=len(self._shapes), signature=sig)
-            self._shares.new_shape(shape)
+            for kind in self._kinds:
+                kind.new_shape(shape)
         merged = {**topology.labels, **(labels or {})}
         hw = self._labels.hw_id(shape, merged, shard)
         node = Node(name, topology, shape, hw, merged, tuple(unavailable), port_down(topology), shard=shard)
-        node.mig_block = self._mig.set_node(name, topology, shape, merged, shard=shard)
+        refreshing = []
+        for kind in self._kinds:
+            taken = kind.node_set(name, topology, shape, merged, shard=shard)
+            if taken:
+                node.kind_block |= taken
+                refreshing.append(kind.refreshed)
+        node.refreshing = tuple(refreshing)
         self._victims.forget(name)
         old = self._nodes.get(name)
         self.nodes_version += 1
@@ -211,7 +222,8 @@ class Cluster:
         node = self._nodes.pop(name, None)
         self._victims.forget(name)
         if node is not None:
-            self._mig.remove(name)
+            for kind in self._kinds:
+                kind.node_removed(name)
             self.nodes_version += 1
             self._labels.file(node, -1)
             self._scores.count_capable(node.shape.aligned, -1)
@@ -241,27 +253,26 @@ class Cluster:
         its GPUs count as held, so only evicting every share of a GPU frees it
         (:mod:`.preempt`). ``sharing``: how the shares are limited (the assignment's
         ``sharing``: ``mps``, else HAMi-core); a GPU takes further shares of its shares' mode
-        only (:mod:`.shares`)."""
+        only (:mod:`.shares`). The kinds keep what is theirs of a hold (.plugins.base.Hooks)."""
         devs = tuple(sorted(set(devices)))
-        if preemptible and not any(is_mig_device(d) for d in devs):
+        evictable = preemptible
+        if evictable:
+            for protects in self._protects:  # a kind whose holds are never victims (MIG)
+                if protects(devs):
+                    evictable = False
+                    break
+        if evictable:
             self._victims.add(name, request_id, priority)
         else:
             self._victims.drop(name, request_id)
         holds = self._holds.setdefault(name, {})
-        mps = sharing == "mps"
-        shared = tuple(sorted((d, m, c, mps) for d, (m, c) in shares.items())) if shares else ()
-        node_shares = self._share_holds.get(name)
-        old_shared = node_shares.get(request_id, ()) if node_shares else ()
-        if holds.get(request_id) == devs and old_shared == shared:
+        changed = holds.get(request_id) != devs
+        for hold_set in self._hold_set_any if shares else self._hold_set:
+            if hold_set(name, request_id, shares=shares, sharing=sharing):
+                changed = True
+        if not changed:
             return
         holds[request_id] = devs
-        if shared:
-            self._shares.turn_on()
-            self._share_holds.setdefault(name, {})[request_id] = shared
-        elif old_shared and node_shares is not None:
-            del node_shares[request_id]
-            if not node_shares:
-                del self._share_holds[name]
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -275,9 +286,8 @@ class Cluster:
         del holds[request_id]
         if not holds:
             del self._holds[name]
-        node_shares = self._share_holds.get(name)
-        if node_shares and node_shares.pop(request_id, None) is not None and not node_shares:
-            del self._share_holds[name]
+        for hold_removed in self._hold_removed:
+            hold_removed(name, request_id)
         node = self._nodes.get(name)
         if node is not None:
             self._refresh(node, old_key=(node.hw, node.mask), was_impaired=node.impaired)
@@ -291,24 +301,23 @@ class Cluster:
             s = slot_of.get(dev)
             if s is not None:
                 blocked |= 1 << s
-        blocked |= node.mig_block
-        node_shares = self._share_holds.get(node.name)
-        if node_shares is None:
-            for devs in self._holds.get(node.name, {}).values():
+        blocked |= node.kind_block
+        holds = self._holds.get(node.name, _NO_HOLDS)
+        mask = None
+        for group_mask in self._group_mask:  # a kind that keeps state in the mask (shares)
+            mask = group_mask(node, blocked, holds)
+            if mask is not None:
+                break
+        if mask is None:
+            for devs in holds.values():
                 for dev in devs:
                     s = slot_of.get(dev)
                     if s is not None:
                         blocked |= 1 << s
-            node.mask = shape.effective_free(blocked)
-        else:
-            node.mask = node_mask(node, blocked, shares=node_shares, holds=self._holds.get(node.name, {}))
-        if node.mig_block:
-            self._mig.refresh(
-                node.name,
-                held=self.used_devices(node.name),
-                unavailable={*node.unavailable, *node.port_down},
-                nic_free=slot_bits(shape, node.mask) & ~shape.gpu_all,
-            )
+            mask = shape.effective_free(blocked)
+        node.mask = mask
+        for refreshed in node.refreshing:
+            refreshed(node, holds)
         self._move(
             node.name, old_key, (node.hw, node.mask), was_impaired=was_impaired, now_impaired=node.impaired
         )
@@ -323,11 +332,21 @@ class Cluster:
         now_impaired: bool,
     ) -> None:
         """A node moves from group ``old`` to ``new`` (full keys: slot and share bits): every
-        indexed kind follows (the share and stacking indexes only once they exist)."""
-        if self._shares.on:
-            self._shares.follow(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
-            self._stacking.follow(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
-        self._whole_kind.follow(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+        indexed kind whose index is live follows (one built on first use from then on)."""
+        for follow in self._follow:
+            follow(name, old, new, was_impaired=was_impaired, now_impaired=now_impaired)
+
+    def _went_live(self) -> None:
+        """A kind went live (its index built on first use, or rebuilt): from now on the holds,
+        refreshes and moves reach it. A kind keeps no state of holds before it is live, so
+        until then only a hold with shares (what makes the share kind live) is shown to it."""
+        live = [kind for kind in self._kinds if kind.live]
+        self._hold_set = overriding(live, "hold_set")
+        self._hold_removed = overriding(live, "hold_removed")
+        self._group_mask = overriding(live, "group_mask")
+        self._follow: tuple[Callable[..., None], ...] = tuple(
+            kind.follow for kind in self._indexed if kind.live
+        )
 
     # ------------------------------------------------------------------------------------
     # the registry: queries
@@ -355,15 +374,12 @@ class Cluster:
 
     def shares(self, name: str) -> dict[str, dict[str, tuple[int, int]]]:
         """The share holds of ``name``: request -> GPU device id -> (memory MiB, compute %)."""
-        return {
-            rid: {d: (m, c) for d, m, c, _ in per} for rid, per in self._share_holds.get(name, {}).items()
-        }
+        return self._shares.shares_of(name)
 
     def gpu_shares(self, name: str) -> dict[str, GpuUse]:
         """Shared GPUs of ``name`` that can take more shares, by device id: (used memory MiB,
         used compute percent, shares); a shared GPU that is out of service is left out."""
-        node = self._need(name)
-        return {f"gpu{node.shape.gpu_index[s]}": use for s, use in gpu_use(node.shape, node.mask).items()}
+        return self._shares.gpu_shares(self._need(name))
 
     def used_devices(self, name: str) -> set[str]:
         return {d for devs in self._holds.get(name, {}).values() for d in devs}
@@ -412,8 +428,7 @@ class Cluster:
         if spec.selector:
             matching = self._labels.matching(self._nodes, spec.selector)
             return sum(isinstance(evaluate(spec, node.shape, node.mask), Choice) for node in matching)
-        if spec.shared:
-            self._shares.turn_on()
+        kind.ready()
         n = 0
         for (hw, mask), members in kind.index.groups.items():
             if isinstance(evaluate(spec, self._hw[hw].shape, mask), Choice):
@@ -431,8 +446,7 @@ class Cluster:
     def cache_stats(self) -> dict[str, int]:
         """Sizes of the index and caches, for metrics and benchmarks: every one is bounded
         (see the module docstring), whatever the stream of requests and selectors."""
-        share, stack = self._shares.index, self._stacking.index
-        return {
+        stats = {
             "nodes": len(self._nodes),
             "groups": len(self._whole.groups),
             "hardware_ids": len(self._hw),
@@ -440,14 +454,10 @@ class Cluster:
             "grouping_labels": len(self._labels.keyed),
             "signatures": len(self._signatures.sigs),
             "signature_records": self._signatures.records,
-            "evaluations": len(self._whole_kind.evals),
-            "share_evaluations": len(self._shares.sevals),
-            "change_log": len(self._whole.log),
-            "share_groups": len(share.groups),
-            "share_change_log": len(share.log),
-            "stack_groups": len(stack.groups),
-            "share_fit_indexes": len(self._shares.fits) + self._stacking.indexes(),
         }
+        for kind in reversed(self._kinds):  # whole GPUs first
+            stats.update(kind.stats())
+        return stats
 
     # ------------------------------------------------------------------------------------
     # preemption support (the search itself is in .preempt, the views in .victims)
@@ -551,9 +561,9 @@ class Cluster:
             keys = frozenset(k for k, _ in spec.selector)
             if not keys <= self._labels.keyed:
                 self._regroup(self._labels.keyed | keys)
-        if spec.shared:
-            self._shares.turn_on()
-        got = kind.place(spec, shard=shard)  # a kind's decision without the heaps (shares)
+        # A kind's own decision, without the heaps (shares without a selector); a kind whose
+        # index is built on first use builds it here, before the heaps below read it.
+        got = kind.place(spec, shard=shard)
         if got is not None:
             return got
         top = self._signatures.top(spec, kind, shard=shard, last_of_equals=last_of_equals)
@@ -584,43 +594,25 @@ class Cluster:
 
     def scope_reason(self, request: AllocationRequest, placement: Placement) -> str:
         """Why ``placement``, just decided for ``request``, pairs at a coarser scope than the
-        request asked ("" when it met it), for the person reading ``tandem explain``.
-
-        With ``binpack`` and the default node order (``used-first``) a ``preferred`` request
-        goes to a used server that can take it before a free one, which may be better aligned
-        (docs/benchmarks.md, "Node order"). Whether that is why is found by deciding again with
-        the alignment-first order (a signature state of its own, built on first use): only for
-        placements that missed their scope, which are rare."""
+        request asked ("" when it met it), for the person reading ``tandem explain``; worded
+        by :mod:`.scopenote`. Asked only for a placement that missed a preferred scope, so it
+        may decide once more: with the alignment-first order where the class chose
+        ``used-first`` (is a better scope free elsewhere?), or with the scope required (why
+        does no node meet it?)."""
         if placement.met:
             return ""
         spec = normalise(request, self.device_classes)
-        asked = spec.scope.wire
         if spec.shared or spec.mig_profile or spec.selector:
-            return f"no node it may use could pair at {asked} now"
+            return scopenote.limited(spec)
         if self._scores.pressure():
-            return (
-                f"few servers can still host a large aligned job, so placements that keep them whole "
-                f"came first; none of those pairs at {asked}"
+            return scopenote.reserve(spec)
+        used_first = self.node_policy == "binpack" and spec.dc.node_order == "used-first"
+        top = self._best(scopenote.aligned_order(spec) if used_first else spec)
+        if top and top.node.name != placement.node and top.choice.scope < Scope.parse(placement.scope):
+            return scopenote.better_elsewhere(
+                spec, node=top.node.name, scope=top.choice.scope, used_first=used_first
             )
-        if self.policy != "binpack" or spec.dc.node_order == "alignment-first":
-            return f"no node could pair at {asked} now"
-        aligned = replace(
-            spec,
-            device_class=f"{spec.device_class}\x00alignment-first",
-            dc=msgspec.structs.replace(spec.dc, node_order="alignment-first"),
-        )
-        top = self._best(aligned)
-        if top is None:
-            return f"no node could pair at {asked} now"
-        node, status, _ = top
-        if status.scope >= Scope.parse(placement.scope) or node.name == placement.node:
-            return f"no node could pair at {asked} now"
-        return (
-            f"{SCOPE[status.scope]} pairs were possible on {node.name}, a server not in use: the "
-            f"class {spec.device_class!r} places on servers in use, else on the smallest free one "
-            "(node_order: used-first), keeping big servers whole for large aligned jobs; a class "
-            "with node_order: alignment-first puts alignment first"
-        )
+        return scopenote.no_node(spec, self._decide(scopenote.with_scope_required(spec)))
 
     def _best(self, spec: Spec) -> Best | None:
         """The best node of the index of ``spec``'s kind, or None (what plugins ask)."""
@@ -676,14 +668,12 @@ class Cluster:
         per new grouping key)."""
         self._labels.regroup(keyed)
         self._signatures.clear()
-        self._whole.reset()
         hw_id = self._labels.hw_id
-        for node in self._nodes.values():
-            node.hw = hw = hw_id(node.shape, node.labels, node.shard)
-            self._whole.put(node.name, (hw, slot_bits(node.shape, node.mask)), impaired=node.impaired)
-        if self._shares.on:
-            self._shares.on = False
-            self._shares.turn_on()
+        nodes = self._nodes.values()
+        for node in nodes:
+            node.hw = hw_id(node.shape, node.labels, node.shard)
+        for kind in reversed(self._kinds):  # the main index first
+            kind.regrouped(nodes)
 
     def _compact(self, index: GroupIndex) -> None:
         """A kind's index log grew past its bound (see :meth:`.signatures.Signatures.compact`)."""

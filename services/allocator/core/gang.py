@@ -248,7 +248,7 @@ def place_job(
         if job.fabric_policy == "required":
             cap = tiers.index(job.fabric) + 1
 
-    rows, refused = _rows(cluster, spec, job, tiers, spread=cluster.policy == "spread")
+    rows, refused = _rows(cluster, spec, job, tiers, spread=cluster.node_policy == "spread")
     if job.nvlink_domain is not None:
         in_domain = [r for r in rows if r.domain is not None]
         res = _search(cluster, job, spec, in_domain, tiers, cap=cap, by_domain=True)
@@ -348,7 +348,7 @@ def _search(
                     seen, seen_block = room, bk[1]
                 continue
             align, frag, take, met = _fill(members, n)
-            spare = room - n if cluster.policy == "binpack" else -room
+            spare = room - n if cluster.node_policy == "binpack" else -room
             score = (align, frag, spare)
             if best is None or score < best[0]:
                 best = (score, bk, take, align, met)

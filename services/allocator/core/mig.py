@@ -281,7 +281,7 @@ class MigIndex:
         return out
 
     def decide(
-        self, spec: Spec, *, policy: str, shard: str | None = None
+        self, spec: Spec, *, node_policy: str, shard: str | None = None
     ) -> tuple[MigChoice, int] | dict[str, tuple[str, int]]:
         """The best node for a MIG request: ``(choice, candidate nodes)``, or the refusals
         ``{text: (code, nodes)}`` of the nodes that have a free instance of the profile.
@@ -311,7 +311,7 @@ class MigIndex:
                 if not names:
                     continue
             count = len(names)
-            res = self._group_result(gkey, spec, policy=policy)
+            res = self._group_result(gkey, spec, node_policy=node_policy)
             if isinstance(res, Refusal):
                 code, n = refused.get(res.text, (res.code, 0))
                 refused[res.text] = (code, n + count)
@@ -330,23 +330,23 @@ class MigIndex:
         )
         return self._on(choice, self._nodes[first]), feasible
 
-    def fit_count(self, spec: Spec, *, policy: str) -> int:
+    def fit_count(self, spec: Spec, *, node_policy: str) -> int:
         """How many nodes could take the MIG request now (reports; walks the profile's groups)."""
         n = 0
         for gkey in self._by_profile.get(spec.mig_profile, {}):
             members = self._groups[gkey]
-            if isinstance(self._group_result(gkey, spec, policy=policy), Refusal):
+            if isinstance(self._group_result(gkey, spec, node_policy=node_policy), Refusal):
                 continue
             n += sum(1 for m in members if all(self._nodes[m].labels.get(k) == v for k, v in spec.selector))
         return n
 
-    def _group_result(self, gkey: GroupKey, spec: Spec, *, policy: str) -> _Result:
+    def _group_result(self, gkey: GroupKey, spec: Spec, *, node_policy: str) -> _Result:
         """The cached search of a group (on any one of its nodes: they decide alike)."""
-        key = (gkey, spec.key, policy)
+        key = (gkey, spec.key, node_policy)
         got = self._results.get(key)
         if got is None:
             node = self._nodes[next(iter(self._groups[gkey]))]
-            res = self.evaluate(node, spec, policy=policy)
+            res = self.evaluate(node, spec, node_policy=node_policy)
             got = res if isinstance(res, Refusal) else (res[1][:-1], res[0])
             if len(self._results) >= _EVAL_MAX:
                 self._results.clear()
@@ -361,7 +361,7 @@ class MigIndex:
         return replace(choice, node=node.name, picks=picks)
 
     def evaluate(
-        self, node: _MigNode, spec: Spec, *, policy: str
+        self, node: _MigNode, spec: Spec, *, node_policy: str
     ) -> tuple[MigChoice, tuple[int, ...]] | Refusal:
         """The best placement on one node and its cross-node order key."""
         cands = [i for i in node.instances if i.device in node.free and i.profile == spec.mig_profile]
@@ -381,25 +381,25 @@ class MigIndex:
         used = node.used_gpus
         alt_set = (
             [i for i in cands if i.gpu_slot in used]
-            if policy == "binpack"
+            if node_policy == "binpack"
             else [i for i in cands if i.gpu_slot not in used]
         )
         chosen = [virt.insts[s] for s in virt.choice.gpus]
         wants_alt = (
             any(i.gpu_slot not in used for i in chosen)
-            if policy == "binpack"
+            if node_policy == "binpack"
             else any(i.gpu_slot in used for i in chosen)
         )
         if wants_alt and len(alt_set) >= spec.gpus:
             alt = self._search(node, alt_set, view_spec)
             if not isinstance(alt, Refusal) and alt.choice.key == virt.choice.key:
                 virt = alt
-        picks, pairs = _repick(node, virt, binpack=policy == "binpack")
+        picks, pairs = _repick(node, virt, binpack=node_policy == "binpack")
         vchoice = virt.choice
         opened = len({p.gpu_slot for p in picks if p.gpu_slot not in used})
         free_here = node.free_by_profile.get(spec.mig_profile, 0)
         align, waste = vchoice.cross[:-1], vchoice.cross[-1]
-        if policy == "binpack":
+        if node_policy == "binpack":
             order = (*align, opened, waste, free_here, node.seq)
         else:
             order = (*align, -opened, waste, -free_here, node.seq)

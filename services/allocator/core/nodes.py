@@ -9,7 +9,7 @@ mask (free slots, and share usage above them: :mod:`.shares`). The device-kind p
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from schemas.topology import NodeTopology
@@ -31,7 +31,10 @@ class Node:
     unavailable: tuple[str, ...]
     port_down: tuple[str, ...]
     mask: int = 0
-    mig_block: int = 0  # slots of GPUs in MIG mode: never free as whole GPUs (see .mig)
+    # Slots a device kind took out of every other kind's free mask for good (MIG-mode GPUs,
+    # .plugins.mig), and the kinds' hooks told of the node's every refresh (.plugins.base).
+    kind_block: int = 0
+    refreshing: tuple[Callable[..., None], ...] = ()
     shard: str | None = None  # the allocator replica that looks here first (see .scores)
 
     @property

@@ -61,6 +61,9 @@ class Placement:
     # The device class's sharing mode and memory limit when the GPUs are shares.
     sharing: str = ""
     memory_limit: str = "hard"
+    # The request as the decision resolved it: what the stages after the decision read
+    # (the class's share limit at commit), so the request is resolved once.
+    spec: Spec = field(kw_only=True, repr=False, compare=False)
 
     def devices(self) -> list[str]:
         return [g.device_id for g in self.gpus] + [n.name for n in self.nics]
@@ -83,12 +86,16 @@ class NodeReason:
 
 @dataclass(slots=True)
 class Unschedulable:
-    """No node can take the request now. ``reason`` aggregates ``reasons`` for people."""
+    """No node can take the request now. ``reason`` aggregates ``reasons`` for people.
+
+    ``spec``: the request as the decision resolved it, what the step after a failed decision
+    (the PostFilter, :mod:`.preempt`) works on, so the request is resolved once."""
 
     reason: str
     counts: dict[str, int]
     reasons: list[NodeReason] = field(default_factory=list)
     candidates: int = 0
+    spec: Spec = field(kw_only=True, repr=False, compare=False)
 
 
 def wire_placement(node: Node, res: Choice, *, spec: Spec, candidates: int) -> Placement:
@@ -112,6 +119,7 @@ def wire_placement(node: Node, res: Choice, *, spec: Spec, candidates: int) -> P
     return assembled(
         node,
         res,
+        spec=spec,
         gpus=gpus,
         nic_slots=res.nics,
         pairs=pairs,
@@ -125,6 +133,7 @@ def assembled(
     node: Node,
     res: Choice,
     *,
+    spec: Spec,
     gpus: list[AssignedGpu],
     nic_slots: Iterable[int],
     pairs: list[Pair],
@@ -132,8 +141,8 @@ def assembled(
     sharing: str = "",
     memory_limit: str = "hard",
 ) -> Placement:
-    """A placement from its GPUs and pairs (whole, shared or MIG) and the in-node search's
-    result: the NICs of ``nic_slots``, the scope and quality."""
+    """A placement of ``spec`` from its GPUs and pairs (whole, shared or MIG) and the in-node
+    search's result: the NICs of ``nic_slots``, the scope and quality."""
     nics = [_assigned_nic(node.topology, node.shape, s) for s in nic_slots]
     return Placement(
         node=node.name,
@@ -146,6 +155,7 @@ def assembled(
         quality=res.key + res.frag,
         sharing=sharing,
         memory_limit=memory_limit,
+        spec=spec,
     )
 
 
@@ -171,7 +181,7 @@ def unschedulable(
     devices out of service (from per-group counters, not a walk over nodes), so that a
     person reading "fewer than 4 free GPUs" learns that a failed GPU is part of why."""
     if not any_nodes:
-        return Unschedulable(reason="no nodes", counts={}, reasons=[])
+        return Unschedulable(reason="no nodes", counts={}, reasons=[], spec=spec)
     items = sorted(refused.items(), key=lambda kv: (-kv[1], kv[0]))
     reasons = [NodeReason(codes.get(t, ""), t, n) for t, n in items]
 
@@ -190,4 +200,5 @@ def unschedulable(
         reason=f"no node can take {what}: {text}" if text else f"no node can take {what}",
         counts=dict(items),
         reasons=reasons,
+        spec=spec,
     )

@@ -1,8 +1,10 @@
 """Priority preemption: which allocations to evict so that a request can be placed.
 
-When a request of priority ``P`` that may preempt (:func:`may_preempt`: its own
-``preemption`` field, else its device class's; ``"lower-priority"``) cannot be placed,
-:func:`plan` looks for a node on which evicting some allocations would make room. Only
+The step after a decision that found no node (the PostFilter): when a request of priority
+``P`` that may preempt (``Spec.preempt_below`` is ``P``: its own ``preemption`` field, else its
+device class's, is ``"lower-priority"``) cannot be placed, :func:`plan` looks for a node on
+which evicting some allocations would make room. It works on the request as the failed
+decision resolved it (``Unschedulable.spec``): the request is resolved once, at the door. Only
 *eligible* holds are ever victims: held ``preemptible`` (``Cluster.hold``; a decision in
 flight, a claim or another preemptor's reservation is not), of priority strictly below ``P``.
 
@@ -52,15 +54,16 @@ How it stays cheap — every step keeps the minimum exact:
 GPU shares: a preemptible hold of shares is a victim like a whole one and counts as one
 allocation in 1.; its GPU counts as held, so a placement gets that GPU only with every share on
 it evicted (a share the preemptor may not evict keeps the GPU). A request *for* shares or MIG
-instances does not preempt (:func:`may_preempt`), and a hold of MIG instances is never a
-victim.
+instances does not preempt (``Spec.preempt_below`` is None for it), and a hold of MIG instances is
+never a victim.
 
 Preemption runs only for requests that may preempt and that nothing else can place
 (``docs/benchmarks.md``, "Preemption (core)", for its cost at 1,000 and 10,000 nodes).
 
-Pure: reads the :class:`~services.allocator.core.cluster.Cluster`, changes no hold. The
-caller (the allocator service, ``tandem plan``) evicts the victims and places the request
-once their devices are free.
+Pure: reads the node registry (the :class:`~services.allocator.core.cluster.Cluster`) through
+:class:`Registry`, the few questions this step asks of it, and changes no hold. The caller
+(the allocator service, ``tandem plan``) evicts the victims and places the request once their
+devices are free.
 """
 
 from __future__ import annotations
@@ -69,20 +72,27 @@ import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from itertools import combinations
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
-from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest
-
-from .cluster import Cluster
-from .errors import InvalidRequest
 from .model import Shape
 from .placement import Placement
 from .request import Spec
-from .search import Choice
+from .search import Choice, Refusal
 from .victims import Hold, PreemptionView
 
-__all__ = ["Preemption", "Victim", "may_preempt", "plan"]
+__all__ = ["Preemption", "Registry", "Victim", "plan"]
+
+
+class Registry(Protocol):
+    """What the preemption step reads of the node registry (``Cluster`` is one)."""
+
+    def preemption_groups(self) -> Mapping[PreemptionView, Mapping[str, None]]: ...
+    def matches(self, name: str, spec: Spec) -> bool: ...
+    def shape_of(self, name: str) -> Shape: ...
+    def evaluate_free(self, spec: Spec, shape: Shape, mask: int) -> Choice | Refusal: ...
+    def placement_of(self, name: str, choice: Choice, spec: Spec, *, candidates: int = 1) -> Placement: ...
+    def preemptible_holds(self, name: str) -> dict[str, tuple[int, int]]: ...
+    def holds(self, name: str) -> dict[str, frozenset[str]]: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,28 +119,14 @@ class Preemption:
         return self.placement.node
 
 
-def may_preempt(request: AllocationRequest, classes: Mapping[str, DeviceClass]) -> bool:
-    """Whether ``request`` may evict allocations of lower priority (its own ``preemption``,
-    else its device class's). A request for GPU *shares* never preempts: its room would be a
-    part of a GPU, which the search, counting whole devices, does not plan (docs/sharing.md).
-    Nor does a request for *MIG instances*: no preemptible hold holds an instance (a MIG hold
-    is never a victim), so evicting frees none. Raises InvalidRequest for an unknown class."""
-    if request.shared or request.mig_profile is not None:
-        return False
-    if request.preemption is not None:
-        return request.preemption == "lower-priority"
-    dc = classes.get(request.device_class)
-    if dc is None:
-        raise InvalidRequest(f"request {request.request_id}: unknown device class {request.device_class!r}")
-    return dc.preemption == "lower-priority"
-
-
-def plan(cluster: Cluster, request: AllocationRequest) -> Preemption | None:
-    """The best preemption for ``request`` (module docstring), or None when evicting eligible
-    allocations cannot make room anywhere. Does not check :func:`may_preempt` (the caller
-    does) nor whether the request fits without evicting (call it after ``decide`` failed)."""
-    spec = cluster.normalise(request)
-    prio = request.priority
+def plan(cluster: Registry, spec: Spec) -> Preemption | None:
+    """The best preemption for the resolved request ``spec`` (module docstring; the failed
+    decision's ``Unschedulable.spec``), or None when evicting eligible allocations cannot make
+    room anywhere or the request may not preempt (``spec.preempt_below`` is None). Does not
+    check whether the request fits without evicting (call it after ``decide`` failed)."""
+    prio = spec.preempt_below
+    if prio is None:
+        return None
     # Pass 1: each group of nodes alike (Cluster.preemption_groups) as this request sees it —
     # holds of its priority or above are as good as protected — and, per distinct view, the
     # first node by name (which wins every tie, so the others need no search).
@@ -220,14 +216,14 @@ class _Plan(NamedTuple):
 
 
 # Per cluster: (request key, view) -> that view's best set, or None (see plan).
-_CACHES: weakref.WeakKeyDictionary[Cluster, dict[tuple[object, ...], _ViewBest | None]] = (
+_CACHES: weakref.WeakKeyDictionary[Registry, dict[tuple[object, ...], _ViewBest | None]] = (
     weakref.WeakKeyDictionary()
 )
 _CACHE_MAX = 50_000
 
 
 def _best_in_view(
-    cluster: Cluster, spec: Spec, shape: Shape, blocked: int, eligible: tuple[Hold, ...]
+    cluster: Registry, spec: Spec, shape: Shape, blocked: int, eligible: tuple[Hold, ...]
 ) -> _ViewBest | None:
     """The best set of eligible holds to evict on a node with this view, or None: sets by
     increasing size, and within a size in order of priorities (highest first), stopping at
@@ -296,7 +292,7 @@ def _sets_of_size(units: list[tuple[int, ...]], size: int) -> list[tuple[int, ..
     return out
 
 
-def _victims(cluster: Cluster, name: str, chosen: list[Hold]) -> list[Victim]:
+def _victims(cluster: Registry, name: str, chosen: list[Hold]) -> list[Victim]:
     """The holds on ``name`` behind the chosen (priority, slots) entries."""
     holds = cluster.preemptible_holds(name)
     devices = cluster.holds(name)

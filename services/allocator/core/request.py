@@ -53,6 +53,9 @@ class Spec:
     # A share request's *stacking* view (see .shares): only nodes with a shared GPU the share
     # fits on can take it; the cluster index keeps it apart from the full share search.
     stack: bool = False
+    # What the PostFilter (.preempt) reads, resolved here once and never part of ``key``: the
+    # request may evict allocations of a priority below this one (its own); None: it may not.
+    preempt_below: int | None = None
 
     def __post_init__(self) -> None:
         base = (self.gpus, self.rdma, int(self.scope), self.required, self.per_gpu, self.device_class)
@@ -86,11 +89,20 @@ class Spec:
 
 
 def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spec:
-    """The request resolved (:mod:`services.request`) and made a :class:`Spec`."""
+    """The request resolved (:mod:`services.request`) and made a :class:`Spec`.
+
+    ``preempt_below`` (the request's priority) is set when the resolved ``preemption`` (the
+    request's own, else its class's) is ``lower-priority`` and the request asks whole GPUs. A
+    request for GPU *shares* never
+    preempts: its room would be a part of a GPU, which the preemption search, counting whole
+    devices, does not plan (docs/sharing.md); nor does one for *MIG instances*: no preemptible
+    hold holds an instance (a MIG hold is never a victim), so evicting frees none."""
     try:
         r = resolve(req, classes=classes)
     except RequestError as exc:
         raise InvalidRequest(f"request {req.request_id}: {exc}") from None
+    shared = r.shared
+    preempts = r.preemption == "lower-priority" and not shared and r.mig_profile is None
     return Spec(
         gpus=r.gpus,
         rdma=r.rdma,
@@ -100,10 +112,11 @@ def normalise(req: AllocationRequest, classes: Mapping[str, DeviceClass]) -> Spe
         device_class=r.device_class,
         dc=r.dc,
         selector=tuple(sorted(req.node_selector.items())),
-        shared=r.shared,
+        shared=shared,
         memory_mib=r.gpu_memory_mib or 0,
         cores_percent=r.gpu_cores_percent or 0,
         mig_profile=r.mig_profile or "",
+        preempt_below=req.priority if preempts else None,
     )
 
 

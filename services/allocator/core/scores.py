@@ -19,11 +19,12 @@ are ordered by it, :mod:`.cluster`). Its terms, most significant first:
    GPU-only (NIC-only) request, fewer free NICs (GPUs) on the node
    (:func:`.search.one_sided_waste`). Alignment finer than requested only orders placements
    within a node, so a ``numa`` request does not take a fresh node for a free switch pair;
-4. **binpack / spread** — ``binpack``: a ``preferred`` request does not open a completely
-   free server while a used one can take it (:func:`.search.fresh_cost`, ahead of 3.; among
-   free servers the smallest); a class with ``node_order: alignment-first`` puts this after
-   3. instead (the best scope anywhere, a used node only among equals: docs/benchmarks.md,
-   "Node order", measures what that costs at high fill); then the less capable server
+4. **binpack / spread** — ``binpack``: among equally aligned nodes a ``preferred`` request
+   does not open a completely free server while a used one can take it
+   (:func:`.search.fresh_cost`; the default ``node_order: alignment-first``); a class with
+   ``node_order: used-first`` puts this ahead of 3. instead (a used node whatever its scope,
+   among free servers the smallest: fewer refusals near full, weaker pairs; docs/benchmarks.md,
+   "Node order", measures both); then the less capable server
    (``Shape.aligned``: GPUs that can pair with a NIC on their own PCIe switch; then GPU
    count), so that small jobs use the aligned slots of weaker servers and the servers that
    can host large aligned jobs stay whole; then fragmentation (the whole switches / NUMA
@@ -33,12 +34,13 @@ are ordered by it, :mod:`.cluster`). Its terms, most significant first:
 5. the full in-node quality (finer pairs win ties), then first registered.
 
 Quality comes before node policy: a half-empty node with switch-aligned pairs beats a nearly
-full node that could only align at NUMA level — except that ``binpack`` does not open a
-completely free node for a ``preferred`` request (unless its class says
-``alignment-first``), and except under reserve pressure. The price: on an empty mixed cluster
-a 2+2 request lands on the smallest server, a PCIe box, across its root complex, while DGX
-servers with whole switches are idle; opening the best-aligned server instead breaks the big
-servers that large aligned jobs need, measured as more refusals at 90-95 % fill.
+full node that could only align at NUMA level, and on an empty mixed cluster a 2+2 request
+takes a DGX, both pairs on their switches, not a PCIe box across its root complex (issue 26,
+item 8) — except under reserve pressure, and except for a class with ``node_order:
+used-first``, for which ``binpack`` does not open a completely free node for a ``preferred``
+request while a used one can take it. Opening well-aligned servers for small jobs breaks big
+servers that large aligned jobs need: measured as more refusals near full
+(docs/benchmarks.md, "Node order"); reserve pressure is what bounds that.
 
 Where to add a rule: a new term here, in :meth:`NodeOrder.order`, measured with
 ``bench.run`` ``--quality`` (docs/benchmarks.md).
@@ -82,19 +84,19 @@ class NodeOrder:
     ``numa`` pair on a used server instead of breaking an aligned unit; a ``required`` one is
     still never placed below its scope. In-node placement is the same exact optimum in both
     orders. With the default reserve (2 %) a fleet needs 50 servers of the largest aligned
-    kind before any is held in reserve; smaller clusters always use the alignment-first
-    order. Each signature keeps one heap per order (the pressure flag is part of its key), so
-    switching costs a replay, not a rebuild.
+    kind before any is held in reserve; smaller clusters always use the order without
+    pressure (the class's ``node_order``). Each signature keeps one heap per order (the
+    pressure flag is part of its key), so switching costs a replay, not a rebuild.
 
     ``hw``: the cluster's hardware ids (the list itself, shared: the registry appends to it).
     """
 
-    __slots__ = ("_aligned_now", "_capable", "_reserve_level", "binpack", "hw", "policy", "reserve")
+    __slots__ = ("_aligned_now", "_capable", "_reserve_level", "binpack", "hw", "node_policy", "reserve")
 
-    def __init__(self, hw: list[Hardware], *, policy: str, reserve: float) -> None:
+    def __init__(self, hw: list[Hardware], *, node_policy: str, reserve: float) -> None:
         self.hw = hw
-        self.policy = policy
-        self.binpack = policy == "binpack"
+        self.node_policy = node_policy
+        self.binpack = node_policy == "binpack"
         self.reserve = reserve
         # Nodes per shape capability (Shape.aligned) and per current aligned capacity
         # (Shape.aligned_free of the free mask); the reserve level (K, reserve nodes), cached.
@@ -129,17 +131,17 @@ class NodeOrder:
         elif spec.shared:
             # A share search is costlier than a whole-GPU one (its candidates vary with the
             # share usage): a tight bound, so that few groups are searched (see .shares).
-            key, frag, full = share_bound(shape, group_mask, spec, policy=self.policy), _NO_FRAG, ()
+            key, frag, full = share_bound(shape, group_mask, spec, node_policy=self.node_policy), _NO_FRAG, ()
             exact = True  # the bound's fragmentation part is a valid (zero) bound too
         else:
             key, frag, full = cross_bound(spec), (), ()
         if self.binpack:
             fresh = fresh_cost(shape, mask, spec)
-            # used-first (default): a used node that can take it, whatever its scope, and the
-            # smallest free server otherwise, keep the big servers whole for large aligned
-            # jobs. alignment-first: the best scope anywhere, used nodes among equals; it costs
-            # refusals near full (docs/benchmarks.md, "Node order", also for the orders tried).
-            key = (*key, fresh) if spec.dc.node_order == "alignment-first" else (fresh, *key)
+            # alignment-first (default): the best scope anywhere, used nodes among equals.
+            # used-first (a class's choice): a used node that can take it, whatever its scope,
+            # and the smallest free server otherwise, keep the big servers whole for large
+            # aligned jobs (fewer refusals near full: docs/benchmarks.md, "Node order").
+            key = (fresh, *key) if spec.dc.node_order == "used-first" else (*key, fresh)
             # Among equal placements the less capable server first (fewer GPUs that can pair
             # with a NIC on their own switch, then fewer GPUs): the servers that can host the
             # big aligned jobs stay whole for them.

@@ -109,8 +109,9 @@ def cross_bound(spec: Spec) -> tuple[int, ...]:
 
 def fresh_cost(shape: Shape, free: int, spec: Spec) -> int:
     """With ``binpack``, opening a fresh node (every GPU and NIC free) for a ``preferred``
-    request costs its GPU count: such a request goes to a used node if one can take it, even
-    with worse alignment, so whole servers stay available for the large jobs that need them.
+    request costs its GPU count: such a request goes to a used node if one can take it as well
+    aligned (with ``node_order: used-first``, even worse aligned), so whole servers stay
+    available for the large jobs that need them (:mod:`.scores`).
     A ``required`` request is never placed below its scope, so for it the cost is 0."""
     whole = shape.gpu_all | shape.pf_all
     if spec.required or free & whole != whole:

@@ -60,12 +60,12 @@ Point = tuple[int, int, int]  # (memory left MiB, compute left percent, -shares)
 class FitIndex:
     """Shared GPUs of one device class by what they have left (see the module docstring)."""
 
-    __slots__ = ("_by_node", "_members", "_sorted", "dc", "name", "policy")
+    __slots__ = ("_by_node", "_members", "_sorted", "dc", "name", "node_policy")
 
-    def __init__(self, name: str, dc: DeviceClass, *, policy: str) -> None:
+    def __init__(self, name: str, dc: DeviceClass, *, node_policy: str) -> None:
         self.name = name
         self.dc = dc
-        self.policy = policy
+        self.node_policy = node_policy
         # point -> its GPUs' node-order tails (see _tail), sorted: the first is the best
         self._members: dict[Point, list[tuple[Any, ...]]] = {}
         self._sorted: list[Point] = []
@@ -90,7 +90,7 @@ class FitIndex:
             # placement with no pair and no fragmentation): the one-sided waste (free NICs),
             # then binpack: the less capable server and the fullest node; spread: the
             # emptiest node. Then the node name and the slot, so that the answer is unique.
-            if self.policy == "binpack":
+            if self.node_policy == "binpack":
                 head: tuple[Any, ...] = (free_n, shape.aligned, shape.n_gpus, free_g, free_n, shape.id, name)
             else:
                 head = (free_n, -free_g, -free_n, name)

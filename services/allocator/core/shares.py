@@ -233,7 +233,7 @@ def _share_refusal(spec: Spec, res: Refusal) -> Refusal:
     return got
 
 
-def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[int, ...]:
+def share_bound(shape: Shape, mask: int, spec: Spec, *, node_policy: str) -> tuple[int, ...]:
     """A lower bound of a share search's ``Choice.cross`` on this node, from popcounts: the
     pair fields as :func:`.search.cross_bound`, the fewest GPUs the share can open (binpack) or
     the most it can (spread), and the one-sided waste exactly. Tight for GPU-only shares, so
@@ -244,33 +244,33 @@ def share_bound(shape: Shape, mask: int, spec: Spec, *, policy: str) -> tuple[in
     c = -g if both else 0
     d = -r if both and not spec.per_gpu else 0
     cand, shared = _candidates(shape, mask, spec)
-    if policy == "binpack":
+    if node_policy == "binpack":
         term = max(0, g - shared.bit_count())
     else:
         term = -min(g, (cand & shape.gpu_all & ~shared).bit_count())
-    fit = fit_bound(spec, policy=policy) if term == 0 else _NO_FIT
+    fit = fit_bound(spec, node_policy=node_policy) if term == 0 else _NO_FIT
     return (0, *([c] * (4 - lvl)), *([d] * (4 - lvl)), 0, term, *fit, one_sided_waste(shape, cand, g, r))
 
 
 _NO_FIT = (0, 0, 0)  # the fit terms of a placement that stacks nothing (see stacked_choice)
 
 
-def fit_bound(spec: Spec, *, policy: str) -> tuple[int, int, int]:
+def fit_bound(spec: Spec, *, node_policy: str) -> tuple[int, int, int]:
     """A lower bound of the fit terms of ``Choice.cross`` (see :func:`stacked_choice`)."""
-    if spec.gpus != 1 or (spec.rdma and policy != "binpack"):
+    if spec.gpus != 1 or (spec.rdma and node_policy != "binpack"):
         return _NO_FIT
-    if policy == "binpack":
+    if node_policy == "binpack":
         return (0, 0, -255)
     return (-(1 << 40), -100, 0)
 
 
-def fit_terms(shape: Shape, use: GpuUse, s: int, spec: Spec, *, policy: str) -> tuple[int, int, int]:
+def fit_terms(shape: Shape, use: GpuUse, s: int, spec: Spec, *, node_policy: str) -> tuple[int, int, int]:
     """The fit terms of a one-GPU, no-NIC share stacked on shared GPU slot ``s`` with usage
     ``use``: binpack best fit (least memory, then compute, left after placing; then most
     shares), spread worst fit (the opposite)."""
     mem_left = shape.gpu_memory[s] - use[0] - spec.memory_mib
     cores_left = 100 - use[1] - spec.cores_percent
-    if policy == "binpack":
+    if node_policy == "binpack":
         return (mem_left, cores_left, -use[2])
     return (-mem_left, -cores_left, use[2])
 
@@ -284,11 +284,11 @@ def stacked_with_nics(
     nics = mask & ((1 << shape.n_slots) - 1) & ~shape.gpu_all
     got = search(shape, nics | 1 << s)
     assert isinstance(got, Choice), "a filed GPU has a placement"
-    fit = fit_terms(shape, gpu_use(shape, mask)[s], s, spec, policy="binpack")
+    fit = fit_terms(shape, gpu_use(shape, mask)[s], s, spec, node_policy="binpack")
     return replace(got, cross=(*got.cross[:-1], 0, *fit, got.cross[-1]))
 
 
-def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) -> Choice:
+def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, node_policy: str) -> Choice:
     """A one-GPU, no-NIC share placed on shared GPU slot ``s`` of a node with group mask
     ``mask``. Such a placement has no pair and no NVLink set (its alignment key is all
     zeros, as for every one-GPU GPU-only placement), opens no GPU and breaks no whole unit
@@ -308,7 +308,7 @@ def stacked_choice(shape: Shape, mask: int, s: int, spec: Spec, *, policy: str) 
         cross=(
             *cross_key(key, int(spec.scope)),
             0,
-            *fit_terms(shape, use, s, spec, policy=policy),
+            *fit_terms(shape, use, s, spec, node_policy=node_policy),
             one_sided_waste(shape, mask & ((1 << shape.n_slots) - 1), 1, 0),
         ),
     )
@@ -353,7 +353,7 @@ def evaluate_shared(
     mask: int,
     spec: Spec,
     *,
-    policy: str,
+    node_policy: str,
     cache: dict[tuple[object, ...], Choice | Refusal] | None = None,
 ) -> Choice | Refusal:
     """The best placement of a share request on a node whose group mask is ``mask``.
@@ -381,29 +381,29 @@ def evaluate_shared(
         return NO_STACK
     one = spec.gpus == 1 and spec.rdma == 0
     fresh_gpus = cand & shape.gpu_all & ~shared
-    if one and shared and (policy == "binpack" or not fresh_gpus):
+    if one and shared and (node_policy == "binpack" or not fresh_gpus):
         # Binpack: the best-fit shared GPU; spread with no fresh GPU left: the worst fit.
         use = gpu_use(shape, mask)
         s = min(
             (s for s in range(shape.n_gpus) if shared >> s & 1),
-            key=lambda s: (*fit_terms(shape, use[s], s, spec, policy=policy), s),
+            key=lambda s: (*fit_terms(shape, use[s], s, spec, node_policy=node_policy), s),
         )
-        return stacked_choice(shape, mask, s, spec, policy=policy)
+        return stacked_choice(shape, mask, s, spec, node_policy=node_policy)
     # Every fresh GPU stays in the searched mask (the search spec's view leaves out those too
     # small for the share): fragmentation counts them as free, as a whole-GPU search does.
     low = mask & ((1 << shape.n_slots) - 1)
     res = search(low | shared)
     if isinstance(res, Refusal):
         return _share_refusal(spec, res)
-    if spec.gpus == 1 and policy == "binpack" and shared:
+    if spec.gpus == 1 and node_policy == "binpack" and shared:
         stacked = _stacked_with_nics(shape, mask, spec, res, cand=cand, shared=shared, search=search)
         if stacked is not None:
             return stacked
     chosen = _mask_of(res.gpus)
     alt_gpus: int | None = None
-    if policy == "binpack" and shared and chosen & ~shared:
+    if node_policy == "binpack" and shared and chosen & ~shared:
         alt_gpus = shared
-    elif policy != "binpack" and fresh_gpus and chosen & shared:
+    elif node_policy != "binpack" and fresh_gpus and chosen & shared:
         alt_gpus = fresh_gpus
     # Equal alignment at the requested scope (the cross-node part): pairs finer than asked do
     # not outweigh packing, within a node as across nodes.
@@ -421,7 +421,7 @@ def evaluate_shared(
             res = alt
             chosen = _mask_of(res.gpus)
     opened = (chosen & ~shared).bit_count()
-    term = opened if policy == "binpack" else -opened
+    term = opened if node_policy == "binpack" else -opened
     return replace(res, cross=(*res.cross[:-1], term, *_NO_FIT, res.cross[-1]))
 
 
@@ -450,7 +450,7 @@ def _stacked_with_nics(
         alt = search(nics | 1 << s)
         if not isinstance(alt, Choice) or cross_key(alt.key, scope) != want:
             continue
-        fit = fit_terms(shape, use[s], s, spec, policy="binpack")
+        fit = fit_terms(shape, use[s], s, spec, node_policy="binpack")
         rank = (*fit, *alt.frag, *alt.key, s)
         if best is None or rank < best[0]:
             best = (rank, alt, fit)

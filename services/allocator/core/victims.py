@@ -110,7 +110,7 @@ class Victims:
 
     def _view(self, node: Node, victims: dict[str, int]) -> PreemptionView:
         slot_of = node.shape.slot_of
-        blocked = slot_mask(slot_of, (*node.unavailable, *node.port_down)) | node.mig_block
+        blocked = slot_mask(slot_of, (*node.unavailable, *node.port_down)) | node.kind_block
         holds: list[Hold] = []
         for rid, devs in self._holds.get(node.name, {}).items():
             prio = victims.get(rid)

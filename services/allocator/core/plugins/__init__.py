@@ -8,7 +8,9 @@
 Adding a device kind: a plugin here implementing :class:`.base.DeviceKind` (it keeps an index
 of its own and decides alone, like MIG) or :class:`.base.IndexedKind` (decided through a
 group index by the framework's heaps), added to ``Cluster._alone`` or ``Cluster._indexed``
-before the kinds whose requests it narrows (docs/architecture.md, "Where to change what").
+before the kinds whose requests it narrows; what it keeps of nodes and holds it keeps itself,
+through the registry's hooks it overrides (:class:`.base.Hooks`), so nothing else of the
+registry changes (docs/architecture.md, "Where to change what").
 """
 
 from .base import Best, DeviceKind, IndexedKind

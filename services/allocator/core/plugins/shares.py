@@ -2,13 +2,16 @@
 
 A hold may give some of its GPUs as shares (memory MiB, compute percent); a shared GPU leaves
 the free mask like a held one, and the node's share usage is packed into its group mask above
-the slot bits (:func:`node_mask`). Whole-GPU requests are indexed exactly as before, by
-``(hardware, slot bits)``: a change of share usage alone is not a change for them. Share
-requests go through a second, parallel :class:`..index.GroupIndex` keyed by the full mask, with
-the framework's signature states, heaps, lazy search and a cache of their own (their many
-share usages must never push the whole-GPU searches out). The share index is built on first
-use (the first share request or share hold, O(nodes) once, :meth:`Shares.turn_on`), so a
-fleet that never shares pays nothing for it, in time or memory.
+the slot bits (:func:`node_mask`). The kind keeps the share holds itself (``Shares.holds``),
+told of every hold by the registry's hooks (:class:`.base.Hooks`), and gives the registry the
+group mask of a node with shares (:meth:`Shares.group_mask`). Whole-GPU requests are indexed
+exactly as before, by ``(hardware, slot bits)``: a change of share usage alone is not a
+change for them. Share requests go through a second, parallel :class:`..index.GroupIndex`
+keyed by the full mask, with the framework's signature states, heaps, lazy search and a cache
+of their own (their many share usages must never push the whole-GPU searches out). The share
+index is built on first use (the first share request or share hold, O(nodes) once,
+:meth:`Shares.turn_on`), so a fleet that never shares pays nothing for it, in time or memory;
+from then on it is live (the registry's moves reach it, and the stacking view's).
 
 A share request's signature includes its size, so a share request without a node selector is
 decided by indexes that keep nothing per size (:meth:`Shares.place`): the placement on fresh
@@ -24,7 +27,7 @@ gives the reasons of a refusal.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 
 from services.allocator.core.index import GroupIndex, GroupKey
@@ -35,9 +38,16 @@ from services.allocator.core.request import Spec
 from services.allocator.core.scores import NodeOrder, OrderKey
 from services.allocator.core.search import Choice, Refusal
 from services.allocator.core.sharefit import FitIndex
-from services.allocator.core.shares import evaluate_shared, pack, precheck_shared, stacked_choice
+from services.allocator.core.shares import (
+    GpuUse,
+    evaluate_shared,
+    gpu_use,
+    pack,
+    precheck_shared,
+    stacked_choice,
+)
 
-from .base import NOT_SKIPPED, Best, Status
+from .base import NOT_SKIPPED, Best, Holds, Hooks, Status
 from .stack import Stacking
 from .whole import EVAL_MAX, WholeGpus
 
@@ -49,9 +59,10 @@ _SPECS_MAX = 512  # fresh-GPU specs of share requests kept (cleared when full)
 ShareHolds = dict[str, dict[str, tuple[tuple[str, int, int, bool], ...]]]
 
 
-class Shares:
+class Shares(Hooks):
     """The share kind (see the module docstring). ``best``: the framework's top of an index
-    for a spec (whole GPUs for the fresh-GPU tier, the stacking view for the other)."""
+    for a spec (whole GPUs for the fresh-GPU tier, the stacking view for the other);
+    ``went_live``: told when the share index is built (the registry's moves reach it then)."""
 
     __slots__ = (
         "_best",
@@ -60,12 +71,14 @@ class Shares:
         "_nodes",
         "_open_specs",
         "_order",
+        "_went_live",
         "fits",
         "gpu_memories",
+        "holds",
         "hw",
         "index",
-        "on",
-        "policy",
+        "live",
+        "node_policy",
         "sevals",
         "stack",
         "whole",
@@ -84,15 +97,18 @@ class Shares:
         best: Callable[[Spec], Best | None],
         log_max: int,
         compact: Callable[[GroupIndex], None],
+        went_live: Callable[[], None],
     ) -> None:
         self.hw = hw
         self._nodes = nodes
         self.whole = whole
         self._order = order
-        self.policy = order.policy
+        self.node_policy = order.node_policy
         self._best = best
         self.index = GroupIndex()  # keyed by the full group mask (slot and share bits)
-        self.on = False  # built on first use (turn_on)
+        self.live = False  # built on first use (turn_on)
+        self._went_live = went_live
+        self.holds: ShareHolds = {}  # node -> request -> its shares
         # Share searches have their own cache (and bound): see the module docstring.
         self.sevals: dict[tuple[object, ...], Choice | Refusal] = {}
         # One-GPU, no-NIC share requests (see ..sharefit): per device class, its shared GPUs
@@ -119,20 +135,86 @@ class Shares:
     def fit_count(self, spec: Spec) -> int | None:
         return None
 
-    def new_shape(self, shape: Shape) -> None:
-        self.gpu_memories = sorted({*self.gpu_memories, *shape.gpu_memory})
+    def ready(self) -> None:
+        if not self.live:
+            self.turn_on()
 
     def turn_on(self) -> None:
         """Build the share index from the nodes' current groups, once; from then on every move
         keeps it up to date (and whole-GPU keys are cut to their slot bits)."""
-        if self.on:
+        if self.live:
             return
-        self.on = True
+        self.live = self.stack.live = True
         self.whole.split = True
         self.index.reset()
         for node in self._nodes.values():
             self.index.put(node.name, (node.hw, node.mask), impaired=node.impaired)
         self.stack.rebuild(self.index.groups)
+        self._went_live()
+
+    # -- the registry's hooks (.base.Hooks) ---------------------------------------------------
+
+    def new_shape(self, shape: Shape) -> None:
+        self.gpu_memories = sorted({*self.gpu_memories, *shape.gpu_memory})
+
+    def regrouped(self, nodes: Iterable[Node]) -> None:
+        if self.live:
+            self.live = False
+            self.turn_on()
+
+    def hold_set(
+        self, name: str, request_id: str, *, shares: Mapping[str, tuple[int, int]] | None, sharing: str
+    ) -> bool:
+        """Keep the hold's shares (a share hold builds the share index: its usage is in the
+        node's group mask from now on)."""
+        node_shares = self.holds.get(name)
+        old = node_shares.get(request_id, ()) if node_shares else ()
+        if not shares:
+            if not old:
+                return False
+            assert node_shares is not None
+            del node_shares[request_id]
+            if not node_shares:
+                del self.holds[name]
+            return True
+        mps = sharing == "mps"
+        shared = tuple(sorted((d, m, c, mps) for d, (m, c) in shares.items()))
+        if old == shared:
+            return False
+        self.turn_on()
+        self.holds.setdefault(name, {})[request_id] = shared
+        return True
+
+    def hold_removed(self, name: str, request_id: str) -> None:
+        node_shares = self.holds.get(name)
+        if node_shares and node_shares.pop(request_id, None) is not None and not node_shares:
+            del self.holds[name]
+
+    def group_mask(self, node: Node, blocked: int, holds: Holds) -> int | None:
+        node_shares = self.holds.get(node.name)
+        if node_shares is None:
+            return None
+        return node_mask(node, blocked, shares=node_shares, holds=holds)
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "share_evaluations": len(self.sevals),
+            "share_groups": len(self.index.groups),
+            "share_change_log": len(self.index.log),
+            "stack_groups": len(self.stack.index.groups),
+            "share_fit_indexes": len(self.fits) + self.stack.indexes(),
+        }
+
+    # -- what the registry's queries read ---------------------------------------------------
+
+    def shares_of(self, name: str) -> dict[str, dict[str, tuple[int, int]]]:
+        """The share holds of node ``name``: request -> GPU device id -> (memory MiB, compute %)."""
+        return {rid: {d: (m, c) for d, m, c, _ in per} for rid, per in self.holds.get(name, {}).items()}
+
+    @staticmethod
+    def gpu_shares(node: Node) -> dict[str, GpuUse]:
+        """The node's shared GPUs that can take more shares, by device id."""
+        return {f"gpu{node.shape.gpu_index[s]}": use for s, use in gpu_use(node.shape, node.mask).items()}
 
     # -- Filter -------------------------------------------------------------------------------
 
@@ -158,14 +240,17 @@ class Shares:
         if res is None:
             if len(cache) >= EVAL_MAX:
                 cache.clear()
-            res = cache[key] = evaluate_shared(shape, mask, spec, policy=self.policy, cache=cache)
+            res = cache[key] = evaluate_shared(shape, mask, spec, node_policy=self.node_policy, cache=cache)
         return res
 
     # -- Filter + Score without a signature per size --------------------------------------
 
     def place(self, spec: Spec, *, shard: str | None) -> Placement | Unschedulable | None:
         """A share request without a node selector or shard, by the indexes that keep nothing
-        per size; None when neither tier has a node (the share index then says why)."""
+        per size; None when neither tier has a node (the share index then says why). The
+        share index is built here on first use: the framework reads it next."""
+        if not self.live:
+            self.turn_on()
         if spec.selector or shard is not None:
             return None
         if spec.gpus == 1 and spec.rdma == 0:
@@ -178,11 +263,13 @@ class Shares:
         whole-GPU index (binpack: only when no shared GPU fits; spread: first)."""
         fits = self.fits.get(spec.device_class)
         if fits is None:
-            fits = self.fits[spec.device_class] = FitIndex(spec.device_class, spec.dc, policy=self.policy)
+            fits = self.fits[spec.device_class] = FitIndex(
+                spec.device_class, spec.dc, node_policy=self.node_policy
+            )
             for node in self._nodes.values():
                 fits.update(node.name, node.shape, node.mask)
         limit = spec.dc.max_shares_per_gpu
-        if self.policy == "binpack":
+        if self.node_policy == "binpack":
             hit = fits.best_fit(spec.memory_mib, spec.cores_percent, limit)
             if hit is None:
                 return self._open(spec)
@@ -195,7 +282,7 @@ class Shares:
                 return None
         name, slot = hit
         node = self._nodes[name]
-        choice = stacked_choice(node.shape, node.mask, slot, spec, policy=self.policy)
+        choice = stacked_choice(node.shape, node.mask, slot, spec, node_policy=self.node_policy)
         # Candidates: the nodes with a shared GPU of the class that can take more shares.
         return wire_placement(node, choice, spec=spec, candidates=fits.node_count())
 
@@ -235,7 +322,7 @@ class Shares:
         order = self._order.order
         best: tuple[OrderKey, Node, Choice] | None = None
         candidates = 0
-        if spec.gpus == 1 and self.policy == "binpack" and not pressure:
+        if spec.gpus == 1 and self.node_policy == "binpack" and not pressure:
             # One GPU with NICs: the stacked placements come from a per-GPU index instead.
             top = self.stack.stacked_one(spec)
         else:
@@ -248,7 +335,7 @@ class Shares:
             node, choice, n = top
             candidates += n
             # As a share choice: every GPU opened, no fit terms (see ..shares.evaluate_shared).
-            term = spec.gpus if self.policy == "binpack" else -spec.gpus
+            term = spec.gpus if self.node_policy == "binpack" else -spec.gpus
             choice = replace(choice, cross=(*choice.cross[:-1], term, 0, 0, 0, choice.cross[-1]))
             key = order(spec, (node.hw, node.mask), choice, pressure=pressure)
             if best is None or key < best[0]:

@@ -32,7 +32,7 @@ from services.allocator.core.search import Choice, Refusal, evaluate
 from services.allocator.core.sharefit import StackIndex
 from services.allocator.core.shares import NO_STACK, stacked_with_nics
 
-from .base import Best, Status
+from .base import Best, Hooks, Status
 from .whole import EVAL_MAX
 
 __all__ = ["Stacking"]
@@ -41,9 +41,10 @@ _STACKS_MAX = 16  # per-GPU stacking indexes (one per one-GPU share request shap
 _SPECS_MAX = 512  # stacking views of share requests kept (cleared when full)
 
 
-class Stacking:
+class Stacking(Hooks):
     """The stacking view of share requests (see the module docstring). ``first_status`` and
-    ``evaluate`` are the share kind's; ``sevals`` its search cache."""
+    ``evaluate`` are the share kind's; ``sevals`` its search cache. Built and made live with
+    the share index (:meth:`.shares.Shares.turn_on`)."""
 
     __slots__ = (
         "_compact",
@@ -55,6 +56,7 @@ class Stacking:
         "first_status",
         "hw",
         "index",
+        "live",
         "sevals",
     )
 
@@ -82,9 +84,13 @@ class Stacking:
         self._specs: dict[tuple[object, ...], Spec] = {}  # share spec key -> its stacking view
         self._log_max = log_max
         self._compact = compact
+        self.live = False
 
     def applies(self, spec: Spec) -> bool:
         return spec.stack
+
+    def ready(self) -> None:
+        pass  # built by the share kind, which decides before its view is read
 
     def place(self, spec: Spec, *, shard: str | None) -> Placement | Unschedulable | None:
         return None

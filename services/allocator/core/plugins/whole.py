@@ -12,31 +12,32 @@ of identical servers costs one search per distinct free state; the cheap filter 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from services.allocator.core.index import GroupIndex, GroupKey
 from services.allocator.core.model import Shape
-from services.allocator.core.nodes import Hardware
+from services.allocator.core.nodes import Hardware, Node
 from services.allocator.core.placement import Placement, Unschedulable
 from services.allocator.core.request import Spec
 from services.allocator.core.scores import NodeOrder
 from services.allocator.core.search import Choice, Refusal, evaluate, precheck
 from services.allocator.core.shares import slot_bits
 
-from .base import NOT_SKIPPED, Status
+from .base import NOT_SKIPPED, Hooks, Status
 
 __all__ = ["EVAL_MAX", "WholeGpus"]
 
 EVAL_MAX = 50_000  # cached in-node results before the cache is cleared (~1 KB each at most)
 
 
-class WholeGpus:
+class WholeGpus(Hooks):
     """The whole-GPU kind (see the module docstring)."""
 
     __slots__ = ("_compact", "_log_max", "_order", "evals", "hw", "index", "split")
 
     name = "whole"
     skip = NOT_SKIPPED
+    live = True  # follows every move from the first node on
 
     def __init__(
         self, hw: list[Hardware], order: NodeOrder, *, log_max: int, compact: Callable[[GroupIndex], None]
@@ -57,6 +58,19 @@ class WholeGpus:
 
     def fit_count(self, spec: Spec) -> int | None:
         return None
+
+    def ready(self) -> None:
+        pass
+
+    def regrouped(self, nodes: Iterable[Node]) -> None:
+        """Every node has a new hardware id: the groups and the change log start over."""
+        index = self.index
+        index.reset()
+        for node in nodes:
+            index.put(node.name, (node.hw, slot_bits(node.shape, node.mask)), impaired=node.impaired)
+
+    def stats(self) -> dict[str, int]:
+        return {"evaluations": len(self.evals), "change_log": len(self.index.log)}
 
     def first_status(self, spec: Spec, gkey: GroupKey) -> Status:
         shape = self.hw[gkey[0]].shape
