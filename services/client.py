@@ -110,7 +110,10 @@ class TandemClient:
 
     async def submit(self, request: AllocationRequest) -> str:
         """Publish ``request`` in a new trace (span ``client.submit``); returns its trace id.
-        Every decision about the request, the apply, release, cleanup and free join it."""
+        Every decision about the request, the apply, release, cleanup and free join it. When
+        nothing exports this process's spans there is no such span (it would be the missing
+        parent of every other): the allocator's first decision starts the trace, returned is
+        "", and :meth:`trace_of` says the trace id once the allocator has answered."""
         return await self._publish_new_trace(
             subjects.ALLOC_REQUEST,
             request,
@@ -134,8 +137,11 @@ class TandemClient:
     ) -> str:
         from opentelemetry.trace import SpanKind
 
-        from services.runtime.observe.tracing import current_trace_id, messaging, tracer
+        from services.runtime.observe.tracing import current_trace_id, exporting, messaging, tracer
 
+        if not exporting():
+            await self.bus.publish(subject, message, msg_id=msg_id)
+            return ""
         with tracer("tandem.client", service="cli").start_as_current_span(
             "client.submit", kind=SpanKind.PRODUCER
         ) as span:
@@ -165,10 +171,13 @@ class TandemClient:
         msg_id = subjects.msg_id(request_id, "release", uuid.uuid4().hex)
         from opentelemetry.trace import SpanKind
 
-        from services.runtime.observe.tracing import context_from_traceparent, messaging, tracer
+        from services.runtime.observe.tracing import context_from_traceparent, exporting, messaging, tracer
 
         # In the allocation's trace: its record's, or the one its assignment arrived in.
         parent = traceparent or self.headers_of(request_id, Assignment).get("traceparent", "")
+        if not parent and not exporting():  # no trace to join, and no span to start one (submit)
+            await self.bus.publish(subjects.alloc_release(node), release, msg_id=msg_id)
+            return
         with tracer("tandem.client", service="cli").start_as_current_span(
             "client.release",
             context=context_from_traceparent(parent) if parent else None,
@@ -207,6 +216,14 @@ class TandemClient:
         result = found()
         assert result is not None
         return result
+
+    def trace_of(self, request_id: str) -> str:
+        """The trace id the allocator's first answer about the request carried ("" before)."""
+        for _, headers in self.outcomes.get(request_id, []):
+            parts = headers.get("traceparent", "").split("-")
+            if len(parts) == 4 and len(parts[1]) == 32:
+                return parts[1]
+        return ""
 
     def headers_of(self, request_id: str, kind: type) -> dict[str, str]:
         for event, headers in self.outcomes.get(request_id, []):

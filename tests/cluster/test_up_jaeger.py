@@ -1,9 +1,9 @@
 """``tandem up --jaeger``: a user trying Tandem on one machine sees traces in the real Jaeger.
 
 The command starts Jaeger (the binary `make jaeger` builds) beside NATS and the services, prints
-the UI address and the OTLP endpoint for the CLI; a request submitted from the CLI with that
-endpoint is then one trace in Jaeger's query API, with the CLI's, the allocator's and the node
-agent's spans. Ctrl-C stops Jaeger too.
+the UI address and where the traces go, and leaves that for the CLI (tools/cli/localtraces.py);
+a request submitted from the CLI, with no variable set, is then one trace in Jaeger's query
+API, with the CLI's, the allocator's and the node agent's spans. Ctrl-C stops Jaeger too.
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ def get_json(url: str) -> object:
 def test_up_with_jaeger_shows_a_submitted_request_as_one_trace(jaeger_bin: Path) -> None:
     (port,) = free_ports(1)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TANDEM_", "OTEL_"))}
-    with tempfile.TemporaryFile("w+") as log:
+    with tempfile.TemporaryFile("w+") as log, tempfile.TemporaryDirectory() as tmp:
+        env["TMPDIR"] = tmp  # where `tandem up` leaves its record for the CLI
         up = subprocess.Popen(
             [TANDEM, "up", "--port", str(port), "--ops-port", "0", "--node", "dgx-h100:1:box",
              "--jaeger", str(jaeger_bin)],
@@ -51,13 +52,13 @@ def test_up_with_jaeger_shows_a_submitted_request_as_one_trace(jaeger_bin: Path)
 
             text = eventually(printed, timeout=60, what="tandem up ready")
             ui = re.search(r"Jaeger UI and query API: (http://127\.0\.0\.1:\d+)", text)
-            otlp = re.search(r"export OTEL_EXPORTER_OTLP_ENDPOINT=(http://127\.0\.0\.1:\d+)", text)
+            # ... and the CLI learns where without a variable:
+            otlp = re.search(r"exported to (http://127\.0\.0\.1:\d+) \(OTLP/HTTP\); `tandem submit`", text)
             assert ui and otlp, text
             sub = subprocess.run(
                 [TANDEM, "submit", "--pod", "team/traced", "--gpus", "2", "--rdma", "2",
                  "--nats", f"nats://127.0.0.1:{port}"],
-                capture_output=True, text=True, timeout=60,
-                env={**env, "OTEL_EXPORTER_OTLP_ENDPOINT": otlp.group(1)},
+                capture_output=True, text=True, timeout=60, env=env,
             )  # fmt: skip
             assert sub.returncode == 0, sub.stderr
             found = re.search(r"trace ([0-9a-f]{32})", sub.stdout)
@@ -76,7 +77,7 @@ def test_up_with_jaeger_shows_a_submitted_request_as_one_trace(jaeger_bin: Path)
 
             t = eventually(trace, timeout=60, what=f"trace {trace_id} in Jaeger")
             names = {s["operationName"] for s in t["spans"]}  # type: ignore[attr-defined]
-            assert {"allocator.decide", "allocator.commit", "nodeagent.apply"} <= names, names
+            assert {"client.submit", "allocator.decide", "allocator.commit", "nodeagent.apply"} <= names
         finally:
             up.send_signal(signal.SIGINT)
             rc = up.wait(30)

@@ -5,7 +5,9 @@ Every command that talks to a running system (:mod:`.stack_cmd` declares them) g
 says is refused before connecting), then it gets a :class:`~services.client.TandemClient` on
 the CLI's own connection (:mod:`.conn`), and every library error it meets becomes one line
 (:mod:`.errors`). A command that starts a request's trace (submit, release) calls
-:func:`traced`; only those pay for OpenTelemetry's SDK.
+:func:`traced`; only those pay for OpenTelemetry's SDK. They export where the user says, else
+where the running ``tandem up`` exports (:mod:`.localtraces`), from a thread of their own: a
+collector that is down or does not answer costs the command at most :data:`CLI_FLUSH_S`.
 """
 
 from __future__ import annotations
@@ -23,7 +25,12 @@ from tools.cli.errors import CliError, CliFailure, describe
 if TYPE_CHECKING:
     from services.runtime.settings import Settings
 
-CLI_EXPORT_S = 1.0  # at most this long spent exporting a command's spans
+# One export of a command's spans, retries included, in the background. Below the OTLP
+# exporter's first backoff (0.8-1.2 s), so a refused connection is given up at once, not retried.
+CLI_EXPORT_S = 0.5
+# The most a command waits at its end for its spans still being exported (they are lost then),
+# and for the collector to take a connection before its exporter is even made.
+CLI_FLUSH_S = 0.25
 
 Command = Callable[[TandemClient, argparse.Namespace], Awaitable[int]]
 Check = Callable[[argparse.Namespace], None]
@@ -71,19 +78,22 @@ async def with_client(args: argparse.Namespace, fn: Command, *, check: Check | N
     finally:
         await conn.close()
         if "services.runtime.observe.tracing" in sys.modules:  # a command that traced (see traced)
-            sys.modules["services.runtime.observe.tracing"].shutdown_tracing(timeout_s=CLI_EXPORT_S)
+            sys.modules["services.runtime.observe.tracing"].shutdown_tracing(timeout_s=CLI_FLUSH_S)
 
 
 def traced(settings: Settings) -> None:
-    """Set up tracing for a command that starts a request's trace (submit, release): the
-    spans are exported when OTEL_EXPORTER_OTLP_ENDPOINT is set, and the trace id is printed
-    either way. Only those commands pay for importing OpenTelemetry's SDK (docs/benchmarks.md,
-    "Measurements behind the code")."""
-    import logging
+    """Set up tracing for a command that starts a request's trace (submit, release): its
+    spans are exported to :func:`.localtraces.choose_endpoint`'s choice; without one the
+    command makes no span of its own (the allocator's first starts the trace) and prints the
+    trace id the allocator's answer carries. Only those commands pay for importing
+    OpenTelemetry's SDK (docs/benchmarks.md, "Measurements behind the code")."""
+    from services.runtime.observe.tracing import setup_command_tracing
+    from tools.cli.localtraces import choose_endpoint, published_endpoint
 
-    from services.runtime.observe.tracing import setup_tracing
-
-    # A collector that is down or slow costs a command at most CLI_EXPORT_S, silently: the
-    # exporter's retry warnings are not the command's output (its spans are then lost).
-    logging.getLogger("opentelemetry.exporter.otlp").setLevel(logging.CRITICAL)
-    setup_tracing("cli", otlp_endpoint=settings.otlp_endpoint, export_timeout=CLI_EXPORT_S)
+    endpoint = choose_endpoint(
+        settings.otlp_endpoint, published=lambda: published_endpoint(settings.nats_url)
+    )
+    if endpoint:
+        setup_command_tracing(
+            "cli", otlp_endpoint=endpoint, export_timeout=CLI_EXPORT_S, connect_timeout=CLI_FLUSH_S
+        )

@@ -211,7 +211,8 @@ def _add_up(sub: Any) -> None:
         default=None,
         metavar="BINARY",
         help="also start a Jaeger all-in-one (in memory) on 127.0.0.1, send every service's traces "
-        "to it and print its UI address; BINARY: the jaeger program (default: the one `make jaeger` "
+        "to it, and the spans of `tandem submit`/`release` to this system (no variable to set), and "
+        "print its UI address; BINARY: the jaeger program (default: the one `make jaeger` "
         "built in this checkout, else `jaeger` on PATH)",
     )
     up.set_defaults(func=_up)

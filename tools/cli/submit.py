@@ -129,8 +129,14 @@ async def _submit(client: TandemClient, args: argparse.Namespace, submitted: lis
         assert sub.request is not None
         submitted_trace = await client.submit(sub.request)
     submitted.append(sub.id)
-    reply.say(f"{sub.headline()}" + (f", trace {submitted_trace}" if submitted_trace else ""))
-    outcome = await _first_answer(client, sub, args)
+    if submitted_trace:
+        reply.say(f"{sub.headline()}, trace {submitted_trace}")
+    try:
+        outcome = await _first_answer(client, sub, args)
+    finally:
+        if not submitted_trace:  # not exported: the allocator's answer says which trace it began
+            submitted_trace = next((t for i in sub.watch_ids if (t := client.trace_of(i))), "")
+            reply.say(f"{sub.headline()}" + (f", trace {submitted_trace}" if submitted_trace else ""))
     start = time.monotonic()
     reply.result = {
         ("job_id" if sub.job is not None else "request_id"): sub.id,

@@ -7,7 +7,9 @@ It serves the device classes docs/sharing.md uses (``default``, ``shared``, ``sh
 :func:`tools.localstack.local_device_classes`) unless the configuration names others, and
 says at start which ones. Without Kubernetes it also plays the pod bridge's evictions and
 claims (:mod:`tools.localstack`), so preemption, DeviceClaims and reservations can be
-tried with the CLI alone."""
+tried with the CLI alone. When it exports traces (``--jaeger``, or
+``OTEL_EXPORTER_OTLP_ENDPOINT``) it says where, and leaves a record of it for the CLI
+(:mod:`tools.cli.localtraces`), so a command's spans join the system's unasked."""
 
 from __future__ import annotations
 
@@ -16,8 +18,10 @@ import asyncio
 import re
 import socket
 from collections.abc import Mapping
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from tools.cli import localtraces
 from tools.cli.errors import CliError
 from tools.cli.session import cli_settings
 
@@ -117,6 +121,7 @@ async def _up(args: argparse.Namespace) -> int:
     jaeger: Jaeger | None = None
     server: EmbeddedNats | None = None
     stack: LocalStack | None = None
+    record: Path | None = None  # where the CLI finds the OTLP endpoint (localtraces)
     try:
         if jaeger_binary is not None:
             jaeger = Jaeger(jaeger_binary).start()
@@ -132,11 +137,21 @@ async def _up(args: argparse.Namespace) -> int:
         await stack.wait_ready()
         ops = await stack.serve_ops(port=args.ops_port)
         ports = {name: ops_server.port for name, ops_server in ops.items()}
-        _say_up(stack, settings, nats_url=server.url, documented=documented, ports=ports, jaeger=jaeger)
+        record = localtraces.publish(server.url, settings.otlp_endpoint or None)
+        _say_up(
+            stack,
+            settings,
+            nats_url=server.url,
+            documented=documented,
+            ports=ports,
+            jaeger=jaeger,
+            told_cli=record is not None,
+        )
         stop = asyncio.Event()
         install_signal_handlers(stop)
         await stop.wait()
     finally:
+        localtraces.withdraw(record)  # first: a command from now on does not export to a Jaeger stopping
         if stack is not None:
             await stack.stop()
         shutdown_tracing()  # the last spans reach Jaeger before it stops
@@ -155,9 +170,11 @@ def _say_up(
     documented: Mapping[str, DeviceClass],
     ports: Mapping[str, int],
     jaeger: Jaeger | None,
+    told_cli: bool,
 ) -> None:
     """What runs and where: NATS, the device classes served, each service's ops port, where
-    the traces go, and the commands to go on with."""
+    the traces go (``told_cli``: the CLI learns it without a variable), and the commands to
+    go on with."""
     from tools.localstack import describe_classes
 
     print(f"Tandem is up: {len(stack.agents)} simulated nodes; NATS at {nats_url}", flush=True)
@@ -171,12 +188,13 @@ def _say_up(
         print(f"  {name}: http://127.0.0.1:{port}/metrics  (/healthz, /readyz)", flush=True)
     if jaeger is not None:
         print(f"  Jaeger UI and query API: {jaeger.ui_url}  (traces of every service)", flush=True)
-        print(
-            f"  export OTEL_EXPORTER_OTLP_ENDPOINT={jaeger.otlp_endpoint}  (the CLI's spans too)",
-            flush=True,
+    if settings.otlp_endpoint:
+        cli = (
+            "`tandem submit` and `release` to this system export there too"
+            if told_cli
+            else f"for the CLI's spans: export OTEL_EXPORTER_OTLP_ENDPOINT={settings.otlp_endpoint}"
         )
-    elif settings.otlp_endpoint:
-        print(f"  traces: exported to {settings.otlp_endpoint} (OTLP/HTTP)", flush=True)
+        print(f"  traces: exported to {settings.otlp_endpoint} (OTLP/HTTP); {cli}", flush=True)
     else:
         print(
             "  traces: not exported (`tandem up --jaeger` starts a local Jaeger; "

@@ -37,7 +37,7 @@ def find_jaeger(explicit: str | None = None, *, root: Path | None = None) -> str
         if not Path(explicit).is_file():
             raise EmbeddedServerError(f"jaeger binary {explicit} does not exist")
         return explicit
-    base = root or Path(__file__).resolve().parents[2]
+    base = root or Path(__file__).resolve().parents[3]  # the checkout: services/runtime/process/
     built = sorted(base.glob(CACHE_GLOB), key=lambda p: p.stat().st_mtime)
     if built:
         return str(built[-1])
