@@ -315,8 +315,8 @@ def clear(cp: ControlPlane, namespace: str) -> None:
         time.sleep(0.5)
 
 
-def add_nodes(cp: ControlPlane, count: int) -> list[str]:
-    plan = [spec.name for spec in fleet_plan(count, mix=((KIND, 1.0),))]
+def add_nodes(cp: ControlPlane, count: int, *, kind: str = KIND) -> list[str]:
+    plan = [spec.name for spec in fleet_plan(count, mix=((kind, 1.0),))]
     labels = {"nvidia.com/gpu.present": "true"}
     with ThreadPoolExecutor(CLIENTS) as pool:
         list(
@@ -345,10 +345,18 @@ def add_nodes(cp: ControlPlane, count: int) -> list[str]:
 
 
 def start_tandem(
-    cp: ControlPlane, workdir: Path, server: EmbeddedNats, nodes: int, undo: contextlib.ExitStack
+    cp: ControlPlane,
+    workdir: Path,
+    server: EmbeddedNats,
+    nodes: int,
+    undo: contextlib.ExitStack,
+    *,
+    values: dict[str, Any] = VALUES,
+    kind: str = KIND,
 ) -> None:
-    """Install and run Tandem; ``undo`` stops and removes each part it started, in reverse."""
-    install(cp, {**VALUES, "nats": {**VALUES["nats"], "url": server.url}})
+    """Install and run Tandem (the chart with ``values``, a simulated fleet of ``nodes`` nodes of
+    ``kind``); ``undo`` stops and removes each part it started, in reverse."""
+    install(cp, {**values, "nats": {**values["nats"], "url": server.url}})
     undo.callback(lambda: uninstall(cp))
     kubelet = LocalKubelet(cp, workdir)
     undo.callback(kubelet.stop_all)
@@ -379,7 +387,7 @@ def start_tandem(
             "--nodes",
             str(nodes),
             "--kind",
-            KIND,
+            kind,
         ],
         stdout=subprocess.DEVNULL,
         stderr=(workdir / "fleet.log").open("wb"),

@@ -229,6 +229,7 @@ def admission() -> Permissions:
         *_durable(a, subjects.CONSUMER_BRIDGE, subjects.ALLOC_ASSIGNED_ALL),
         *_durable(a, subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED),
         *_durable(a, subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT),
+        *_durable(a, subjects.CONSUMER_BRIDGE_FREED, subjects.ALLOC_FREED),
         *_kv_reader(subjects.KV_REQUESTS),
         *_kv_reader(subjects.KV_JOBS),
         *_kv_reader(subjects.KV_ALLOCS),
@@ -317,20 +318,26 @@ def authorization_block(users: Sequence[User]) -> str:
     return f"authorization {{\n  users = {_value(entries, '  ')}\n}}\n"
 
 
-def callout_block(*, issuer: str, auth_nkey: str, account: str = "TANDEM") -> str:
+def callout_block(
+    *, issuer: str, auth_nkey: str, account: str = "TANDEM", trusted_nkeys: Sequence[str] = ()
+) -> str:
     """The accounts and ``auth_callout`` blocks of a nats-server that hands every connection
     to Tandem's auth callout (``services.authcallout``): ``AUTH`` holds only the callout's own
     user, ``account`` (JetStream on) every Tandem component, ``SYS`` the system account.
     ``issuer`` is the public nkey whose signature the server accepts on the users it is given;
     ``auth_nkey`` the callout's own user, a public user nkey (the callout holds its seed). Both
-    are public keys: the block holds no secret, so no password is stored in plain text."""
+    are public keys: the block holds no secret, so no password is stored in plain text.
+    ``trusted_nkeys``: users of ``account`` with every permission who bypass the callout —
+    the load harness's measuring connection (``tools.loadtest.production``); none in an
+    install."""
+    tandem: dict[str, object] = {"jetstream": "enabled"}
+    if trusted_nkeys:
+        tandem["users"] = [{"nkey": k} for k in trusted_nkeys]
     config: dict[str, object] = {
-        "accounts": {
-            "AUTH": {"users": [{"nkey": auth_nkey}]},
-            account: {"jetstream": "enabled"},
-            "SYS": {},
-        },
+        "accounts": {"AUTH": {"users": [{"nkey": auth_nkey}]}, account: tandem, "SYS": {}},
         "system_account": "SYS",
-        "authorization": {"auth_callout": {"issuer": issuer, "auth_users": [auth_nkey], "account": "AUTH"}},
+        "authorization": {
+            "auth_callout": {"issuer": issuer, "auth_users": [auth_nkey, *trusted_nkeys], "account": "AUTH"}
+        },
     }
     return "".join(f"{k}: {_value(v, '')}\n" for k, v in config.items())

@@ -93,6 +93,8 @@ CONSUMER_INVENTORY = "inventory-node-events"
 CONSUMER_BRIDGE = "bridge-outcomes"
 CONSUMER_BRIDGE_FAILED = "bridge-failures"
 CONSUMER_BRIDGE_PREEMPT = "bridge-preemptions"
+# Freed devices of DRA claims: the bridge then clears the claim's allocation and finalizer.
+CONSUMER_BRIDGE_FREED = "bridge-freed"
 
 
 def node_token(node: str) -> str:

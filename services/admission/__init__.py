@@ -17,6 +17,10 @@
   pods against the request records at start.
 * :mod:`.jobwatch` — pure: the pods of one job (Tandem's label, LeaderWorkerSet, JobSet) gathered
   until all exist, then one job request; :mod:`.evictions` evicts preemption's victims.
+* :mod:`.draclaims`, :mod:`.drapods` — pure DRA rules: a pod's ResourceClaims as one request,
+  the webhook's verdict, the allocation written; :mod:`.drabridge` applies them (docs/dra.md).
+* :mod:`.draclaims`, :mod:`.drapods` — pure DRA rules: a pod's ResourceClaims as one request,
+  the webhook's verdict, the allocation written; :mod:`.drabridge` applies them (docs/dra.md).
 * :mod:`.claims` — pure rules for ``DeviceClaim``\\ s (spec, request, expiry, who may use one,
   the status written); :mod:`.claimbridge` applies them (claims watch, pods that use a claim).
 

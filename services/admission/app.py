@@ -50,18 +50,20 @@ async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Even
             ops = await OpsServer(
                 port=settings.ops_port, ready=ready, registry=service_registry(SERVICE, ready=ready)
             ).start()
+        if args.bridge or (args.webhook and settings.dra_claims):
+            kube = await KubeClient.connect(kubeconfig=args.kubeconfig)
         if args.webhook:
             reloader = await asyncio.to_thread(CertReloader, cert_file=args.tls_cert, key_file=args.tls_key)
+            # With DRA on, the webhook reads a pod's ResourceClaims and their templates.
             server = await start_server(
-                Webhook(device_classes=settings.device_classes),
+                Webhook(device_classes=settings.device_classes, claims=kube if settings.dra_claims else None),
                 host=args.listen,
                 port=args.port,
                 ssl_context=reloader.context,
             )
             sup.spawn("cert-reload", lambda: reloader.watch(stop))
             log.info("webhook_listening", port=server.port)
-        if args.bridge:
-            kube = await KubeClient.connect(kubeconfig=args.kubeconfig)
+        if args.bridge and kube is not None:
             bus = await Bus.open(settings)
             kube_, bus_ = kube, bus
 
@@ -71,6 +73,7 @@ async def serve(settings: Settings, args: argparse.Namespace, stop: asyncio.Even
                     bus=bus_,
                     device_classes=settings.device_classes,
                     event_interval=args.event_interval,
+                    dra_kube=kube_ if settings.dra_claims else None,
                 )
                 await bridge.run(until)
 

@@ -24,6 +24,11 @@ from the node's allocation record. Nothing is duplicated: each publish carries a
 (the server drops repeats within its window) and the bridge checks the records before
 re-requesting after a restart.
 
+Pods that ask through DRA ResourceClaims (with ``dra_kube``) are handed to
+:class:`~services.admission.drabridge.DraBridge` with their outcomes and ``Freed`` events
+(durable ``CONSUMER_BRIDGE_FREED``): their claims, not the pods, hold the devices, so a pod's
+end releases nothing here, and a record that holds claims is never released for a pod gone.
+
 DeviceClaims (``tandem.io/claim`` on a pod, the ``DeviceClaim`` resource) are handled by
 :class:`~services.admission.claimbridge.ClaimBridge`; this class hands it the claim's pods and
 outcomes (request ids ``claim-<uid>``) and lists claims before pods, so a restarted bridge
@@ -48,14 +53,16 @@ from schemas.config import DeviceClass
 from schemas.messages import (
     AllocationFailed,
     Assignment,
+    Freed,
     JobRecord,
     PodRef,
     PreemptionPlan,
     Release,
     RequestRecord,
 )
-from services.admission import claims, evictions, jobwatch, metrics, names, podrules, podwrites
+from services.admission import claims, drapods, evictions, jobwatch, metrics, names, podrules, podwrites
 from services.admission.claimbridge import ClaimBridge
+from services.admission.drabridge import ClaimApi, DraBridge
 from services.admission.errors import InvalidPod, PolicyError
 from services.admission.nodelabels import NodeLabelMirror
 from services.kube.client import KubeApi
@@ -88,6 +95,7 @@ class Bridge:
         clock: Callable[[], float] = time.time,
         claim_tick: float = 1.0,
         eviction_backoff: float = 1.0,
+        dra_kube: ClaimApi | None = None,
     ) -> None:
         self.kube = kube
         self.bus = bus
@@ -124,6 +132,19 @@ class Bridge:
             relist_backoff=relist_backoff,
             tick=claim_tick,
         )
+        # Pods asking through DRA ResourceClaims (docs/dra.md), when the cluster serves them.
+        self.dra = (
+            DraBridge(
+                kube=dra_kube,
+                bus=bus,
+                device_classes=device_classes,
+                record_event=self.record_event,
+                watch_timeout=watch_timeout,
+                relist_backoff=relist_backoff,
+            )
+            if dra_kube is not None
+            else None
+        )
 
     # -- running ---------------------------------------------------------------------------
 
@@ -148,6 +169,12 @@ class Bridge:
             ("failed", subjects.CONSUMER_BRIDGE_FAILED, subjects.ALLOC_FAILED, self.on_outcome, 1),
             ("preempt", subjects.CONSUMER_BRIDGE_PREEMPT, subjects.ALLOC_PREEMPT, self.on_preemption, 1),
         ]
+        if self.dra is not None:
+            dra = self.dra
+            sup.spawn("dra-claims", lambda: dra.watch(stop, records=self.request_records))
+            consumers.append(
+                ("freed", subjects.CONSUMER_BRIDGE_FREED, subjects.ALLOC_FREED, self.on_freed, 1)
+            )
         for task, durable, subject, handler, concurrency in consumers:
             sup.spawn(
                 task,
@@ -195,6 +222,8 @@ class Bridge:
     async def watch_pods(self, stop: asyncio.Event) -> None:
         """List + resync, then watch from the list's version; on any watch end, do it again."""
         await self.claims.synced.wait()  # claims before the pods that use them
+        if self.dra is not None:
+            await self.dra.synced.wait()
         while not stop.is_set():
             try:
                 # Records first, then pods: a record whose pod is missing from the later list
@@ -289,6 +318,8 @@ class Bridge:
             uid = record.request.pod.uid
             if record.request.claim is not None:
                 continue  # a claim's request: the claim half resyncs it against the claims
+            if self.dra is not None and self.dra.holds(rid):
+                continue  # holds DRA claims' devices: freed when the claims go, not with the pod
             if record.state not in ACTIVE_STATES or not uid or uid in live or rid in self._released:
                 continue
             if await self._pod_gone(record.request.pod):
@@ -336,6 +367,14 @@ class Bridge:
             return
         # The API server filters by label; check again so a lax server cannot widen the scope.
         if pod.labels.get(names.MANAGED) != "true" or not pod.metadata.uid:
+            return
+        if self.dra is not None and drapods.asks_claims(pod):
+            # Asks through DRA ResourceClaims: the claims hold the devices, not the pod.
+            if kind == "DELETED":
+                self._pods.pop(_key_of(raw), None)
+            else:
+                self._pods[_key_of(raw)] = raw
+            await self.dra.on_pod_event(kind, pod, raw)
             return
         if names.CLAIM in pod.annotations:
             # Uses a DeviceClaim: no request of its own, and its end frees nothing.
@@ -506,6 +545,14 @@ class Bridge:
             )
             metrics.BRIDGE_BINDS.labels("pod_gone").inc()
             return
+        if self.dra is not None and drapods.asks_claims(pod):
+            try:
+                await self.dra.on_assignment(a, raw)
+            except Retry:
+                if self._pods.get((a.pod.namespace, a.pod.name)) is raw:
+                    del self._pods[(a.pod.namespace, a.pod.name)]
+                raise
+            return
         if podwrites.is_bound(pod, a.request_id):
             return
         if pod.terminal or pod.metadata.deletionTimestamp:
@@ -529,7 +576,13 @@ class Bridge:
         metrics.BRIDGE_BINDS.labels("bound").inc()
         log.info("pod_bound", request_id=a.request_id, node=a.node, pod=a.pod.name)
 
+    async def on_freed(self, msg: Any, delivery: Delivery) -> None:
+        if isinstance(msg, Freed) and self.dra is not None:
+            await self.dra.on_freed(msg)
+
     async def on_failed(self, f: AllocationFailed) -> None:
+        if self.dra is not None:
+            await self.dra.on_failed(f)
         members = self.jobs.job_of(f.request_id)
         if members:
             # A job that cannot be placed yet: every pod of it says why.
@@ -546,7 +599,11 @@ class Bridge:
             return  # another pod by that name, or a late failure for a pod placed since
         await self.record_event(pod, reason=names.EVENT_REASON_FAILED, message=f.reason)
 
-    async def record_event(self, pod: podrules.PodView, *, reason: str, message: str) -> None:
+    async def record_event(
+        self, pod: podrules.PodView, *, reason: str, message: str, involved: dict[str, Any] | None = None
+    ) -> None:
+        """One Warning Event per object and reason (module docstring); on the pod, or on
+        ``involved`` (a ResourceClaim: ``pod`` then names only its namespace, name and uid)."""
         ns, uid = pod.metadata.namespace or "", pod.metadata.uid or ""
         name = podwrites.event_name(pod.metadata.name or "", f"{uid}/{reason}")
         state = self._events.setdefault((ns, name), podwrites.EventState())
@@ -562,6 +619,7 @@ class Bridge:
                 count=state.count,
                 now=now,
                 instance=self.instance,
+                involved=involved,
             )
             try:
                 await self.kube.create_event(ns, body)
@@ -586,6 +644,7 @@ class Bridge:
                     count=state.count,
                     now=now,
                     instance=self.instance,
+                    involved=involved,
                 )
                 await self.kube.create_event(ns, body)
         state.written_count = state.count

@@ -66,9 +66,12 @@ class Claim(NamedTuple):
     name: str
     uid: str
     spec: Obj
+    # What the author wrote: the claim itself, or (at admission, before the claim exists) the
+    # ResourceClaimTemplate it will be made from.
+    kind: str = "ResourceClaim"
 
     def where(self, path: str) -> str:
-        return f"ResourceClaim {self.namespace}/{self.name} {path}"
+        return f"{self.kind} {self.namespace}/{self.name} {path}"
 
 
 class Slot(NamedTuple):
@@ -156,13 +159,13 @@ def pod_devices(claims: Sequence[Claim], *, default_class: str) -> PodDevices | 
 
 def field_names(claims: Sequence[Claim]) -> dict[Field, str]:
     """How the resolver names each field to the author of these claims (its errors)."""
-    where = ", ".join(f"{c.namespace}/{c.name}" for c in claims) or "the pod's claims"
-    params = f"the {PARAMETERS_KIND} of ResourceClaim {where}"
+    where = ", ".join(f"{c.kind} {c.namespace}/{c.name}" for c in claims) or "the pod's claims"
+    params = f"the {PARAMETERS_KIND} of {where}"
     out: dict[Field, str] = {f: f"{params}: {key}" for key, f in _PARAMETERS.items()}
-    out["gpus"] = f"the GPU requests of ResourceClaim {where}"
-    out["rdma"] = f"the NIC requests of ResourceClaim {where}"
-    out["gpu_memory_mib"] = f"capacity.requests.memory of ResourceClaim {where}"
-    out["gpu_cores_percent"] = f"capacity.requests.cores of ResourceClaim {where}"
+    out["gpus"] = f"the GPU requests of {where}"
+    out["rdma"] = f"the NIC requests of {where}"
+    out["gpu_memory_mib"] = f"capacity.requests.memory of {where}"
+    out["gpu_cores_percent"] = f"capacity.requests.cores of {where}"
     return out
 
 

@@ -54,6 +54,14 @@ CLAIM_KIND = resources.CLAIM_KIND
 # running pod; the bridge removes it once it has released the claim.
 CLAIM_FINALIZER = f"{PREFIX}claim-release"
 
+# DRA (docs/dra.md, "Joint allocation"): a ResourceClaim whose devices Tandem holds carries
+# this finalizer, so it is never gone before its devices' cleanup is verified, and the request
+# that holds its devices (and that request's pod) in the two annotations below; a restarted
+# bridge reads them back from the claims.
+DRA_FINALIZER = f"{PREFIX}dra-allocation"
+DRA_REQUEST = f"{PREFIX}request"
+DRA_POD = f"{PREFIX}request-pod"
+
 # Annotations Tandem writes.
 TRACEPARENT = f"{PREFIX}traceparent"
 """W3C trace context of the pod's ``admission.admit`` span: every later span joins this trace."""
@@ -79,6 +87,9 @@ PRIORITY_RANGE = (-1_000_000, 1_000_000)
 EVENT_REASON_FAILED = "AllocationFailed"
 EVENT_REASON_INVALID = "InvalidTandemRequest"
 EVENT_REASON_CLAIM = "WaitingForClaim"
+# Events of a pod's DRA ResourceClaims: on a claim Tandem cannot allocate now or ever (a
+# ResourceClaim's status has no conditions; the Event is what ``kubectl describe`` shows).
+EVENT_REASON_CLAIM_INVALID = "InvalidTandemClaim"
 # Events of priority preemption: on the preemptor while a PodDisruptionBudget blocks the
 # eviction of a victim, and on each victim evicted for it.
 EVENT_REASON_PREEMPTION_BLOCKED = "PreemptionBlocked"

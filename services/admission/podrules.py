@@ -77,8 +77,24 @@ class _Gate(msgspec.Struct):
     name: str
 
 
+class _PodClaim(msgspec.Struct, omit_defaults=True):
+    """One of ``spec.resourceClaims`` (DRA): a ResourceClaim named, or one made from a template."""
+
+    name: str = ""
+    resourceClaimName: str | None = None
+    resourceClaimTemplateName: str | None = None
+
+
+class _PodClaimStatus(msgspec.Struct, omit_defaults=True):
+    """One of ``status.resourceClaimStatuses``: the claim the controller made from a template."""
+
+    name: str = ""
+    resourceClaimName: str | None = None
+
+
 class _Spec(msgspec.Struct, omit_defaults=True):
     containers: list[_Container] = []
+    resourceClaims: list[_PodClaim] | None = None
     initContainers: list[_Container] | None = None
     nodeName: str | None = None
     nodeSelector: dict[str, str] | None = None
@@ -98,6 +114,7 @@ class _Meta(msgspec.Struct, omit_defaults=True):
 
 class _Status(msgspec.Struct, omit_defaults=True):
     phase: str | None = None
+    resourceClaimStatuses: list[_PodClaimStatus] | None = None
 
 
 class PodView(msgspec.Struct):
@@ -474,12 +491,13 @@ def _set_map_entries(
 
 
 def admission_patch(
-    pod: PodView, request: TandemRequest, *, traceparent: str | None
+    pod: PodView, request: TandemRequest | None, *, traceparent: str | None
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """JSONPatch ops (and warnings) that gate, label and normalise an accepted Tandem pod."""
+    """JSONPatch ops (and warnings) that gate, label and normalise an accepted Tandem pod
+    (``request`` None: a pod asking through DRA claims, whose parameters live in the claims)."""
     warnings: list[str] = []
     ops: list[dict[str, Any]] = []
-    wanted_ann = request.annotations()
+    wanted_ann = request.annotations() if request is not None else {}
     if traceparent:
         wanted_ann[names.TRACEPARENT] = traceparent
     ops += _set_map_entries(pod.metadata.annotations, wanted_ann, path="/metadata/annotations")

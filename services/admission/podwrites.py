@@ -187,14 +187,17 @@ def event_body(
     count: int,
     now: float,
     instance: str,
+    involved: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A core/v1 Event on the pod (``kubectl describe pod`` shows it)."""
+    """A core/v1 Event on the pod (``kubectl describe pod`` shows it), or on ``involved``
+    (another object of the pod's namespace, such as its ResourceClaim)."""
     stamp = rfc3339(now)
     return {
         "apiVersion": "v1",
         "kind": "Event",
         "metadata": {"name": name, "namespace": pod.metadata.namespace or ""},
-        "involvedObject": {
+        "involvedObject": involved
+        or {
             "apiVersion": "v1",
             "kind": "Pod",
             "name": pod.metadata.name or "",

@@ -17,6 +17,10 @@ files are re-read when they change (cert-manager rotates them in place), without
 
 The webhook publishes nothing: a pod being admitted may have no name or UID yet (generateName)
 and its create can still fail; the bridge acts once the pod is persisted.
+
+A pod with DRA ``spec.resourceClaims`` is judged by :func:`drapods.admit` on what the webhook can
+read (with ``dra_claims``, a :class:`ClaimReader`): the ResourceClaims it names and the
+ResourceClaimTemplates its claims will be made from, read before the pure verdict.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import json
 import os
 import ssl
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 from aiohttp import web
 
 from schemas.config import DeviceClass
-from services.admission import metrics, names, podrules
+from services.admission import drapods, metrics, names, podrules
 from services.admission.errors import BodyTooLarge, InvalidPod, ReviewError
+from services.kube.errors import KubeError, NotFound
 from services.runtime.observe.logging import get_logger
 from services.runtime.observe.tracing import context_from_traceparent, current_traceparent, tracer
 
@@ -136,14 +141,55 @@ def review_response(uid: str, verdict: podrules.Verdict) -> dict[str, Any]:
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
-class Webhook:
-    """Admission decisions with tracing; holds nothing but the device classes."""
+class ClaimReader(Protocol):
+    """What the webhook reads of a DRA pod's claims (:class:`services.kube.client.KubeClient`)."""
 
-    def __init__(self, *, device_classes: dict[str, DeviceClass]) -> None:
+    async def get_resource_claim(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+    async def get_resource_claim_template(self, namespace: str, name: str) -> dict[str, Any]: ...
+
+
+Specs = dict[tuple[str, str], dict[str, Any] | None]
+
+
+class Webhook:
+    """Admission decisions with tracing; holds the device classes and, for DRA pods, a reader
+    of their claims and templates (without one, claims are not looked at)."""
+
+    def __init__(self, *, device_classes: dict[str, DeviceClass], claims: ClaimReader | None = None) -> None:
         self.device_classes = device_classes
+        self.claims = claims
         self._tracer = tracer("tandem.admission")
 
-    def review(self, request: AdmissionRequest) -> dict[str, Any]:
+    async def claim_specs(self, request: AdmissionRequest) -> Specs:
+        """The specs of the claims and templates a pod being created names (None: not found)."""
+        out: Specs = {}
+        if self.claims is None or request.operation != "CREATE" or not isinstance(request.object, dict):
+            return out
+        namespace = request.namespace or (request.object.get("metadata") or {}).get("namespace") or ""
+        try:
+            pod = podrules.read_pod(request.object)
+        except InvalidPod:
+            return out
+        for ref in drapods.claim_refs(pod):
+            key = ("claim", ref.claim) if ref.claim else ("template", ref.template or "")
+            if not key[1] or key in out:
+                continue
+            try:
+                if key[0] == "claim":
+                    out[key] = drapods.spec_of(await self.claims.get_resource_claim(namespace, key[1]))
+                else:
+                    template = await self.claims.get_resource_claim_template(namespace, key[1])
+                    out[key] = drapods.spec_of(drapods.spec_of(template))
+            except NotFound:
+                out[key] = None
+            except KubeError as exc:
+                # Unreadable now: judged as not there yet (gated; the bridge reads it later).
+                log.warning("claim_unreadable", namespace=namespace, name=key[1], error=str(exc))
+                out[key] = None
+        return out
+
+    def review(self, request: AdmissionRequest, *, specs: Specs | None = None) -> dict[str, Any]:
         uid = request.uid
         kind = request.kind.kind if request.kind is not None else None
         operation = request.operation
@@ -154,7 +200,11 @@ class Webhook:
             pod = podrules.read_pod(obj)
         except InvalidPod as exc:
             return review_response(uid, podrules.Verdict(allowed=False, code=400, message=f"tandem: {exc}"))
-        if not podrules.mentions_tandem(pod):
+        dra = None
+        if self.claims is not None and pod.spec.resourceClaims:
+            # Whether its claims are Tandem's; judged again in the span, whose context it records.
+            dra = drapods.admit(pod, specs=specs or {}, device_classes=self.device_classes, traceparent=None)
+        if dra is None and not podrules.mentions_tandem(pod):
             return review_response(uid, podrules.Verdict(allowed=True))
         namespace = request.namespace or pod.metadata.namespace or ""
         parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
@@ -162,11 +212,22 @@ class Webhook:
             span.set_attribute("k8s.namespace.name", namespace)
             span.set_attribute("k8s.pod.name", pod.display_name)
             span.set_attribute("tandem.admission.uid", uid)
-            verdict = podrules.admit(
-                obj,
-                operation=operation,
-                device_classes=self.device_classes,
-                traceparent=current_traceparent(),
+            if dra is not None:
+                dra = drapods.admit(
+                    pod,
+                    specs=specs or {},
+                    device_classes=self.device_classes,
+                    traceparent=current_traceparent(),
+                )
+            verdict = (
+                dra
+                if dra is not None
+                else podrules.admit(
+                    obj,
+                    operation=operation,
+                    device_classes=self.device_classes,
+                    traceparent=current_traceparent(),
+                )
             )
             span.set_attribute("tandem.admission.allowed", verdict.allowed)
             if verdict.request is not None:
@@ -185,7 +246,7 @@ class Webhook:
         )
         return review_response(uid, verdict)
 
-    def answer(self, body: bytes) -> tuple[int, dict[str, Any]]:
+    def answer(self, body: bytes, *, specs: Specs | None = None) -> tuple[int, dict[str, Any]]:
         """HTTP status and JSON document for one request body (what ``POST /mutate`` returns):
         200 with the AdmissionReview response, or 400/413 with ``{"error": reason}``."""
         try:
@@ -194,7 +255,7 @@ class Webhook:
             log.warning("bad_admission_review", error=str(exc))
             metrics.REVIEWS.labels("bad_request").inc()
             return (413 if isinstance(exc, BodyTooLarge) else 400), {"error": f"tandem: {exc}"}
-        doc = self.review(review)
+        doc = self.review(review, specs=specs)
         answer = doc["response"]
         outcome = "denied" if not answer["allowed"] else "mutated" if "patch" in answer else "ignored"
         metrics.REVIEWS.labels(outcome).inc()
@@ -212,7 +273,11 @@ class Webhook:
                 status, doc = 413, {"error": f"tandem: body is over the limit of {MAX_BODY} bytes"}
                 metrics.REVIEWS.labels("bad_request").inc()
             else:
-                status, doc = self.answer(body)
+                specs = None
+                if self.claims is not None:
+                    with contextlib.suppress(ReviewError):
+                        specs = await self.claim_specs(parse_review(body))
+                status, doc = self.answer(body, specs=specs)
         return web.json_response(doc, status=status)
 
     async def handle_health(self, _: web.Request) -> web.Response:

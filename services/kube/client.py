@@ -23,7 +23,14 @@ from kubernetes_asyncio.client.exceptions import ApiException
 from kubernetes_asyncio.config.config_exception import ConfigException
 
 from services.kube.errors import Conflict, KubeError, NotFound
-from services.kube.resources import CLAIM_GROUP, CLAIM_PLURAL, CLAIM_VERSION, RESOURCE_SLICES
+from services.kube.resources import (
+    CLAIM_GROUP,
+    CLAIM_PLURAL,
+    CLAIM_VERSION,
+    RESOURCE_CLAIM_TEMPLATES,
+    RESOURCE_CLAIMS,
+    RESOURCE_SLICES,
+)
 
 MERGE_PATCH = "application/merge-patch+json"
 Obj = dict[str, Any]
@@ -358,6 +365,68 @@ class KubeClient:
     async def delete_resource_slice(self, name: str) -> None:
         await self._json(
             self.custom.delete_cluster_custom_object(*RESOURCE_SLICES, name, _preload_content=False)
+        )
+
+    # ResourceClaims (resource.k8s.io/v1): the node agent's DRA kubelet plugin reads the claim
+    # it is asked to prepare (services.nodeagent.dra.plugin.ClaimReader).
+    async def get_resource_claim(self, namespace: str, name: str) -> Obj:
+        return await self._json(
+            self.custom.get_namespaced_custom_object(
+                *RESOURCE_CLAIMS[:2], namespace, RESOURCE_CLAIMS[2], name, _preload_content=False
+            )
+        )
+
+    # ... and the DRA bridge's (services.admission.drabridge.ClaimApi): every claim listed and
+    # watched, Tandem's finalizer put on, the allocation written to the status.
+    async def list_resource_claims(self) -> tuple[list[Obj], str]:
+        doc = await self._json(
+            self.custom.list_cluster_custom_object(*RESOURCE_CLAIMS, _preload_content=False)
+        )
+        items: list[Obj] = doc.get("items") or []
+        return items, str((doc.get("metadata") or {}).get("resourceVersion") or "")
+
+    def watch_resource_claims(
+        self, *, resource_version: str, timeout_s: int
+    ) -> AsyncIterator[tuple[str, Obj]]:
+        return self._watch(
+            self.custom.list_cluster_custom_object,
+            *RESOURCE_CLAIMS,
+            resource_version=resource_version,
+            timeout_s=timeout_s,
+        )
+
+    async def replace_resource_claim(self, namespace: str, name: str, body: Obj) -> Obj:
+        """PUT of a whole claim as read with its metadata changed (a 409 when it changed since):
+        the API server 1.36 refuses a merge patch of a claim's metadata as a change of its
+        immutable spec, which an update carrying the spec as read is not."""
+        group, version, plural = RESOURCE_CLAIMS
+        return await self._json(
+            self.custom.replace_namespaced_custom_object(
+                group, version, namespace, plural, name, body, _preload_content=False
+            )
+        )
+
+    async def patch_resource_claim_status(self, namespace: str, name: str, patch: Obj) -> Obj:
+        group, version, plural = RESOURCE_CLAIMS
+        return await self._json(
+            self.custom.patch_namespaced_custom_object_status(
+                group,
+                version,
+                namespace,
+                plural,
+                name,
+                patch,
+                _content_type=MERGE_PATCH,
+                _preload_content=False,
+            )
+        )
+
+    async def get_resource_claim_template(self, namespace: str, name: str) -> Obj:
+        group, version, plural = RESOURCE_CLAIM_TEMPLATES
+        return await self._json(
+            self.custom.get_namespaced_custom_object(
+                group, version, namespace, plural, name, _preload_content=False
+            )
         )
 
     async def review_token(self, token: str, *, audiences: list[str]) -> Obj:

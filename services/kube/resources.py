@@ -11,3 +11,8 @@ CLAIM_KIND = "DeviceClaim"
 
 # DRA's ResourceSlices (group, version, plural), written by the node agent for its own node.
 RESOURCE_SLICES = ("resource.k8s.io", "v1", "resourceslices")
+# DRA's ResourceClaims (group, version, plural): the node agent reads the ones kubelet asks it to
+# prepare.
+RESOURCE_CLAIMS = ("resource.k8s.io", "v1", "resourceclaims")
+# ResourceClaimTemplates: the webhook reads a pod's templates (services.admission.webhook).
+RESOURCE_CLAIM_TEMPLATES = ("resource.k8s.io", "v1", "resourceclaimtemplates")

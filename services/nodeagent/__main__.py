@@ -14,6 +14,7 @@ import msgspec
 
 from services.nodeagent.backends.base import BackendUnavailable
 from services.nodeagent.backends.simulated import SimulatedApplier, SimulatedBackend
+from services.nodeagent.dra.plugin import plugin_from_settings
 from services.nodeagent.dra.sync import slice_api
 from services.nodeagent.host_agent import HostAgent, HostAgentConfig, build_host_agent
 from services.nodeagent.service import NodeAgent
@@ -36,15 +37,18 @@ async def build(bus: Bus, settings: Settings) -> NodeAgent | HostAgent:
     if not settings.topology_file:
         raise BackendUnavailable("backend 'simulated' needs topology_file (a path or built-in name)")
     backend = SimulatedBackend(load_topology(settings.topology_file), node=settings.node_name)
-    return NodeAgent(
+    kube = await slice_api(enabled=settings.dra_slices)
+    agent = NodeAgent(
         bus,
         node=settings.node_name,
         backend=backend,
         applier=SimulatedApplier(),
         heartbeat_interval=settings.heartbeat_interval,
         clean_period=settings.health_clean_period,
-        slice_api=await slice_api(enabled=settings.dra_slices),
+        slice_api=kube,
     )
+    agent.kubelet_plugin = plugin_from_settings(settings, kube, view=agent.dra_view, uverbs=backend.uverbs_of)
+    return agent
 
 
 if __name__ == "__main__":

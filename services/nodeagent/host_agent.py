@@ -32,6 +32,7 @@ from services.nodeagent.backends.host import HostBackend
 from services.nodeagent.backends.nvml import DEFAULT_IGNORED_XIDS, NvmlBackend
 from services.nodeagent.backends.sysfs import SysfsBackend
 from services.nodeagent.deviceplugin.server import DEFAULT_PLUGIN_DIR, DevicePlugins, PluginApplier
+from services.nodeagent.dra.plugin import plugin_from_settings
 from services.nodeagent.dra.sync import slice_api
 from services.nodeagent.netns import NamedNetnsResolver, NetnsResolver, PodCgroupResolver, VfApplier
 from services.nodeagent.service import NodeAgent
@@ -137,6 +138,7 @@ async def build_host_agent(
         share_replicas=cfg.gpu_share_replicas,
         mig=cfg.mig_resource,
     )
+    kube = await slice_api(enabled=settings.dra_slices)
     agent = NodeAgent(
         bus,
         node=node,
@@ -144,6 +146,11 @@ async def build_host_agent(
         applier=PluginApplier(plugins, vfs),
         heartbeat_interval=settings.heartbeat_interval,
         clean_period=settings.health_clean_period,
-        slice_api=await slice_api(enabled=settings.dra_slices),
+        slice_api=kube,
+    )
+    # DRA (setting dra_plugin): kubelet's plugin API beside the device plugins; the VFs of a
+    # claim move through the same VfApplier when the allocation reaches the record.
+    agent.kubelet_plugin = plugin_from_settings(
+        settings, kube, view=agent.dra_view, uverbs=sysfs.reader.uverbs_of
     )
     return HostAgent(agent, plugins=plugins, vfs=vfs, sync_interval=cfg.sync_interval)

@@ -61,6 +61,7 @@ from services.nodeagent.cleanup import (
     problems_by_device,
     retry_delay,
 )
+from services.nodeagent.dra.plugin import AgentView, KubeletPlugin
 from services.nodeagent.dra.publisher import SliceApi
 from services.nodeagent.dra.sync import SliceSync
 from services.nodeagent.follow import AllocationsFollower, node_actions
@@ -155,6 +156,9 @@ class NodeAgent(Service):
         # DRA: the node's devices as ResourceSlices, kept up to date beside the inventory.
         self.slice_api = slice_api
         self.slices = None if slice_api is None else SliceSync(slice_api, node=node, view=self._device_view)
+        # The DRA kubelet plugin (setting dra_plugin): set by the builder, which gives it
+        # dra_view; the agent runs it and tells it when devices or their health change.
+        self.kubelet_plugin: KubeletPlugin | None = None
         self._seq = 0
         self._tasks = Supervisor(f"nodeagent:{node}")
         # Its spans say which node made them (service.instance.id and k8s.node.name).
@@ -177,6 +181,8 @@ class NodeAgent(Service):
         if self.slices is not None:
             self._tasks.spawn("resource-slices", self.slices.run)
             self.slices.changed()
+        if self.kubelet_plugin is not None:
+            self._tasks.spawn("dra-kubelet-plugin", self.kubelet_plugin.run)
         await self.follower.start()
         AGENT_DEVICES.track(self.node, self.device_counts)
         log.info("nodeagent_started", node=self.node, backend=self.backend.name)
@@ -221,8 +227,17 @@ class NodeAgent(Service):
             ts=self.clock(),
         )
         await self.bus.publish(subjects.node_inventory(self.node), inv)
+        self._devices_changed()
+
+    def _devices_changed(self) -> None:
         if self.slices is not None:
             self.slices.changed()
+        if self.kubelet_plugin is not None:
+            self.kubelet_plugin.changed()
+
+    def dra_view(self) -> AgentView:
+        """What the DRA kubelet plugin checks a claim against: devices, health, the record."""
+        return AgentView(self.topology, dict(self.health.state), self.record)
 
     def _device_view(self) -> tuple[NodeTopology | None, dict[str, DeviceHealth]]:
         """What the ResourceSlices describe: the devices and their health, now."""
@@ -239,8 +254,7 @@ class NodeAgent(Service):
             ts=self.clock(),
         )
         await self.bus.publish(subjects.node_health(self.node), event)
-        if self.slices is not None:
-            self.slices.changed()
+        self._devices_changed()
         HEALTH_CHANGES.labels(str(h.healthy).lower()).inc()
         log.info("device_health", device=device, healthy=h.healthy, cordoned=h.cordoned, reason=h.reason)
         return event

@@ -72,6 +72,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # rather than every interface of the host.
     ops_host: str = "0.0.0.0"
     log_json: bool = True
+    # OTEL_EXPORTER_OTLP_ENDPOINT; set empty it is "" (no export, said so), not None (unset:
+    # a CLI command then exports where the running `tandem up` does, tools.cli.localtraces).
     otlp_endpoint: str | None = None
     heartbeat_interval: float = 2.0
     node_lost_after: float = 8.0
@@ -90,6 +92,14 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # DRA (docs/dra.md): the node agent publishes its node's devices as ResourceSlices through
     # the Kubernetes API (its pod's service account; chart value dra.enabled).
     dra_slices: bool = False
+    # The admission service gates pods whose ResourceClaims ask Tandem's classes and allocates
+    # those claims (services.admission.drabridge; chart value dra.enabled).
+    dra_claims: bool = False
+    # The node agent serves kubelet's DRA plugin API for driver tandem.io (needs dra_slices;
+    # chart value dra.enabled): sockets and CDI dir as services.nodeagent.dra.plugin.PluginPaths,
+    # validated at start.
+    dra_plugin: bool = False
+    dra_plugin_paths: dict[str, Any] = {}
     # Options of the real-node ("host") agent: sysfs root, plugin dir, netns resolver, XID
     # ignore list... validated by services.nodeagent.host_agent.HostAgentConfig at start.
     host_agent: dict[str, Any] = {}
@@ -138,7 +148,7 @@ def _env_values(environ: dict[str, str]) -> dict[str, Any]:
         if name is None or name not in fields or name == "config":
             continue
         # Environment values are strings; let YAML turn "2.5"/"true" into typed scalars.
-        out[name] = yaml.safe_load(value) if value else None
+        out[name] = yaml.safe_load(value) if value else ("" if name == "otlp_endpoint" else None)
     return out
 
 

@@ -389,17 +389,36 @@ def test_rbac_is_the_minimum_each_component_needs(variant: tuple[str, list[dict[
         # ResourceSlices, cluster-wide in RBAC; the policy narrows them to the agent's own node
         # (tested against the real API server: tests/cluster/test_dra_rbac.py).
         nodeagent_slices = f"{RELEASE}-nodeagent-resourceslices"
+        # ... and reads (get only) the claims kubelet asks its DRA plugin to prepare.
         assert rules(one(docs, "ClusterRole", nodeagent_slices)) == {
             ("resource.k8s.io", "resourceslices", verb, ())
             for verb in ("get", "list", "watch", "create", "update", "delete")
-        }
+        } | {("resource.k8s.io", "resourceclaims", "get", ())}
         assert one(docs, "ValidatingAdmissionPolicyBinding", nodeagent_slices)["spec"]["policyName"] == (
             nodeagent_slices
         )
         expected_roles |= {nodeagent_slices}
+        # The admission service allocates pods' DRA claims (docs/dra.md, "Who may write a
+        # claim's allocation"; the policy narrows status writes to driver tandem.io).
+        admission_claims = f"{admission_sa}-resourceclaims"
+        assert rules(one(docs, "ClusterRole", admission_claims)) == {
+            ("resource.k8s.io", "resourceclaims", verb, ()) for verb in ("get", "list", "watch", "update")
+        } | {
+            ("resource.k8s.io", sub, verb, ())
+            for sub in ("resourceclaims/status", "resourceclaims/binding")
+            for verb in ("update", "patch")
+        } | {("resource.k8s.io", "resourceclaimtemplates", "get", ())}
+        vap = one(docs, "ValidatingAdmissionPolicy", admission_claims)
+        assert vap["spec"]["matchConstraints"]["resourceRules"][0]["resources"] == ["resourceclaims/status"]
+        expected_roles |= {admission_claims}
     assert {r["metadata"]["name"] for r in find(docs, "ClusterRole")} == expected_roles
     for binding in find(docs, "ClusterRoleBinding") + find(docs, "RoleBinding"):
-        bound = binding["roleRef"]["name"].removesuffix("-lease").removesuffix("-resourceslices")
+        bound = (
+            binding["roleRef"]["name"]
+            .removesuffix("-lease")
+            .removesuffix("-resourceslices")
+            .removesuffix("-resourceclaims")
+        )
         assert binding["subjects"] == [{"kind": "ServiceAccount", "name": bound, "namespace": NAMESPACE}]
     for doc in docs:
         assert "*" not in str(doc.get("rules", "")), doc["metadata"]["name"]
@@ -488,6 +507,27 @@ def test_gpu_share_replicas_reach_the_node_agents_config(tmp_path: Path) -> None
     assert settings_from(render(), tmp_path).host_agent == {}
     s = settings_from(render({"nodeagent": {"gpuShareReplicas": 4}}), tmp_path)
     assert msgspec.convert(s.host_agent, HostAgentConfig).gpu_share_replicas == 4
+
+
+def test_dra_turns_the_kubelet_plugin_on_with_its_sockets_mounted_where_kubelet_looks(tmp_path: Path) -> None:
+    """dra.enabled: the agent serves kubelet's DRA plugin API; its socket and kubelet's plugin
+    registry are hostPath mounts at the host's own paths (the endpoint it registers is a path
+    kubelet opens), and the agent's own config check accepts what the chart writes."""
+    from services.nodeagent.dra.plugin import PluginPaths
+
+    assert settings_from(render(), tmp_path).dra_plugin is False
+    values = {"dra": {"enabled": True, "kubeletPluginsDir": "/var/lib/k0s/kubelet/plugins"}}
+    docs = render(values)
+    s = settings_from(docs, tmp_path)
+    paths = msgspec.convert(s.dra_plugin_paths, PluginPaths)
+    assert (s.dra_slices, s.dra_plugin) == (True, True)
+    assert str(paths.dra_socket) == "/var/lib/k0s/kubelet/plugins/tandem.io/dra.sock"
+    assert str(paths.registration_socket) == "/var/lib/kubelet/plugins_registry/tandem.io-reg.sock"
+    pod = one(docs, "DaemonSet")["spec"]["template"]["spec"]
+    host = {v["name"]: v["hostPath"]["path"] for v in pod["volumes"] if "hostPath" in v}
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    for name, path in (("dra-plugin", paths.plugin_dir), ("dra-registry", paths.registry_dir)):
+        assert host[name] == mounts[name] == path
 
 
 def test_mig_resource_reaches_the_node_agents_config(tmp_path: Path) -> None:

@@ -3,7 +3,8 @@ speaks DRA", item 3, the write path).
 
 A pod asks through the standard API — a ResourceClaimTemplate for 2 GPUs + 2 NICs of
 Tandem's classes with Tandem's AllocationParameters — and waits behind a scheduling gate (the
-test's, standing in for the webhook's). The real resourceclaim controller makes its claim;
+test's, standing in for the webhook's, in a namespace the running webhook skips; the running
+path is test_dra_bridge.py). The real resourceclaim controller makes its claim;
 Tandem's rules (services.admission.draclaims) read it as one request and write the claim's
 ``status.allocation`` for an assignment on one node, each GPU with the NIC of its own PCIe
 switch; the real API server validates that write; once the gate is gone the real
@@ -21,15 +22,15 @@ from services.admission.draclaims import PARAMETERS_API, PARAMETERS_KIND, Claim,
 from services.nodeagent.dra.slices import device_names
 from services.topology import load_topology
 from tests.cluster.release import Release, eventually
-from tests.cluster.test_dra_classes import claim_pod
-from tests.cluster.test_pod_life import make_namespace, pod_of
+from tests.cluster.test_dra_classes import claim_pod, unmanaged_namespace
+from tests.cluster.test_pod_life import pod_of
 
 HOLD = "test.tandem.io/hold"
 
 
 def test_the_scheduler_binds_a_pod_whose_claims_tandem_allocated_to_tandems_node(release: Release) -> None:
     cp = release.cp
-    ns = make_namespace(cp)
+    ns = unmanaged_namespace(cp)  # the test plays Tandem's bridge: the running one stays out
     path = f"/apis/resource.k8s.io/v1/namespaces/{ns}"
     parameters = {"apiVersion": PARAMETERS_API, "kind": PARAMETERS_KIND, "scope": "pcie-switch"}
     template = {

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.admission import names
+from tests.cluster.controlplane import ControlPlane
 from tests.cluster.release import Release, eventually
 from tests.cluster.test_pod_life import make_namespace, pod_of
 
@@ -37,6 +39,19 @@ def claim_template(name: str, *, gpus: int, nics: int, match: str) -> dict[str, 
             }
         },
     }
+
+
+def unmanaged_namespace(cp: ControlPlane) -> str:
+    """A namespace Tandem's webhook skips (``tandem.io/admission=disabled``): its DRA pods are
+    the scheduler's alone, as on a cluster without Tandem's bridge."""
+    ns = make_namespace(cp)
+    cp.request(
+        "PATCH",
+        f"/api/v1/namespaces/{ns}",
+        {"metadata": {"labels": {names.NAMESPACE_OPT_OUT: names.NAMESPACE_OPT_OUT_VALUE}}},
+        content_type="application/merge-patch+json",
+    )
+    return ns
 
 
 def claim_pod(name: str, template: str) -> dict[str, Any]:
@@ -63,7 +78,7 @@ def test_the_scheduler_alone_allocates_tandems_devices_through_its_classes(relea
     assert {"gpu.tandem.io", "nic.tandem.io", "nic-vf.tandem.io", "mig.tandem.io"} <= {
         c["metadata"]["name"] for c in classes
     }
-    ns = make_namespace(cp)
+    ns = unmanaged_namespace(cp)  # Tandem's webhook would refuse matchAttribute (Tandem pairs by scope)
     path = f"/apis/resource.k8s.io/v1/namespaces/{ns}"
     cp.request(
         "POST",

@@ -43,6 +43,12 @@ class SimulatedBackend:
             self.broken[device] = reason
         self._changes.put_nowait(HealthChange(device=device, healthy=healthy, reason=reason))
 
+    def uverbs_of(self, name: str) -> list[str]:
+        """The verbs device node a NIC of this topology would have (``uverbs<k>``, k its place
+        among the NICs and VFs): what the DRA plugin's CDI spec names for it."""
+        names = [n for nic in self._topology.nics() for n in (nic.name, *(vf.name for vf in nic.vfs))]
+        return [f"/dev/infiniband/uverbs{names.index(name)}"] if name in names else []
+
     async def probe(self, device: str) -> str | None:
         return self.broken.get(device)
 
