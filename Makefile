@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test cluster-bins cluster-test bench-kube jaeger lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
+.PHONY: demo test cluster-bins cluster-test bench-kube bench-dra jaeger lint typecheck unit integration bench bench-gang bench-e2e bench-claims bench-cli bench-preempt bench-shares bench-mig gpu-check clean image image-test prometheus prometheus-test soak
 
 # The container image: one for every service (Dockerfile). The tag is the version in
 # pyproject.toml, which is also the chart's appVersion and default image tag (tests/chart checks
@@ -55,10 +55,11 @@ bench-shares: $(STAMP)
 bench-mig: $(STAMP)
 	$(BIN)/python -m bench.mig
 
-# The running system end to end (docs/benchmarks.md, "Running system (end to end)"):
-# nats-server, inventory, allocator and a simulated fleet as processes; one JSON line.
+# The running system end to end (docs/benchmarks.md, "Running system (end to end)"): NATS as
+# the chart installs it (3 servers, TLS, auth callout; --profile dev: one plain server),
+# inventory, allocator, a simulated fleet and a Prometheus as processes; one JSON line.
 BENCH_E2E_ARGS ?= --nodes 1000 --requests 5000
-bench-e2e: $(STAMP)
+bench-e2e: $(STAMP) prometheus
 	$(BIN)/tandem loadtest $(BENCH_E2E_ARGS)
 
 # Claims and reservations in the core with the planner's claim book (docs/benchmarks.md,
@@ -105,6 +106,13 @@ cluster-test: cluster-bins
 BENCH_KUBE_ARGS ?=
 bench-kube: cluster-bins
 	$(BIN)/python -m bench.kube $(BENCH_KUBE_ARGS)
+
+# DRA claims allocated by kube-scheduler alone (matchAttribute pcieRoot) beside Tandem, on the same
+# kwok fleet with the same ResourceSlices and pods, filled to 85 % and churned to 95 %
+# (docs/benchmarks.md, "DRA side by side"); one JSON line per fleet size. Needs root.
+BENCH_DRA_ARGS ?=
+bench-dra: cluster-bins
+	$(BIN)/python -m bench.dra $(BENCH_DRA_ARGS)
 
 # Jaeger v2 all-in-one for `tandem up --jaeger` (built from its Go module like the above).
 jaeger: $(STAMP)

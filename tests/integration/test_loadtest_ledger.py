@@ -221,7 +221,7 @@ async def fleet_of_two(bus_factory: BusFactory) -> AsyncIterator[tuple[Fleet, li
 
     await bus.nc.subscribe(subjects.node_applied("*"), cb=collect)
     await bus.nc.subscribe(subjects.node_cleaned("*"), cb=collect)
-    publishing = asyncio.create_task(nodes.publisher.run())
+    publishing = asyncio.create_task(nodes.links[plan[0].name].publisher.run())  # one window for both
     try:
         yield nodes, published
     finally:
@@ -301,6 +301,7 @@ async def test_a_run_with_many_cleanups_failing_first_frees_everything_and_keeps
         cleanup_fail_share=0.25,
         ceiling_msgs=2000,
         drain_s=30,
+        profile="dev",  # the ledger's work is the same in both; the production run is test_loadtest's
         log_dir=str(tmp_path),
     )
     report = await harness.run_loadtest(cfg, load_settings("loadtest", environ={}), progress=said.append)

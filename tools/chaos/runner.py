@@ -61,7 +61,7 @@ from tools.chaos.report import MAX_DETAILS, ChaosReport, RoundLog, Violation
 from tools.chaos.victims import COMPONENTS, LEADER_STREAM, NATS_ANY, NATS_META_LEADER, Plan, Schedule
 from tools.loadtest.driver import LoadDriver
 from tools.loadtest.errors import LoadtestError
-from tools.loadtest.harness import FleetEvents
+from tools.loadtest.events import FleetEvents
 from tools.loadtest.mix import RequestStream, Workload, fleet_gpus, fleet_plan
 from tools.loadtest.procs import Child, Children
 from tools.loadtest.publisher import AsyncPublisher

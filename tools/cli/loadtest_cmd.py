@@ -5,7 +5,7 @@ there and in ``docs/benchmarks.md``, "Running system (end to end)"). Progress go
 stdout gets a short summary and the JSON line, or only the JSON line with ``--json``.
 
 Ctrl-C (or SIGTERM) stops the run: the fleet and the services get SIGTERM, SIGKILL after a
-grace period, and the embedded server is stopped; a second Ctrl-C kills them at once. Exit
+grace period, and the servers it started are stopped; a second Ctrl-C kills them at once. Exit
 code 0 when the invariants held (``lost``, ``double_held``, ``double_placed``, ``overcommitted``
 and the ledger's faults — checked at every write — all 0), 1 when one did not, 2 when the
 run could not be done (one line on stderr), 130 when interrupted.
@@ -29,11 +29,13 @@ def register(sub: Any) -> None:
         "loadtest",
         help="the running system under load: decisions/s, latencies, invariants (one JSON line)",
         description=(
-            "Start nats-server, inventory and allocator processes and a simulated fleet, drive "
-            "allocation requests through them and print one JSON line of figures."
+            "Start NATS (by default as the chart installs it), inventory and allocator processes "
+            "and a simulated fleet, drive allocation requests through them and print one JSON "
+            "line of figures."
         ),
     )
-    p.add_argument("--nats", metavar="URL", help="use this NATS server (default: start an embedded one)")
+    _production_arguments(p)
+    p.add_argument("--nats", metavar="URL", help="use this NATS server (default: start one or three)")
     p.add_argument(
         "--no-services",
         action="store_true",
@@ -99,6 +101,39 @@ def register(sub: Any) -> None:
     p.set_defaults(func=_run)
 
 
+def _production_arguments(p: argparse.ArgumentParser) -> None:
+    """The profile, and what only the production profile runs (Prometheus, a server killed)."""
+    p.add_argument(
+        "--profile",
+        choices=("production", "dev"),
+        help="production (default): NATS as the chart installs it — 3 JetStream servers, streams "
+        "replicated on all, TLS, every component and node with its own identity through the auth "
+        "callout — and a Prometheus scraping every component; dev: one plain embedded server "
+        "(the default with --nats)",
+    )
+    p.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="production profile: Prometheus's scrape interval (default 30, the chart's)",
+    )
+    p.add_argument(
+        "--kill-server-at",
+        type=float,
+        metavar="F",
+        help="production profile: SIGKILL the NATS server leading the allocation bucket once this "
+        "share of the requests is submitted, and start it again (default: no kill)",
+    )
+    p.add_argument(
+        "--kill-down",
+        type=float,
+        default=3.0,
+        metavar="SECONDS",
+        help="with --kill-server-at: how long the server stays down (default 3)",
+    )
+
+
 def _config(args: argparse.Namespace) -> LoadConfig:
     from tools.loadtest import LoadConfig
 
@@ -121,6 +156,10 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         cleanup_fail_share=args.cleanup_fail_share,
         idle_s=args.idle,
         start_timeout=args.start_timeout,
+        profile=args.profile or ("dev" if args.nats else "production"),
+        scrape_interval_s=args.scrape_interval,
+        kill_server_at=args.kill_server_at,
+        kill_down_s=args.kill_down,
         log_dir=args.log_dir,
         keep_logs=args.keep_logs,
     )

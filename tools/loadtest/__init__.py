@@ -12,8 +12,15 @@ on a few snapshots, and at every write of every node and request record (the led
 
 Modules::
 
+    config      what a run is asked to do (the flags), checked
     harness     one run: server, ceiling, services, fleet, probe, load, drain, teardown
+    production  the production profile: 3 servers, TLS, the auth callout, one token per component and node
+    tokenreview the API server's TokenReview for those tokens (the one Kubernetes boundary faked)
+    scrape      a real Prometheus scraping every component during the run
+    faults      a NATS server SIGKILLed mid-run and brought back (--kill-server-at)
     procs       child processes: config file + environment, readiness, SIGTERM → SIGKILL, RSS
+    meter       CPU and peak RSS of every process by role, CPU per decision
+    events      the fleet's JSON lines on its stdout
     fleet       ``python -m tools.loadtest.fleet``: one process speaking for N nodes
     driver      submits, releases, paces, observes outcomes on core subscriptions
     invariants  KV snapshots of ``tandem-allocs``: double-held devices, overcommitted GPUs, double placements
@@ -30,8 +37,9 @@ Errors: :class:`LoadtestError` (one line, names the stage and the log to read).
 
 from __future__ import annotations
 
+from tools.loadtest.config import LoadConfig
 from tools.loadtest.errors import LoadtestError
-from tools.loadtest.harness import Harness, LoadConfig, run_loadtest
+from tools.loadtest.harness import Harness, run_loadtest
 from tools.loadtest.report import Report, summary, to_json_line, violations
 
 __all__ = [

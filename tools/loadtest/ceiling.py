@@ -36,14 +36,18 @@ class Ceiling:
     pull_ack_per_s: float | None
 
 
-async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024) -> Ceiling:
+async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024, replicas: int = 1) -> Ceiling:
+    """The two rates on a scratch stream of ``replicas`` (the run's streams': 3 in the
+    production profile, so the ceiling includes their replication)."""
     if count <= 0:
         return Ceiling(None, None)
     js = nc.jetstream()
     token = uuid.uuid4().hex[:8]
     stream = f"LOADTEST_SCRATCH_{token}"
     subject = f"{subjects.ROOT}.loadtest.{token}"
-    await js.add_stream(api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE))
+    await js.add_stream(
+        api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE, num_replicas=replicas)
+    )
     try:
         publish = await _publish_rate(js, subject, count=count, window=window)
         pull = await _pull_ack_rate(nc, js, subject, stream=stream, count=count)

@@ -35,11 +35,16 @@ Two things it does so that the load exercises what a node agent guards against:
   not mark the devices unhealthy (no health events: the allocator would stop placing on them
   until their clean period passed, and the fleet has no device health at all).
 
-How it differs from N node agents: one NATS connection and one wildcard subscription instead
-of N (the server fans out one message per write instead of routing to N clients), one
-direct-get resync loop for all nodes, and publishes batched through one window
+How it differs from N node agents: by default one NATS connection and one wildcard
+subscription instead of N (the server fans out one message per write instead of routing to N
+clients), one direct-get resync loop for all nodes, and publishes batched through one window
 (:class:`~tools.loadtest.publisher.AsyncPublisher`) instead of one awaited publish per
-message. "Applying" and "cleaning up" do nothing (``--apply-ms`` adds a fixed delay before
+message. With ``--token-dir DIR`` (the harness's production profile) every node has a
+connection of its own instead, made with its own token (``DIR/<node>``, bound to a pod on that
+node), which the auth callout turns into that node's permissions: it publishes, follows its
+own record (a subscription to its own subject, direct gets of its own key) and receives its
+acks on that connection, as an agent does — N connections, N subscriptions, N resync loops,
+one window each. "Applying" and "cleaning up" do nothing (``--apply-ms`` adds a fixed delay before
 ``Applied``); there is no discovery, health monitoring, device command service
 (``tandem.node.<node>.command``), state file, kubelet device plugin or netns hand-off. So the
 fleet costs the server and the services what N agents cost them in messages, but not in
@@ -58,7 +63,10 @@ import sys
 import time
 import zlib
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -86,6 +94,7 @@ from tools.loadtest.publisher import AsyncPublisher
 log = get_logger(__name__)
 
 HEARTBEAT_TICK_S = 0.02
+CONNECT_CONCURRENCY = 16  # per-node connections being made at once (--token-dir)
 INVENTORY_FLUSH_S = 300.0
 # The problem an injected cleanup failure reports (the allocator writes it into the request record).
 INJECTED_PROBLEM = "cleanup not verified: failed on purpose by the load harness (--cleanup-fail-share)"
@@ -112,10 +121,22 @@ class _Node:
         self.holds = DeviceHolds()  # the devices of what it applied, until they leave the record
 
 
+class _Link:
+    """One connection and what rides on it: every node's traffic (one shared connection) or
+    one node's (a connection per node, each with its own identity)."""
+
+    __slots__ = ("bus", "follower", "publisher")
+
+    def __init__(self, bus: Bus, publisher: AsyncPublisher, follower: AllocationsFollower) -> None:
+        self.bus = bus
+        self.publisher = publisher
+        self.follower = follower
+
+
 class Fleet(Service):
     def __init__(
         self,
-        bus: Bus,
+        buses: Bus | dict[str, Bus],
         *,
         plan: list[NodeSpec],
         heartbeat_interval: float,
@@ -123,7 +144,6 @@ class Fleet(Service):
         cleanup_fail_share: float = 0.0,
         cleanup_retry_s: float | None = None,
     ) -> None:
-        self.bus = bus
         self.plan = plan
         self.names = [spec.name for spec in plan]
         self.heartbeat_interval = heartbeat_interval
@@ -132,8 +152,24 @@ class Fleet(Service):
         # The agent's delay before its first retry of an unverified cleanup.
         self.cleanup_retry_s = retry_delay(1) if cleanup_retry_s is None else cleanup_retry_s
         self.nodes = {name: _Node() for name in self.names}
-        self.publisher = AsyncPublisher(bus.acks, window=2048)
-        self.follower = AllocationsFollower(bus, on_record=self._on_record, nodes=lambda: self.names)
+        if isinstance(buses, Bus):  # one connection: one window, one wildcard follower
+            shared = _Link(
+                buses,
+                AsyncPublisher(buses.acks, window=2048),
+                AllocationsFollower(buses, on_record=self._on_record, nodes=lambda: self.names),
+            )
+            self.links = dict.fromkeys(self.names, shared)
+            self._all = [shared]
+        else:  # a connection per node, each following its own record
+            self.links = {
+                name: _Link(
+                    buses[name],
+                    AsyncPublisher(buses[name].acks, window=64),
+                    AllocationsFollower(buses[name], on_record=self._on_record, node=name),
+                )
+                for name in self.names
+            }
+            self._all = list(self.links.values())
         self.counts = {
             "records": 0,
             "applied": 0,
@@ -148,25 +184,31 @@ class Fleet(Service):
         self._tasks = Supervisor("loadtest-fleet")
 
     async def start(self) -> None:
-        self._tasks.spawn("publish", self.publisher.run)
+        for i, link in enumerate(self._all):
+            self._tasks.spawn(f"publish-{i}", link.publisher.run)
         started = time.monotonic()
-        # Inventories out first (that is what the services wait for); the follower's first
+        # Inventories out first (that is what the services wait for); the followers' first
         # full read of the records runs meanwhile.
         self._publish_inventories()
-        await self.follower.start()
-        if not await self.publisher.flush(timeout=INVENTORY_FLUSH_S):
-            raise RuntimeError(
-                f"inventories not stored after {INVENTORY_FLUSH_S:g}s: {self.publisher.stats.last_error}"
-            )
+        await asyncio.gather(*(link.follower.start() for link in self._all))
+        flushed = await asyncio.gather(
+            *(link.publisher.flush(timeout=INVENTORY_FLUSH_S) for link in self._all)
+        )
+        if not all(flushed):
+            errors = {link.publisher.stats.last_error for link in self._all} - {""}
+            raise RuntimeError(f"inventories not stored after {INVENTORY_FLUSH_S:g}s: {', '.join(errors)}")
         self._tasks.spawn("heartbeats", self._heartbeats)
         emit("ready", nodes=len(self.plan), seconds=round(time.monotonic() - started, 3))
 
     async def stop(self) -> None:
-        await self.follower.stop()
-        await self.publisher.flush(timeout=5.0)
+        await asyncio.gather(*(link.follower.stop() for link in self._all))
+        await asyncio.gather(*(link.publisher.flush(timeout=5.0) for link in self._all))
         await self._tasks.aclose()
-        stats = self.publisher.stats
-        emit("stats", **self.counts, publish_retried=stats.retried, publish_failed=stats.failed)
+        retried = sum(link.publisher.stats.retried for link in self._all)
+        failed = sum(link.publisher.stats.failed for link in self._all)
+        emit(
+            "stats", **self.counts, connections=len(self._all), publish_retried=retried, publish_failed=failed
+        )
 
     def _publish_inventories(self) -> None:
         health_of: dict[str, dict[str, DeviceHealth]] = {}
@@ -182,7 +224,7 @@ class Fleet(Service):
                 health=health_of[spec.kind],
                 agent="loadtest-fleet",
             )
-            self.publisher.submit(
+            self.links[spec.name].publisher.submit(
                 subjects.node_inventory(spec.name),
                 codec.encode(inv),
                 msg_id=subjects.msg_id(spec.name, "inventory", self._boot),
@@ -201,7 +243,7 @@ class Fleet(Service):
             for names in slices:
                 for name in names:
                     beat = Heartbeat(node=name, seq=seq, generation=1)
-                    await self.bus.nc.publish(subjects.node_heartbeat(name), codec.encode(beat))
+                    await self.links[name].bus.nc.publish(subjects.node_heartbeat(name), codec.encode(beat))
                 self.counts["heartbeats"] += len(names)
                 next_at += tick_s
                 await asyncio.sleep(max(0.0, next_at - loop.time()))
@@ -250,7 +292,7 @@ class Fleet(Service):
         self.counts["overlap_refused"] += 1
         emit("overlap", node=node, request_id=rid, devices=[[d, other] for d, other in clashes])
         refused = Applied(request_id=rid, node=node, ok=False, error=f"overlaps applied devices: {held}")
-        self.publisher.submit(
+        self.links[node].publisher.submit(
             subjects.node_applied(node),
             codec.encode(refused),
             msg_id=subjects.msg_id(rid, "applied"),
@@ -266,7 +308,7 @@ class Fleet(Service):
             devices=rec.assignment.device_ids(),
             problems=[] if ok else [INJECTED_PROBLEM],
         )
-        self.publisher.submit(
+        self.links[node].publisher.submit(
             subjects.node_cleaned(node),
             codec.encode(cleaned),
             msg_id=subjects.msg_id(rid, "cleaned", "ok" if ok else "failed"),
@@ -283,7 +325,7 @@ class Fleet(Service):
             self._cleaned(node, rec, ok=True)
 
     def _applied(self, node: str, rid: str, traceparent: str) -> None:
-        self.publisher.submit(
+        self.links[node].publisher.submit(
             subjects.node_applied(node),
             codec.encode(Applied(request_id=rid, node=node)),
             msg_id=subjects.msg_id(rid, "applied"),
@@ -299,6 +341,30 @@ def _trace(traceparent: str) -> dict[str, str] | None:
 def _device_ids(device: Gpu | Nic) -> list[str]:
     """A device's allocatable ids: the device and its SR-IOV VFs (as the agent reports them)."""
     return [device.id, *(vf.name for vf in getattr(device, "vfs", []))]
+
+
+async def _connect(
+    settings: Settings, plan: list[NodeSpec], *, token_dir: Path | None, opened: list[Bus]
+) -> Bus | dict[str, Bus]:
+    """One connection for all nodes, or (``token_dir``) one per node as its own node agent,
+    a few at a time (each is a TLS handshake and a callout review)."""
+    if token_dir is None:
+        opened.append(await Bus.open(settings, provision_streams=False))
+        return opened[0]
+    gate = asyncio.Semaphore(CONNECT_CONCURRENCY)
+    buses: dict[str, Bus] = {}
+
+    async def one(name: str) -> None:
+        own = msgspec.structs.replace(
+            settings, service="nodeagent", node_name=name, nats_token_file=str(token_dir / name)
+        )
+        async with gate:
+            bus = await Bus.open(own, provision_streams=False)
+        opened.append(bus)
+        buses[name] = bus
+
+    await asyncio.gather(*(one(spec.name) for spec in plan))
+    return buses
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -317,6 +383,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(k for k, _ in FLEET_MIX),
         help="every node of this kind (default: the mixed fleet)",
     )
+    parser.add_argument(
+        "--token-dir",
+        type=Path,
+        help="a connection per node, with the token in DIR/<node> (default: one connection for all)",
+    )
     args = parser.parse_args(argv)
     if args.nodes < 1:
         parser.error("--nodes must be at least 1")
@@ -330,10 +401,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
     async def fleet_main(stop: asyncio.Event) -> None:
-        bus = await Bus.open(settings, provision_streams=False)
+        opened: list[Bus] = []
         try:
+            buses = await _connect(settings, plan, token_dir=args.token_dir, opened=opened)
             fleet = Fleet(
-                bus,
+                buses,
                 plan=plan,
                 heartbeat_interval=settings.heartbeat_interval,
                 apply_delay=args.apply_ms / 1000,
@@ -341,7 +413,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             await fleet.run(stop)
         finally:
-            await bus.close()
+            await asyncio.gather(*(bus.close() for bus in opened))
 
     run(fleet_main, settings)
     return 0

@@ -1,14 +1,21 @@
 """One run of ``tandem loadtest``, start to finish.
 
-1. **Server.** An embedded ``nats-server`` (JetStream, private store, 127.0.0.1, any free
-   port) unless a URL is given.
+1. **Server.** The ``production`` profile (the default): NATS as the chart installs it —
+   three JetStream servers, TLS, every connection through the auth callout, which starts
+   here too (:mod:`tools.loadtest.production`); the servers must refuse a plain and an
+   unauthenticated connection (reported). The ``dev`` profile: one embedded ``nats-server``
+   (JetStream, private store, 127.0.0.1, any free port, no TLS, no auth). With a URL given,
+   that server as it is (``dev``).
 2. **Ceiling.** The JetStream ceiling of that server (:mod:`tools.loadtest.ceiling`), while
-   nothing else runs on it.
+   nothing else runs on it, on a stream replicated as the run's streams are.
 3. **Services** (clock ``t0`` starts here): the inventory and ``replicas`` allocators, each its
    own ``python -m services.<name> --config FILE`` process with its own ``TANDEM_INSTANCE``
-   (:mod:`tools.loadtest.procs`); each must answer ``/readyz`` on its ops port.
+   (:mod:`tools.loadtest.procs`); each must answer ``/readyz`` on its ops port. In the
+   production profile each connects with its own token, and a real Prometheus starts
+   scraping every component's ``/metrics`` at the chart's interval (:mod:`tools.loadtest.scrape`).
 4. **Fleet.** ``python -m tools.loadtest.fleet`` for all nodes
-   (:mod:`tools.loadtest.fleet`); it says ``ready`` once every inventory is stored. Then the
+   (:mod:`tools.loadtest.fleet`; production: a connection and a token per node); it says
+   ``ready`` once every inventory is stored. Then the
    harness waits until inventory has registered every node (keys of KV ``tandem-nodes``).
 5. **Ready.** A probe request pinned to the last node registered: ``ready_s`` = ``t0`` → its
    assignment, i.e. until the allocator knows the whole fleet and decides. The probe is then
@@ -19,7 +26,8 @@
    requests, and the ledger (:mod:`tools.loadtest.ledger`, read by the process
    :mod:`tools.loadtest.ledgerwatch`, started before the fleet) judging every revision of
    every node and request record; then a **drain** until everything is answered and freed
-   (bounded), the ledger's counts, a final snapshot, and peak RSS of every process.
+   (bounded), the ledger's counts, a final snapshot, what Prometheus scraped, and peak RSS
+   and CPU per decision of every process (:mod:`tools.loadtest.meter`).
 7. **Teardown**, whatever happened: fleet first, then allocators and inventory (SIGTERM, then
    SIGKILL after a grace period), then the server. Logs of the children stay in the run
    directory when the run failed (the error names them) or ``keep_logs`` is set.
@@ -36,9 +44,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,9 +58,12 @@ from services.runtime.nats.bus import Bus
 from services.runtime.process.embedded import EmbeddedNats, free_ports
 from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings
-from tools.loadtest import ceiling, invariants, ledgerwatch
+from tools.loadtest import ceiling, invariants, ledgerwatch, meter
+from tools.loadtest.config import LoadConfig
 from tools.loadtest.driver import LoadDriver, Req
 from tools.loadtest.errors import LoadtestError
+from tools.loadtest.events import FleetEvents
+from tools.loadtest.faults import ServerKill
 from tools.loadtest.ledger import LedgerCounts
 from tools.loadtest.mix import (
     SHARED_CLASS,
@@ -65,10 +74,14 @@ from tools.loadtest.mix import (
     fleet_plan,
     probe_request,
 )
-from tools.loadtest.procs import Child, Children, cpu_seconds, rss_mb
+from tools.loadtest.procs import Child, Children
+from tools.loadtest.production import Production
 from tools.loadtest.publisher import AsyncPublisher
 from tools.loadtest.registration import auto_in_flight, lost_requests, wait_registered
-from tools.loadtest.report import CeilingFigures, CpuFigures, Report, RssFigures, percentiles
+from tools.loadtest.report import CeilingFigures, CpuFigures, Report, Security, longest_gap, percentiles
+from tools.loadtest.scrape import Scraper
+
+__all__ = ["Harness", "LoadConfig", "run_loadtest"]
 
 Progress = Callable[[str], None]
 SERVICE_READY_S = 60.0
@@ -76,101 +89,6 @@ CONNECT_S = 5.0
 PROGRESS_EVERY_S = 5.0
 SNAPSHOT_TIMEOUT_S = 60.0  # for the checker's answer to one snapshot in the middle of the run
 LEDGER_TIMEOUT_S = ledgerwatch.FINISH_TIMEOUT_S + 10.0  # for the ledger's answer at the end
-
-
-@dataclass(frozen=True, kw_only=True)
-class LoadConfig:
-    nodes: int = 100
-    replicas: int = 1
-    requests: int = 1000
-    rate: float | None = None  # None: open loop
-    util: float = 0.85
-    seed: int = 1
-    max_in_flight: int | None = None  # None: 5 % of the fleet's GPUs in requests (8 to 1024)
-    give_up_s: float = 5.0  # cancel requests pending this long (<= 0: never)
-    pinned: float = 0.0
-    shares: float = 0.0  # requests for a share of one GPU (mix.SHARED_CLASS)
-    nats_url: str | None = None  # None: start an embedded nats-server
-    start_services: bool = True  # False: inventory and allocators already run on nats_url
-    drain_s: float = 60.0
-    ceiling_msgs: int = 20_000
-    apply_ms: float = 0.0
-    cleanup_fail_share: float = 0.02  # releases whose first cleanup the fleet fails (then retries)
-    idle_s: float = 0.0  # > 0: measure CPU shares over this long with heartbeats only
-    start_timeout: float | None = None  # None: 60 s + 20 ms per node
-    log_dir: str | None = None
-    keep_logs: bool = False
-
-    def check(self) -> None:
-        """Raise :class:`LoadtestError` for the first bad value (one line, names the flag)."""
-        problems = [
-            (self.nodes < 1, f"--nodes must be at least 1, got {self.nodes}"),
-            (self.replicas < 1, f"--replicas must be at least 1, got {self.replicas}"),
-            (self.requests < 1, f"--requests must be at least 1, got {self.requests}"),
-            (self.rate is not None and not self.rate > 0, f"--rate must be above 0, got {self.rate}"),
-            (not 0 < self.util <= 1, f"--util must be in (0, 1], got {self.util}"),
-            (
-                self.max_in_flight is not None and self.max_in_flight < 1,
-                f"--max-in-flight must be at least 1, got {self.max_in_flight}",
-            ),
-            (not 0 <= self.pinned <= 1, f"--pinned must be in [0, 1], got {self.pinned}"),
-            (not 0 <= self.shares <= 1, f"--shares must be in [0, 1], got {self.shares}"),
-            (self.drain_s < 0, f"--drain must not be negative, got {self.drain_s}"),
-            (self.ceiling_msgs < 0, f"--ceiling-msgs must not be negative, got {self.ceiling_msgs}"),
-            (self.apply_ms < 0, f"--apply-ms must not be negative, got {self.apply_ms}"),
-            (
-                not 0 <= self.cleanup_fail_share <= 1,
-                f"--cleanup-fail-share must be in [0, 1], got {self.cleanup_fail_share}",
-            ),
-            (self.idle_s < 0, f"--idle must not be negative, got {self.idle_s}"),
-            (not self.start_services and self.nats_url is None, "--no-services needs --nats URL"),
-        ]
-        for bad, message in problems:
-            if bad:
-                raise LoadtestError(message)
-
-    @property
-    def startup_timeout(self) -> float:
-        return self.start_timeout if self.start_timeout is not None else 60.0 + 0.02 * self.nodes
-
-
-class FleetEvents:
-    """The fleet's JSON lines on its stdout, by event name."""
-
-    def __init__(self, child: Child) -> None:
-        self.child = child
-        self.events: dict[str, dict[str, Any]] = {}  # the last of each name
-        self.seen: Counter[str] = Counter()  # how many of each name (overlap, cleanup_failed)
-        self.changed = asyncio.Event()
-        self.closed = asyncio.Event()
-
-    async def read(self) -> None:
-        stdout = self.child.proc.stdout
-        assert stdout is not None
-        try:
-            while line := await stdout.readline():
-                with contextlib.suppress(msgspec.DecodeError):
-                    event = msgspec.json.decode(line, type=dict[str, Any])
-                    name = str(event.get("event"))
-                    self.events[name] = event
-                    self.seen[name] += 1
-                    self.changed.set()
-        finally:
-            self.closed.set()
-
-    async def wait(self, name: str, *, deadline: float, alive: Callable[[], None]) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        while name not in self.events:
-            alive()
-            if loop.time() > deadline:
-                raise LoadtestError(
-                    f"fleet did not report {name!r} in time"
-                    f"{': ' + self.child.tail() if self.child.tail() else ''} (log: {self.child.log})"
-                )
-            self.changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), 0.5)
-        return self.events[name]
 
 
 class Harness:
@@ -185,6 +103,9 @@ class Harness:
         self.children = Children(self.run_dir)
         self.tasks = Supervisor("loadtest")
         self.server: EmbeddedNats | None = None
+        self.prod: Production | None = None  # the production profile's servers, keys and tokens
+        self.scraper: Scraper | None = None
+        self.security = Security()
         self.bus: Bus | None = None
         self.violations = invariants.Violations()
         self.checker: Child | None = None  # takes the snapshots during the load
@@ -196,6 +117,7 @@ class Harness:
         self.failed = True
         self.fleet_events: FleetEvents | None = None
         self._cpu_t0: dict[str, float | None] = {}
+        self._t0 = 0.0
 
     # -- the run ----------------------------------------------------------------------------
 
@@ -212,11 +134,11 @@ class Harness:
         url = cfg.nats_url or await self._start_server()
         bus = self.bus = await self._connect(url)
         self.progress(f"measuring the JetStream ceiling ({cfg.ceiling_msgs} messages)")
-        ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs)
+        ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs, replicas=self._replicas())
         self.progress(f"JetStream ceiling: publish {ceil.publish_per_s}/s, pull+ack {ceil.pull_ack_per_s}/s")
 
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        t0 = self._t0 = time.perf_counter()
         self._cpu_t0 = self._cpu_now()  # nats and the harness already worked for the ceiling
         deadline = loop.time() + cfg.startup_timeout
         if cfg.start_services:
@@ -229,10 +151,11 @@ class Harness:
             "fleet",
             role="fleet",
             module="tools.loadtest.fleet",
-            config=self._base_config(url),
+            config=self._base_config(url, self._fleet_keys()),
             args=[
                 *("--nodes", str(cfg.nodes), "--apply-ms", str(cfg.apply_ms)),
                 *("--cleanup-fail-share", str(cfg.cleanup_fail_share)),
+                *self._fleet_args(),
             ],
             stdout_pipe=True,
         )
@@ -240,7 +163,7 @@ class Harness:
             "checker",
             role="checker",
             module="tools.loadtest.checker",
-            config=self._base_config(url),
+            config=self._base_config(url, self._harness_keys()),
             stdin_pipe=True,
             stdout_pipe=True,
         )
@@ -288,7 +211,9 @@ class Harness:
         load = f"open loop, {driver.max_in_flight} in flight" if cfg.rate is None else f"{cfg.rate:g}/s"
         self.progress(f"load: {cfg.requests} requests, {load}, fleet kept at {cfg.util:.0%} of its GPUs")
         checkpoints = {max(1, cfg.requests * k // 4): self._snapshot_hook(f"snapshot-{k}") for k in (1, 2, 3)}
+        kill = self._server_kill(checkpoints)
         self.tasks.spawn("progress", lambda: self._report_progress(driver), restart=False)
+        cpu_load0 = self._cpu_now()  # per decision: the load and the drain, not the start-up
         await driver.run(checkpoints=checkpoints, alive=self.children.check)
         self.progress(f"all {cfg.requests} submitted; draining (up to {cfg.drain_s:g} s)")
         drained = await driver.drain(timeout=cfg.drain_s, alive=self.children.check)
@@ -303,10 +228,35 @@ class Harness:
         self.children.sample_rss()
         report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
         report.ledger = ledger
+        report.nats_kill = kill.figures if kill is not None else None
+        if self.scraper is not None:
+            report.scrape = await self.scraper.read_targets(window_s=time.perf_counter() - self._t0)
         now = self._cpu_now()
-        since_t0 = {k: _minus(v, self._cpu_t0.get(k)) for k, v in now.items()}
-        report.cpu_s = self._cpu_figures(since_t0)
+        report.cpu_s = meter.cpu_figures(meter.since(now, self._cpu_t0))
+        report.cpu_ms_per_decision, report.cpu_ms_per_decision_total = meter.per_decision(
+            meter.since(now, cpu_load0), driver.first_outcomes
+        )
         return report
+
+    def _server_kill(self, checkpoints: dict[int, Callable[[], None]]) -> ServerKill | None:
+        """With ``--kill-server-at``: a checkpoint that kills a server and brings it back, in the
+        background (:mod:`tools.loadtest.faults`), beside a snapshot due at the same submit."""
+        cfg = self.cfg
+        if cfg.kill_server_at is None or self.prod is None or self.prod.cluster is None or self.bus is None:
+            return None
+        kill = ServerKill(self.prod.cluster, self.bus, down_s=cfg.kill_down_s, progress=self.progress)
+        at = max(1, int(cfg.requests * cfg.kill_server_at))
+        snapshot = checkpoints.get(at)
+
+        def strike() -> None:
+            self._checks.append(
+                self.tasks.spawn("nats-kill", lambda: kill.run(started=self._t0), restart=False)
+            )
+            if snapshot is not None:
+                snapshot()
+
+        checkpoints[at] = strike
+        return kill
 
     async def _finish_checks(self) -> None:
         """Wait (bounded) for the mid-run checks still reading, so that every snapshot taken is
@@ -335,43 +285,26 @@ class Harness:
             used_after = after.get(key)
             if used_before is not None and used_after is not None:
                 pct[key] = (used_after - used_before) / took * 100
-        return self._cpu_figures(pct)
+        return meter.cpu_figures(pct)
 
     def _cpu_now(self) -> dict[str, float | None]:
-        """CPU seconds used so far: each role (allocator replicas summed), nats, the harness
-        (with its checker and its ledger: their checks are the harness's work)."""
-        out: dict[str, float | None] = {"harness": time.process_time()}
-        for child in self.children.children:
-            used = cpu_seconds(child.proc.pid) if child.alive else None
-            if used is not None:
-                role = "harness" if child.role in ("checker", "ledger") else child.role
-                out[role] = (out.get(role) or 0.0) + used
-        pid = self._nats_pid()
-        out["nats"] = cpu_seconds(pid) if pid is not None else None
-        return out
+        return meter.cpu_now(self.children, self._nats_pids())
 
-    @staticmethod
-    def _cpu_figures(values: dict[str, float | None]) -> CpuFigures:
-        def get(key: str) -> float | None:
-            v = values.get(key)
-            return None if v is None else round(v, 2)
+    def _nats_pids(self) -> list[int]:
+        if self.prod is not None:
+            return self.prod.server_pids()
+        pid = self.server.pid if self.server is not None else None
+        return [pid] if pid is not None else []
 
-        return CpuFigures(
-            allocator=get("allocator"),
-            inventory=get("inventory"),
-            nats=get("nats"),
-            fleet=get("fleet"),
-            harness=get("harness"),
-        )
-
-    def _nats_pid(self) -> int | None:
-        # EmbeddedNats has no public pid (see the report of issue 8's harness).
-        proc = self.server._proc if self.server is not None else None
-        return proc.pid if proc is not None and proc.poll() is None else None
+    def _replicas(self) -> int:
+        """How the run's streams are replicated: as the chart does in production."""
+        return self.prod.replicas if self.prod is not None else self.settings.stream_replicas
 
     # -- stages -----------------------------------------------------------------------------
 
     async def _start_server(self) -> str:
+        if self.cfg.profile == "production":
+            return await self._start_production()
         self.server = EmbeddedNats()
         try:
             await asyncio.to_thread(self.server.start)
@@ -380,8 +313,38 @@ class Harness:
         self.progress(f"nats-server at {self.server.url}")
         return self.server.url
 
+    async def _start_production(self) -> str:
+        """Three servers with TLS and the callout, the callout itself, and the check that
+        they refuse what they must (:mod:`tools.loadtest.production`)."""
+        prod = self.prod = Production(self.run_dir, self.settings)
+        url = await prod.start()
+        self.progress(f"nats cluster of {len(prod.server_pids())} (TLS, auth callout) at {url}")
+        await prod.start_callout(self.children, self._base_config(url), port=free_ports(1)[0])
+        self.security = await prod.security()
+        return url
+
+    async def _start_scraper(self, targets: dict[str, int]) -> None:
+        scraper = self.scraper = Scraper(self.run_dir, interval_s=self.cfg.scrape_interval_s)
+        [port] = free_ports(1)
+        await scraper.start(self.children, targets, port=port)
+        self.progress(f"prometheus scraping {', '.join(targets)} every {self.cfg.scrape_interval_s:g} s")
+
+    def _harness_keys(self) -> dict[str, object]:
+        """How the harness and its checker and ledger connect (production: a trusted user)."""
+        return self.prod.harness() if self.prod is not None else {}
+
+    def _fleet_keys(self) -> dict[str, object]:
+        return self.prod.fleet() if self.prod is not None else {}
+
+    def _fleet_args(self) -> list[str]:
+        if self.prod is None:
+            return []
+        return ["--token-dir", str(self.prod.node_tokens(self.names))]
+
     async def _connect(self, url: str) -> Bus:
-        settings = msgspec.structs.replace(self.settings, nats_url=url, service="loadtest")
+        settings = msgspec.structs.replace(
+            self.settings, nats_url=url, service="loadtest", **self._harness_keys()
+        )
         try:
             return await asyncio.wait_for(Bus.open(settings, provision_streams=False), CONNECT_S)
         except TimeoutError as exc:
@@ -389,13 +352,15 @@ class Harness:
         except (OSError, nats.errors.Error) as exc:
             raise LoadtestError(f"cannot reach NATS at {url}: {exc}") from exc
 
-    def _base_config(self, url: str) -> dict[str, object]:
+    def _base_config(self, url: str, keys: dict[str, object] | None = None) -> dict[str, object]:
+        """A child's config file: the server, logging, and ``keys`` (who it is, the CA)."""
         s = self.settings
         return {
             "nats_url": url,
             "log_level": s.log_level,
             "log_json": True,
             "heartbeat_interval": s.heartbeat_interval,
+            **(keys or {}),
         }
 
     async def _start_services(self, url: str) -> None:
@@ -409,22 +374,24 @@ class Harness:
             config = {
                 **self._base_config(url),
                 "ops_port": port,
-                "stream_replicas": s.stream_replicas,
+                "stream_replicas": self._replicas(),
                 "node_policy": s.node_policy,
                 "node_lost_after": s.node_lost_after,
                 # The class of the harness's share requests, beside the configured ones.
                 "device_classes": {**s.device_classes, SHARED_CLASS: SHARED_DEVICE_CLASS},
+                **(self.prod.component(role) if self.prod is not None else {}),
             }
-            started.append(
-                await self.children.spawn(
-                    name,
-                    role=role,
-                    module=f"services.{role}",
-                    config=config,
-                    env={"TANDEM_INSTANCE": instance},
-                )
+            child = await self.children.spawn(
+                name, role=role, module=f"services.{role}", config=config, env={"TANDEM_INSTANCE": instance}
             )
+            started.append(child)
+            if self.prod is not None:  # one at a time, as tools/chaos does: see docs/benchmarks.md
+                await self.children.wait_ready(child, timeout=SERVICE_READY_S)
         await asyncio.gather(*(self.children.wait_ready(c, timeout=SERVICE_READY_S) for c in started))
+        if self.prod is not None:
+            callout = [c for c in self.children.children if c.role == "callout"]
+            targets = {c.name: c.ops_port for c in [*started, *callout] if c.ops_port is not None}
+            await self._start_scraper(targets)
 
     async def _check_provisioned(self) -> None:
         """The buckets the fleet and the checks read exist (the services create them)."""
@@ -470,7 +437,7 @@ class Harness:
             "ledger",
             role="ledger",
             module="tools.loadtest.ledgerwatch",
-            config=self._base_config(url),
+            config=self._base_config(url, self._harness_keys()),
             stdin_pipe=True,
             stdout_pipe=True,
         )
@@ -574,20 +541,6 @@ class Harness:
 
     # -- result -----------------------------------------------------------------------------
 
-    def _rss(self) -> RssFigures:
-        by_role: dict[str, list[float]] = {}
-        for child in self.children.children:
-            if child.peak_rss_mb is not None:
-                by_role.setdefault(child.role, []).append(child.peak_rss_mb)
-        pid = self._nats_pid()
-        nats_mb = rss_mb(pid) if pid is not None else None
-        return RssFigures(
-            allocator=max(by_role["allocator"]) if "allocator" in by_role else None,
-            inventory=max(by_role["inventory"]) if "inventory" in by_role else None,
-            nats=nats_mb,
-            fleet=max(by_role["fleet"]) if "fleet" in by_role else None,
-        )
-
     def _report(
         self,
         driver: LoadDriver,
@@ -614,7 +567,7 @@ class Harness:
         if start is not None and last is not None and last > start:
             decisions_per_s = round(driver.first_outcomes / (last - start), 1)
         load_s = (driver.submit_done or driver.started or 0.0) - (driver.started or 0.0)
-        return Report(
+        report = Report(
             nodes=cfg.nodes,
             replicas=cfg.replicas,
             requests=cfg.requests,
@@ -627,7 +580,7 @@ class Harness:
             lost=len(lost),
             double_held=len(self.violations.double_held),
             jetstream_ceiling=CeilingFigures(ceil.publish_per_s, ceil.pull_ack_per_s),
-            rss_mb=self._rss(),
+            rss_mb=meter.rss(self.children, self._nats_pids()),
             ready_s=round(ready_s, 3),
             double_placed=len(self.violations.double_placed | driver.extra_placements),
             overcommitted=len(self.violations.overcommitted),
@@ -646,7 +599,15 @@ class Harness:
             arrival_wait_s=round(driver.arrival_wait_s, 3),
             drained=drained,
             snapshots=self.violations.snapshots,
+            profile=cfg.profile,
+            nats_servers=len(self._nats_pids()) or 1,
+            stream_replicas=self._replicas(),
+            security=self.security,
         )
+        stall = longest_gap([r.first for r in reqs.values() if r.first is not None], start=start or 0.0)
+        if stall is not None:
+            report.longest_stall_s, report.longest_stall_from_s = stall
+        return report
 
     # -- teardown ---------------------------------------------------------------------------
 
@@ -668,6 +629,8 @@ class Harness:
                 await self.bus.close()
         if self.server is not None:
             await asyncio.to_thread(self.server.stop)
+        if self.prod is not None:
+            await self.prod.stop()
         if self.failed or self.cfg.keep_logs or not self.own_dir:
             self.progress(f"logs of the services and the fleet: {self.run_dir}")
         else:
@@ -678,10 +641,8 @@ class Harness:
         self.children.kill_now()
         if self.server is not None:
             self.server.stop()
-
-
-def _minus(value: float | None, base: float | None) -> float | None:
-    return None if value is None else value - (base or 0.0)
+        if self.prod is not None:
+            self.prod.kill_now()
 
 
 async def run_loadtest(cfg: LoadConfig, settings: Settings, *, progress: Progress) -> Report:

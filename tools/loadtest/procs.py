@@ -83,7 +83,7 @@ def cpu_seconds(pid: int) -> float | None:
 @dataclass
 class Child:
     name: str
-    role: str  # "allocator", "inventory", "fleet", "checker"
+    role: str  # "allocator", "inventory", "fleet", "checker", "ledger", "callout", "prometheus"
     proc: asyncio.subprocess.Process
     log: Path
     ops_port: int | None = None
@@ -137,16 +137,35 @@ class Children:
         a pipe to this process when asked, else the log (and nothing)."""
         cfg = self.run_dir / f"{name}.json"
         cfg.write_bytes(msgspec.json.encode(config))
+        port = config.get("ops_port")
+        return await self.spawn_exec(
+            name,
+            role=role,
+            argv=[sys.executable, "-m", module, "--config", str(cfg), *(args or [])],
+            env=env,
+            stdout_pipe=stdout_pipe,
+            stdin_pipe=stdin_pipe,
+            ops_port=port if isinstance(port, int) else None,
+        )
+
+    async def spawn_exec(
+        self,
+        name: str,
+        *,
+        role: str,
+        argv: list[str],
+        env: Mapping[str, str] | None = None,
+        stdout_pipe: bool = False,
+        stdin_pipe: bool = False,
+        ops_port: int | None = None,
+    ) -> Child:
+        """Any program (``argv``), started, logged and stopped as the services are (a
+        Prometheus, for one)."""
         log_path = self.run_dir / f"{name}.log"
         log = log_path.open("wb")
         try:
             proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                module,
-                "--config",
-                str(cfg),
-                *(args or []),
+                *argv,
                 stdin=asyncio.subprocess.PIPE if stdin_pipe else asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE if stdout_pipe else log,
                 stderr=log,
@@ -158,8 +177,7 @@ class Children:
             raise LoadtestError(f"cannot start {name}: {exc}") from exc
         finally:
             log.close()
-        port = config.get("ops_port")
-        child = Child(name, role, proc, log_path, ops_port=port if isinstance(port, int) else None)
+        child = Child(name, role, proc, log_path, ops_port=ops_port)
         self.children.append(child)
         return child
 

@@ -9,14 +9,21 @@ Keys, in order (``docs/benchmarks.md`` explains how to read them): ``nodes``, ``
 ``freed``, ``rejected``, ``cancelled``, ``recovered``, ``util_target``, ``util_peak``, ``util_mean``,
 ``load_s``, ``arrival_wait_s``, ``drained``, ``snapshots``, ``ledger`` (the invariants at
 every write: :class:`~tools.loadtest.ledger.LedgerCounts`), ``wall_s``, ``cpu_s`` and
-``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats``,
-``fleet``, ``harness``). A figure that was not measured is ``null``. ``shares`` and
+``idle_cpu_pct`` (per process: ``allocator`` — replicas summed —, ``inventory``, ``nats`` —
+servers summed —, ``fleet``, ``harness``, and in the production profile ``callout`` and
+``prometheus``); then ``profile`` (``production`` or ``dev``), ``nats_servers``,
+``stream_replicas``, ``security`` (TLS, auth, and whether the servers refused a plain and an
+unauthenticated connection), ``scrape`` (Prometheus's targets: up, scrapes), and
+``cpu_ms_per_decision`` (per process, and ``_total``), ``longest_stall_s`` and, with
+``--kill-server-at``, ``nats_kill``. A figure that was not measured is
+``null``. ``shares`` and
 ``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
 :class:`Report` lists them.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import msgspec
@@ -40,17 +47,58 @@ class RssFigures(msgspec.Struct):
     inventory: float | None = None
     nats: float | None = None
     fleet: float | None = None
+    callout: float | None = None  # production profile
+    prometheus: float | None = None  # production profile
 
 
 class CpuFigures(msgspec.Struct):
-    """Per process; ``allocator`` sums the replicas, ``harness`` is this process and its
-    checker (:mod:`tools.loadtest.checker`)."""
+    """Per process; ``allocator`` sums the replicas, ``nats`` the servers, ``harness`` is this
+    process with its checker and ledger (:mod:`tools.loadtest.meter`); ``callout`` and
+    ``prometheus`` run in the production profile only."""
 
     allocator: float | None = None
     inventory: float | None = None
     nats: float | None = None
     fleet: float | None = None
     harness: float | None = None
+    callout: float | None = None
+    prometheus: float | None = None
+
+
+class Security(msgspec.Struct):
+    """How the clients connected (``tls``, ``auth``: ``callout`` or ``none``) and what the
+    servers did, before the load, with connections that must not get in (production profile:
+    both refused; null when not tried)."""
+
+    tls: bool = False
+    auth: str = "none"
+    plain_refused: bool | None = None  # nats:// without TLS
+    no_token_refused: bool | None = None  # TLS without a token
+
+
+class KillFigures(msgspec.Struct):
+    """The NATS server killed during the load (``--kill-server-at``, tools.loadtest.faults)."""
+
+    server: str = ""  # its name, and why it was chosen
+    at_s: float | None = None  # when, from the start of the services
+    down_s: float = 0.0  # how long it stayed down
+    back_s: float | None = None  # started again → healthy (caught up); null: never back
+
+
+class Target(msgspec.Struct):
+    """One scrape target as Prometheus saw it at the end of the load."""
+
+    up: bool = False
+    scrapes: int = 0  # samples of ``up`` it stored for the target: one per scrape
+    last_error: str = ""
+
+
+class ScrapeFigures(msgspec.Struct):
+    """The Prometheus that scraped every component during the run (production profile)."""
+
+    interval_s: float | None = None
+    targets: dict[str, Target] = msgspec.field(default_factory=dict)
+    error: str | None = None  # set when Prometheus could not be asked
 
 
 class Report(msgspec.Struct, kw_only=True):
@@ -90,6 +138,18 @@ class Report(msgspec.Struct, kw_only=True):
     wall_s: float = 0.0  # services started → end of the drain
     cpu_s: CpuFigures = msgspec.field(default_factory=CpuFigures)  # CPU seconds in wall_s
     idle_cpu_pct: CpuFigures = msgspec.field(default_factory=CpuFigures)  # % of one core, idle
+    # The profile (tools.loadtest.production): "production" as the chart installs NATS, or "dev".
+    profile: str = "dev"
+    nats_servers: int = 1
+    stream_replicas: int = 1
+    security: Security = msgspec.field(default_factory=Security)
+    scrape: ScrapeFigures = msgspec.field(default_factory=ScrapeFigures)
+    # CPU of the load and the drain (start-up excluded) / decisions, in ms
+    cpu_ms_per_decision: CpuFigures = msgspec.field(default_factory=CpuFigures)
+    cpu_ms_per_decision_total: float | None = None  # every process together
+    longest_stall_s: float | None = None  # the longest time without a first answer, during the load
+    longest_stall_from_s: float | None = None  # when it began, from the first submit
+    nats_kill: KillFigures | None = None  # --kill-server-at: the server killed and brought back
 
 
 def percentiles(values: list[float]) -> Percentiles:
@@ -102,6 +162,17 @@ def percentiles(values: list[float]) -> Percentiles:
         return round(ordered[max(0, math.ceil(p * len(ordered)) - 1)], 2)
 
     return Percentiles(p50=rank(0.50), p99=rank(0.99), max=round(ordered[-1], 2))
+
+
+def longest_gap(times: list[float], *, start: float) -> tuple[float, float] | None:
+    """The longest interval between ``start`` and the first of ``times`` or between two of
+    them, and when it began (from ``start``), in seconds rounded to 1 ms (times before
+    ``start`` do not count); None without times."""
+    after = sorted(t for t in times if t >= start)
+    if not after:
+        return None
+    gap, began = max((b - a, a) for a, b in itertools.pairwise([start, *after]))
+    return round(gap, 3), round(began - start, 3)
 
 
 def to_json_line(report: Report) -> str:
@@ -125,7 +196,39 @@ def _pct(value: float | None) -> str:
 def _cpu(c: CpuFigures, unit: str) -> str:
     parts = [("allocator", c.allocator), ("inventory", c.inventory), ("nats", c.nats)]
     parts += [("fleet", c.fleet), ("harness", c.harness)]
+    extra = (("callout", c.callout), ("prometheus", c.prometheus))
+    parts += [(name, v) for name, v in extra if v is not None]
     return ", ".join(f"{name} {_num(v, unit)}" for name, v in parts)
+
+
+def _profile(r: Report) -> str:
+    sec = r.security
+    how = f"{'TLS' if sec.tls else 'plain'}, auth {sec.auth}"
+    if sec.plain_refused is not None:
+        how += (
+            f" (plain connection {'refused' if sec.plain_refused else 'ACCEPTED'}, "
+            f"no token {'refused' if sec.no_token_refused else 'ACCEPTED'})"
+        )
+    line = f"  profile {r.profile}: {r.nats_servers} nats-server(s), streams R{r.stream_replicas}, {how}"
+    sc = r.scrape
+    if sc.interval_s is not None:
+        if sc.error is not None:
+            line += f"; Prometheus NOT read ({sc.error})"
+        else:
+            seen = ", ".join(f"{n} {t.scrapes}{'' if t.up else ' DOWN'}" for n, t in sc.targets.items())
+            line += f"; Prometheus every {sc.interval_s:g} s, scrapes: {seen}"
+    if r.nats_kill is not None:
+        k = r.nats_kill
+        line += (
+            f"\n  killed nats-server {k.server} at {_num(k.at_s, ' s')} for {k.down_s:g} s, "
+            f"healthy {_num(k.back_s, ' s')} after its restart"
+        )
+    if r.longest_stall_s is not None:
+        line += (
+            f"\n  longest time without a decision: {r.longest_stall_s:g} s, "
+            f"from {_num(r.longest_stall_from_s, ' s')} after the first submit"
+        )
+    return line
 
 
 def violations(r: Report) -> int:
@@ -171,6 +274,9 @@ def summary(r: Report) -> str:
         f"  peak RSS MB: allocator {_num(rss.allocator)}, inventory {_num(rss.inventory)}, "
         f"nats {_num(rss.nats)}, fleet {_num(rss.fleet)}",
         f"  CPU s over {r.wall_s:g} s: {_cpu(r.cpu_s, '')}",
+        f"  CPU ms per decision, {_num(r.cpu_ms_per_decision_total)} in all: "
+        f"{_cpu(r.cpu_ms_per_decision, '')}",
+        _profile(r),
     ]
     if r.idle_cpu_pct.inventory is not None:
         lines.append(f"  idle (heartbeats only), % of one core: {_cpu(r.idle_cpu_pct, ' %')}")

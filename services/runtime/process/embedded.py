@@ -207,13 +207,14 @@ class _Member:
             if "Server is ready" in line:
                 ready.set()
 
-    def launch(self, *, cluster_name: str, routes: list[str]) -> None:
+    def launch(self, *, cluster_name: str, routes: list[str], config_file: str | None = None) -> None:
         cmd = [
             server_binary(),
             *("-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port)),
             *("-n", self.name, "-js", "-sd", self.store_dir),
             *("--cluster_name", cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}"),
             *("--routes", ",".join(routes)),
+            *(("-c", config_file) if config_file else ()),
         ]
         self.lines = []
         self.ready = threading.Event()
@@ -254,6 +255,11 @@ class EmbeddedNatsCluster:
     ``url`` is the comma-joined client list that ``Settings.nats_url`` accepts;
     :meth:`kill` SIGKILLs one server (no goodbye to peers or clients, as a crashed machine);
     :meth:`restart` starts it again on the same ports and store.
+
+    ``config_file``: a nats-server config every server also reads (TLS for clients and routes,
+    accounts and the auth callout: the load harness's production profile); the flags above
+    still win for names, addresses, ports and store. ``scheme``: ``tls`` when that config
+    makes clients speak TLS, so that :attr:`urls` say so.
     """
 
     def __init__(
@@ -263,6 +269,8 @@ class EmbeddedNatsCluster:
         cluster_name: str = "tandem",
         base_dir: str | None = None,
         startup_timeout: float = 30.0,
+        config_file: str | None = None,
+        scheme: str = "nats",
     ) -> None:
         if size < 1:
             raise EmbeddedServerError(f"cluster size must be at least 1, got {size}")
@@ -271,13 +279,15 @@ class EmbeddedNatsCluster:
         self._own_dir = base_dir is None
         self.base_dir = base_dir or tempfile.mkdtemp(prefix="tandem-nats-cluster-")
         self.startup_timeout = startup_timeout
+        self.config_file = config_file
+        self.scheme = scheme
         self.members: list[_Member] = []
 
     @property
     def urls(self) -> list[str]:
         if not self.members:
             raise EmbeddedServerError("embedded nats cluster is not running")
-        return [f"nats://127.0.0.1:{m.port}" for m in self.members]
+        return [f"{self.scheme}://127.0.0.1:{m.port}" for m in self.members]
 
     @property
     def url(self) -> str:
@@ -303,7 +313,7 @@ class EmbeddedNatsCluster:
 
     def _launch(self, member: _Member) -> None:
         others = [r for r, m in zip(self._routes(), self.members, strict=True) if m is not member]
-        member.launch(cluster_name=self.cluster_name, routes=others)
+        member.launch(cluster_name=self.cluster_name, routes=others, config_file=self.config_file)
 
     def start(self) -> EmbeddedNatsCluster:
         ports = free_ports(3 * self.size)
