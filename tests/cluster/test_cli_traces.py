@@ -6,7 +6,7 @@ the node agent's spans: the CLI's `client.submit` its root, no span's parent mis
 told not to export (the variable set empty, or `OTEL_SDK_DISABLED=true`) sends no parent of its
 own: the allocator's decision is the root of the trace the CLI prints, which has no CLI span
 and no missing parent (a CLI span nobody exported used to be every other span's parent). The
-record goes when `tandem up` stops. Skipped when no jaeger binary is built (`make jaeger`).
+record goes when `tandem up` stops. Runs in `make cluster-test`, whose build gives it the real Jaeger.
 """
 
 from __future__ import annotations
@@ -19,16 +19,15 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from services.runtime.errors import EmbeddedServerError
-from services.runtime.process.jaeger import find_jaeger
 from tests.e2e.test_cli_up import TANDEM, start_up
 from tests.waiting import wait_until_sync
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.timeout(300)]
 
 # Jaeger answers on our own address, never through an http_proxy.
 _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -42,11 +41,10 @@ class System:
 
 
 @pytest.fixture(scope="module")
-def system(tmp_path_factory: pytest.TempPathFactory) -> Iterator[System]:
-    try:
-        jaeger = find_jaeger()
-    except EmbeddedServerError as exc:
-        pytest.skip(f"no real Jaeger to test against: {exc}")
+def system(tmp_path_factory: pytest.TempPathFactory, jaeger_bin: Path) -> Iterator[System]:
+    # The real Jaeger that `make cluster-bins` builds (here, not in `make test`, where a fresh
+    # clone has none yet and the test could only skip).
+    jaeger = str(jaeger_bin)
     tmp = tmp_path_factory.mktemp("traces")  # where `tandem up` leaves its record (TMPDIR)
     shell = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "TANDEM_"))}
     printed: list[str] = []
