@@ -43,6 +43,7 @@ from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim, PolicyError
 from services.kube.client import KubeApi
 from services.kube.errors import Conflict, KubeError, NotFound
+from services.kube.relist import list_then_watch
 from services.runtime.nats.bus import Bus
 from services.runtime.observe.logging import get_logger
 
@@ -91,25 +92,26 @@ class ClaimBridge:
     ) -> None:
         """List + resync, then watch; on any watch end, do it again. No CRD (404): claims are
         off; looked for again every 30 s, and pods are not held up meanwhile."""
-        while not stop.is_set():
-            backoff = self.relist_backoff
-            try:
-                recs = await records()
-                items, version = await self.kube.list_claims()
-                await self.resync(items, recs)
-                self.synced.set()
-                async for kind, obj in self.kube.watch_claims(
-                    resource_version=version, timeout_s=self.watch_timeout
-                ):
-                    await self.on_claim_event(kind, obj)
-            except NotFound as exc:
-                log.warning("claims_off", error=str(exc), hint="install the DeviceClaim CRD")
-                self.synced.set()
-                backoff = 30.0
-            except KubeError as exc:
-                log.warning("claim_watch_restart", error=str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
+        recs: dict[str, RequestRecord] = {}
+
+        async def listed() -> tuple[list[dict[str, Any]], str]:
+            nonlocal recs
+            recs = await records()
+            return await self.kube.list_claims()
+
+        await list_then_watch(
+            stop,
+            listed=listed,
+            resync=lambda items: self.resync(items, recs),
+            watch=lambda version: self.kube.watch_claims(
+                resource_version=version, timeout_s=self.watch_timeout
+            ),
+            on_event=self.on_claim_event,
+            synced=self.synced,
+            backoff=self.relist_backoff,
+            name="claim",
+            absent_hint="install the DeviceClaim CRD",
+        )
 
     async def expire(self, stop: asyncio.Event) -> None:
         """Release reservations past their deadline (the first pass runs right after the

@@ -43,6 +43,7 @@ from services.admission import drapods, names, podrules
 from services.admission.draclaims import allocations, is_tandems, pod_devices
 from services.admission.errors import InvalidClaim, InvalidPod, PolicyError
 from services.kube.errors import Conflict, KubeError, NotFound
+from services.kube.relist import list_then_watch
 from services.runtime.nats.bus import Bus, Retry
 from services.runtime.observe.logging import get_logger
 from services.runtime.observe.tracing import context_from_traceparent, tracer
@@ -114,25 +115,26 @@ class DraBridge:
     ) -> None:
         """List + resync, then watch; on any watch end, do it again. A cluster without DRA
         (404) is looked at again every 30 s, and pods are not held up meanwhile."""
-        while not stop.is_set():
-            backoff = self.relist_backoff
-            try:
-                recs = await records()
-                items, version = await self.kube.list_resource_claims()
-                await self.resync(items, recs)
-                self.synced.set()
-                async for kind, obj in self.kube.watch_resource_claims(
-                    resource_version=version, timeout_s=self.watch_timeout
-                ):
-                    await self.on_claim_event(kind, obj)
-            except NotFound as exc:
-                log.warning("dra_claims_off", error=str(exc), hint="resource.k8s.io/v1 is not served")
-                self.synced.set()
-                backoff = 30.0
-            except KubeError as exc:
-                log.warning("dra_claim_watch_restart", error=str(exc))
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), backoff)
+        recs: dict[str, RequestRecord] = {}
+
+        async def listed() -> tuple[list[Obj], str]:
+            nonlocal recs
+            recs = await records()  # the records first: a claim listed after is no surprise
+            return await self.kube.list_resource_claims()
+
+        await list_then_watch(
+            stop,
+            listed=listed,
+            resync=lambda items: self.resync(items, recs),
+            watch=lambda version: self.kube.watch_resource_claims(
+                resource_version=version, timeout_s=self.watch_timeout
+            ),
+            on_event=self.on_claim_event,
+            synced=self.synced,
+            backoff=self.relist_backoff,
+            name="dra_claim",
+            absent_hint="resource.k8s.io/v1 is not served",
+        )
 
     async def resync(self, items: list[Obj], records: dict[str, RequestRecord]) -> None:
         async with self._lock:
@@ -189,7 +191,7 @@ class DraBridge:
             rid = drapods.held_by(obj)
             if rid is not None and drapods.is_deleting(obj):
                 await self._release_for(obj, rid, reason="claim deleted")
-            await self._wake(key[0])
+            await self._wake(key[0], owner=_owner_pod(obj))
 
     # -- pods ------------------------------------------------------------------------------------
 
@@ -205,10 +207,14 @@ class DraBridge:
                 return
             await self._judge(pod, raw)
 
-    async def _wake(self, namespace: str | None) -> None:
-        """Judge again the pods waiting for claims (of ``namespace``; None: all)."""
+    async def _wake(self, namespace: str | None, *, owner: str | None = None) -> None:
+        """Judge again the pods waiting for claims (of ``namespace``; None: all). A claim made
+        from a template belongs to one pod (``owner``, its uid): only that pod can have been
+        waiting for it, so only it is read again, not every waiting pod of the namespace."""
         for uid, (ns, name) in list(self.waiting.items()):
             if namespace is not None and ns != namespace:
+                continue
+            if owner is not None and uid != owner:
                 continue
             try:
                 raw = await self.kube.get_pod(ns, name)
@@ -508,6 +514,15 @@ class DraBridge:
         who = podrules.read_pod({"metadata": {k: involved[k] for k in ("namespace", "name", "uid")}})
         with contextlib.suppress(KubeError):
             await self.record_event(who, reason=reason, message=message, involved=involved)
+
+
+def _owner_pod(obj: Obj) -> str | None:
+    """The uid of the pod a claim was made for (the resourceclaim controller makes it the
+    claim's owner), or None for a claim written by hand, which any pod may name."""
+    for ref in (obj.get("metadata") or {}).get("ownerReferences") or []:
+        if ref.get("kind") == "Pod" and ref.get("apiVersion") == "v1" and ref.get("uid"):
+            return str(ref["uid"])
+    return None
 
 
 def _older(obj: Obj, cached: Obj | None) -> bool:

@@ -2,7 +2,8 @@
 
 ``client`` is the thin, project-owned wrapper (:class:`~services.kube.client.KubeApi`, plain JSON
 dicts in and out, only the calls Tandem makes); ``leader`` elects one replica with a
-``coordination.k8s.io`` Lease; ``resources`` names the custom resources Tandem defines.
+``coordination.k8s.io`` Lease; ``relist`` runs the list-then-watch loop of a cache of
+objects; ``resources`` names the custom resources Tandem defines.
 The admission service (webhook, bridges), the auth callout (TokenReview) and, later, the DRA
 driver use it; it imports only the kit below it (docs/architecture.md, "Layers").
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ import grpc
 
 from schemas.messages import Assignment, DeviceHealth
 from schemas.topology import NodeTopology
+from services.nodeagent.atomicfile import write_atomic
 from services.nodeagent.backends.base import Applier
 from services.nodeagent.deviceplugin.logic import (
     GPU_RESOURCE,
@@ -345,7 +345,7 @@ class DevicePlugins:
             names = [d.id for d in plugin_devices(topology, {}, RDMA_RESOURCE)]
             spec = await asyncio.to_thread(lambda: rdma_cdi_spec({n: self.uverbs(n) for n in names}))
             await asyncio.to_thread(
-                _write_atomic, self.cdi_dir / "tandem-rdma.json", json.dumps(spec, indent=1)
+                write_atomic, self.cdi_dir / "tandem-rdma.json", json.dumps(spec, indent=1).encode()
             )
 
     def start(self, stop: asyncio.Event) -> None:
@@ -356,16 +356,6 @@ class DevicePlugins:
         await self._tasks.aclose()
         for p in self.plugins:
             await p.stop()
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class PluginApplier:

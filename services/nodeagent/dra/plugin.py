@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from pathlib import Path
@@ -46,6 +45,7 @@ import msgspec
 from schemas.messages import DeviceHealth, NodeAllocations
 from schemas.topology import NodeTopology
 from services.kube.errors import KubeError, NotFound
+from services.nodeagent.atomicfile import write_atomic
 from services.nodeagent.dra.cdi import claim_spec, spec_file_name
 from services.nodeagent.dra.kubeletapi import dra_pb2 as dra
 from services.nodeagent.dra.kubeletapi import dra_pb2_grpc as dra_grpc
@@ -243,7 +243,7 @@ class KubeletPlugin:
             spec = claim_spec(claim.uid, prepared, uverbs=uverbs)
             path = Path(self.paths.cdi_dir) / spec_file_name(claim.uid)
             if spec.spec["devices"]:
-                await asyncio.to_thread(_write_atomic, path, msgspec.json.encode(spec.spec))
+                await asyncio.to_thread(write_atomic, path, msgspec.json.encode(spec.spec))
         except PrepareError as exc:
             return self._refused(claim, str(exc))
         except OSError as exc:  # the NICs' verbs devices unreadable, or the CDI dir unwritable
@@ -375,14 +375,3 @@ def _inode(path: Path) -> int | None:
         return path.stat().st_ino
     except OSError:
         return None
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write ``path`` whole or not at all (a runtime reading the CDI dir never sees half a spec)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
