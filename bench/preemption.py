@@ -28,7 +28,7 @@ import time
 
 from bench.fleet import fleet, requests
 from schemas.messages import AllocationRequest
-from services.allocator.core import Cluster, Placement, preempt
+from services.allocator.core import Cluster, Placement
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -78,7 +78,7 @@ def run(size: int, plans: int, seed: int) -> dict[str, object]:
         )
         w0, c0 = time.perf_counter(), time.thread_time()
         res = cluster.decide(req)
-        plan = None if isinstance(res, Placement) else preempt.plan(cluster, res.spec)
+        plan = None if isinstance(res, Placement) else cluster.preempt(res.spec)
         wall.append(time.perf_counter() - w0)
         cpu.append(time.thread_time() - c0)
         if isinstance(res, Placement):

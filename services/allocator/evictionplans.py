@@ -6,9 +6,9 @@ recorded ``pending``. It reads the request as the failed decision resolved it (t
 ``Unschedulable``'s ``spec``: whether it may preempt, its priority), so nothing here
 re-derives a default:
 
-1. the core's search (:func:`services.allocator.core.preempt.plan`) names the victims: the
-   fewest running allocations of lower priority, then the lowest priorities, then the best
-   alignment (the order is in that module). Allocations being released, claims and other
+1. the core's step after the failed decision (``Cluster.preempt``, :mod:`.core.preempt`) names
+   the victims: the fewest running allocations of lower priority, then the lowest priorities,
+   then the best alignment (the order is in that module). Allocations being released, claims and other
    protected holds, and the devices reserved for other preemptors are never victims;
 2. the devices the request will get are *reserved* for it at once in this replica's read
    model (``ReadModel.reserve``, under a key that is not a request id), so that nothing
@@ -115,7 +115,7 @@ class Preemptions:
                 await self._publish_recorded(req)
             return "pending"
         self.model.catch_up()  # victims may be on any node
-        plan = preempt.plan(self.model.cluster, spec)
+        plan = self.model.cluster.preempt(spec)
         if plan is None:
             return None
         # Reserved now, before any await: the next decisions must not take these devices.

@@ -73,7 +73,7 @@ from services.allocator.readmodel import ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
 from services.runtime.kv.records import Conflict, RecordStore, RecordTooLarge
-from services.runtime.nats.bus import Bus, Retry
+from services.runtime.nats.bus import Bus, Delivery, Retry
 from services.runtime.observe import tracing
 from services.runtime.observe.logging import get_logger
 from services.runtime.observe.tracing import (
@@ -191,6 +191,13 @@ class Placer:
         self.preemptions.sweep(live, busy=self.in_hand)
 
     # -- take -------------------------------------------------------------------------------
+
+    async def on_request(self, event: object, delivery: Delivery) -> None:
+        """The request consumer's handler: the allocator's entry for a request message."""
+        if isinstance(event, AllocationRequest):
+            await self.place(event, origin="message", context=delivery.context)
+        else:
+            log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
 
     async def place(
         self,

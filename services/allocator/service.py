@@ -52,7 +52,7 @@ from services.allocator.requestbook import RequestBook
 from services.allocator.retries import PendingRetries
 from services.runtime.kv.records import RecordStore
 from services.runtime.kv.watch import watch_bucket, watch_raw
-from services.runtime.nats.bus import Bus, Delivery
+from services.runtime.nats.bus import Bus
 from services.runtime.observe.logging import get_logger
 from services.runtime.process.tasks import Service, Supervisor
 
@@ -271,7 +271,7 @@ class Allocator(Service):
                 subjects.ALLOC_STREAM,
                 subjects.CONSUMER_ALLOCATOR_REQUESTS,
                 subjects.ALLOC_REQUEST,
-                self._on_request,
+                self.placer.on_request,
                 self.concurrency,
             ),
             (
@@ -305,12 +305,6 @@ class Allocator(Service):
         await self.jobs.aclose()
 
     # -- requests ---------------------------------------------------------------------------
-
-    async def _on_request(self, event: object, delivery: Delivery) -> None:
-        if isinstance(event, AllocationRequest):
-            await self.placer.place(event, origin="message", context=delivery.context)
-        else:
-            log.warning("unexpected_message", subject=delivery.subject, kind=type(event).__name__)
 
     async def handle_request(self, req: AllocationRequest, *, context: Context | None = None) -> str:
         """Place one request (:meth:`.Placer.place`): as its message when ``context`` is

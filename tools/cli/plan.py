@@ -23,7 +23,7 @@ as the webhook and the claim bridge resolve theirs: the class's defaults are fil
 line that breaks a rule stops the replay with the line and the field (:func:`resolved`).
 
 An ``alloc`` that finds no room and may preempt (its ``preemption``, or its class's, is
-``lower-priority``) evicts the allocations :func:`services.allocator.core.preempt.plan` names:
+``lower-priority``) evicts the allocations ``Cluster.preempt`` (:mod:`services.allocator.core.preempt`) names:
 a ``preempted`` line for each, then the request's own line.
 """
 
@@ -298,7 +298,7 @@ def _preemption(cluster: Cluster, result: Placement | Unschedulable) -> preempt.
     the core's step after the failed decision, on the request as that decision resolved it."""
     if isinstance(result, Placement):
         return None
-    return preempt.plan(cluster, result.spec)  # None: it may not preempt, or nothing helps
+    return cluster.preempt(result.spec)  # None: it may not preempt, or nothing helps
 
 
 def _line(

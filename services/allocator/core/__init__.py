@@ -7,7 +7,7 @@ Public API::
     cluster.hold(name, request_id, devices) / cluster.release(name, request_id)
     cluster.decide(request) -> Placement | Unschedulable      # does not change holds
     cluster.decide(request, prefer_shard=..., before_fallback=...)   # a replica's own shard first
-    preempt.plan(cluster, why.spec)     # after a failed decision ``why``: victims, or None
+    cluster.preempt(why.spec)           # after a failed decision ``why``: victims, or None
     place_job(cluster, job, tiers=("leaf", "spine"))          # a whole job: JobPlacement |
                                                               # JobUnschedulable; holds nothing
     cluster.cache_stats()                                     # sizes of the (bounded) caches

@@ -66,6 +66,7 @@ from .placement import (
 )
 from .plugins import Best, DeviceKind, IndexedKind, MigInstances, Shares, Stacking, WholeGpus
 from .plugins.base import overriding
+from .preempt import Preemption, plan
 from .request import Spec, normalise
 from .scores import DEFAULT_RESERVE, NodeOrder, OrderKey
 from .search import Choice, Refusal
@@ -541,6 +542,13 @@ class Cluster:
                 before_fallback()
             last_of_equals = True
         return self._decide(spec, last_of_equals=last_of_equals)
+
+    def preempt(self, spec: Spec) -> Preemption | None:
+        """The pipeline's step after a failed decision (the PostFilter): which lower-priority
+        allocations to evict so that ``spec`` (the failed decision's ``Unschedulable.spec``)
+        fits, or None when it may not preempt or nothing helps (:mod:`.preempt`). Changes no
+        hold: the caller evicts and decides again once the victims are freed."""
+        return plan(self, spec)
 
     def _decide(
         self, spec: Spec, *, shard: str | None = None, last_of_equals: bool = False
