@@ -353,7 +353,7 @@ class Placer:
         if not placement.met:
             # Rare (a preferred scope missed), and it may decide once more: only then.
             self.model.catch_up()  # the reason looks beyond this replica's shard
-            note = self.model.cluster.scope_reason(req, placement)
+            note = self.model.cluster.scope_reason(placement)
         assignment = build_assignment(req, placement, instance=self.instance, scope_note=note)
         self.model.hold_tentative(
             placement.node,

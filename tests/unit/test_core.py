@@ -423,12 +423,12 @@ def test_scope_reason_says_why_a_preferred_scope_was_missed() -> None:
     r = req("r", 2, 2, device_class="packed")
     p = placed(c.decide(r))
     assert (p.node, p.scope, p.met) == ("pcie-0", "pcie-root", False)
-    why = c.scope_reason(r, p)
+    why = c.scope_reason(p)
     assert why.startswith("pcie-switch pairs were possible on h100-0, a server not in use"), why
     assert "the class 'packed' places on servers in use" in why and "(node_order: used-first)" in why
     a = req("a", 2, 2)
     q = placed(c.decide(a))
-    assert (q.node, q.met) == ("h100-0", True) and c.scope_reason(a, q) == ""
+    assert (q.node, q.met) == ("h100-0", True) and c.scope_reason(q) == ""
     # Only PCIe boxes, one of them nearly full: nothing could pair at pcie-switch, and why.
     for order in ("alignment-first", "used-first"):
         only = Cluster(device_classes={"default": DeviceClass(node_order=order)})
@@ -437,7 +437,7 @@ def test_scope_reason_says_why_a_preferred_scope_was_missed() -> None:
         only.hold("pcie-1", "x", ["gpu0", "gpu1", "gpu2"])
         p = placed(only.decide(a))
         assert (p.node, p.scope) == ("pcie-0", "pcie-root")
-        assert only.scope_reason(a, p) == (
+        assert only.scope_reason(p) == (
             "no node could pair at pcie-switch now (1 node: 2 GPUs free but only 1 NICs under "
             "their PCIe switches; 1 node: fewer than 2 free GPUs)"
         ), order
@@ -452,6 +452,6 @@ def test_scope_reason_names_a_better_node_of_another_replicas_shard() -> None:
     r = req("r", 2, 2)
     p = placed(c.decide(r, prefer_shard="0"))
     assert (p.node, p.scope) == ("pcie-0", "pcie-root")
-    assert c.scope_reason(r, p).startswith(
+    assert c.scope_reason(p).startswith(
         "pcie-switch pairs were possible on h100-0, a node another allocator replica places on first"
     )

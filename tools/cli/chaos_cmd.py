@@ -75,7 +75,7 @@ def register(sub: Any) -> None:
 
 def _config(args: argparse.Namespace) -> ChaosConfig:
     from tools.chaos import ChaosConfig
-    from tools.loadtest import LoadtestError
+    from tools.loadtest.errors import LoadtestError
 
     try:
         low, high = (float(x) for x in args.down.split(","))
@@ -104,7 +104,7 @@ def _run(args: argparse.Namespace) -> int:
     from services.runtime.settings import load_settings
     from tools.chaos import ChaosRunner, summary, to_json_line
     from tools.cli.interrupt import until_interrupted
-    from tools.loadtest import LoadtestError
+    from tools.loadtest.errors import LoadtestError
 
     try:
         cfg = _config(args)

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from tools.cli.errors import CliError
 
 if TYPE_CHECKING:  # imported when the command runs (tools/cli/main.py: fast --help)
-    from tools.loadtest import LoadConfig
+    from tools.loadtest.config import LoadConfig
 
 
 def register(sub: Any) -> None:
@@ -135,7 +135,7 @@ def _production_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
-    from tools.loadtest import LoadConfig
+    from tools.loadtest.config import LoadConfig
 
     return LoadConfig(
         nodes=args.nodes,
@@ -170,7 +170,9 @@ def _run(args: argparse.Namespace) -> int:
     from services.runtime.process.lifecycle import GC_THRESHOLDS, run_loop
     from services.runtime.settings import load_settings
     from tools.cli.interrupt import until_interrupted
-    from tools.loadtest import Harness, LoadtestError, summary, to_json_line, violations
+    from tools.loadtest.errors import LoadtestError
+    from tools.loadtest.harness import Harness
+    from tools.loadtest.report import summary, to_json_line, violations
 
     cfg = _config(args)
     try:

@@ -33,22 +33,8 @@ Modules::
     report      the JSON line and the human summary (pure)
 
 Errors: :class:`LoadtestError` (one line, names the stage and the log to read).
+
+The package imports none of its modules: ``bench/`` reads ``mix`` alone, without the harness
+and the Kubernetes client the production profile's TokenReview brings (a heavy import, in
+every benchmark child). Import from the modules themselves.
 """
-
-from __future__ import annotations
-
-from tools.loadtest.config import LoadConfig
-from tools.loadtest.errors import LoadtestError
-from tools.loadtest.harness import Harness, run_loadtest
-from tools.loadtest.report import Report, summary, to_json_line, violations
-
-__all__ = [
-    "Harness",
-    "LoadConfig",
-    "LoadtestError",
-    "Report",
-    "run_loadtest",
-    "summary",
-    "to_json_line",
-    "violations",
-]

@@ -600,16 +600,16 @@ class Cluster:
                 return kind
         raise AssertionError("the whole-GPU kind takes every request")
 
-    def scope_reason(self, request: AllocationRequest, placement: Placement) -> str:
-        """Why ``placement``, just decided for ``request``, pairs at a coarser scope than the
-        request asked ("" when it met it), for the person reading ``tandem explain``; worded
+    def scope_reason(self, placement: Placement) -> str:
+        """Why ``placement``, just decided, pairs at a coarser scope than its request asked (""
+        when it met it), for the person reading ``tandem explain``; worded
         by :mod:`.scopenote`. Asked only for a placement that missed a preferred scope, so it
         may decide once more: with the alignment-first order where the class chose
         ``used-first`` (is a better scope free elsewhere?), or with the scope required (why
         does no node meet it?)."""
         if placement.met:
             return ""
-        spec = normalise(request, self.device_classes)
+        spec = placement.spec  # as the decision resolved it: no default derived again
         if spec.shared or spec.mig_profile or spec.selector:
             return scopenote.limited(spec)
         if self._scores.pressure():
