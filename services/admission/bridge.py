@@ -314,6 +314,8 @@ class Bridge:
             ):
                 await self._bind_from_record(pod, raw, record)
         await self.claims.prune(live)
+        if self.dra is not None:
+            await self.dra.pods_resynced(live)
         for rid, record in records.items():
             uid = record.request.pod.uid
             if record.request.claim is not None:
@@ -524,6 +526,10 @@ class Bridge:
         if isinstance(msg, PreemptionPlan):
             await evictions.evict_victims(self, msg, delivery)
 
+    def claim_consumers(self, request_id: str) -> list[PodRef] | None:
+        """The pods using the DRA claims ``request_id`` holds (a preemption's victims)."""
+        return self.dra.consumers(request_id) if self.dra is not None else None
+
     def _seen(self, ref: PodRef) -> dict[str, Any] | None:
         """The pod as the watch last delivered it, if it is still that pod (same uid)."""
         raw = self._pods.get((ref.namespace, ref.name))
@@ -539,6 +545,8 @@ class Bridge:
                 raw = None
         pod = podrules.read_pod(raw) if raw is not None else None
         if raw is None or pod is None or pod.metadata.uid != a.pod.uid:
+            if self.dra is not None and self.dra.holds(a.request_id):
+                return  # claims hold the devices: released once no pod uses them (drabridge)
             # The pod went away before it could be bound: give the devices back.
             await self.publish_release(
                 a.request_id, a.pod, node=a.node, reason="pod gone before binding", traceparent=None

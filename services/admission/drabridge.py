@@ -14,10 +14,14 @@ around them); this module applies them:
   removed, so kube-scheduler finds the claims allocated and binds the pod to their node;
 * ``alloc.failed`` or a claim Tandem refuses → a Warning Event on the pod and on each claim (a
   ResourceClaim's status has no conditions), in the allocator's words (``tandem explain``);
-* a held claim deleted (its pod's end, for a claim made from a template) → ``alloc.release`` of
-  its request once every claim that request holds is deleted (their devices were chosen
-  together) → the node agent's verified cleanup → ``Freed`` (durable consumer) → the
-  allocation cleared and Tandem's finalizer removed. Until then the claim is held.
+* a held claim deleted (its pod's end, for a claim made from a template) or left without a
+  consumer (no pod reserved for it, none alive that names it: a claim shared by pods, after its
+  last pod) → ``alloc.release`` of its request once every claim that request holds is (their
+  devices were chosen together) → the node agent's verified cleanup → ``Freed`` (durable
+  consumer) → Tandem's finalizer removed. A claim without a consumer is first deallocated at
+  the version read again, so a pod that reserved it meanwhile keeps it (the write gets a 409);
+  a pod naming it after that waits until ``Freed`` and gets it allocated anew. Until then the
+  claim is held.
 
 State lives in the claims (finalizer, annotations, allocation) and the request records, so a
 restarted bridge rebuilds it: the claims are listed before the pods are judged, a pod whose
@@ -31,7 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
 from nats.js.errors import KeyNotFoundError
@@ -103,6 +107,11 @@ class DraBridge:
         self.waiting: dict[str, Key] = {}  # gated pods (uid → namespace, name) waiting for claims
         self._requested: set[str] = set()
         self._released: set[str] = set()
+        # Live pods naming each claim (claim → pod uids; pod uid → its claims and its ref): a
+        # claim no pod is reserved for is deallocated only once none of these is left either.
+        self._users: dict[Key, set[str]] = {}
+        self._claims_of_pod: dict[str, tuple[PodRef, frozenset[Key]]] = {}
+        self._pods_synced = False  # the index above is trusted only after the pods' first list
         self._lock = asyncio.Lock()
         self._tracer = tracer("tandem.bridge")
         self.synced = asyncio.Event()
@@ -141,17 +150,35 @@ class DraBridge:
             self.claims, self._by_request = {}, {}
             for obj in items:
                 self._store(obj)
-            for obj in items:
-                rid = drapods.held_by(obj)
-                if rid is None or not drapods.is_deleting(obj):
-                    continue
-                record = records.get(rid)
-                if record is None or record.state not in (*ACTIVE_STATES, "releasing"):
-                    # Freed (or never placed) while the bridge was away: nothing is held.
-                    await self._let_go(obj)
-                else:
-                    await self._release_for(obj, rid, reason="claim deleted")
+            for rid in sorted(self._by_request):
+                await self._release_if_ended(rid, reason="claims deleted or unused", records=records)
             await self._wake(None)
+
+    async def pods_resynced(self, live: set[str]) -> None:
+        """The pod bridge listed every managed pod (``live``, their uids; each was handed to
+        :meth:`on_pod_event` first): the pods gone meanwhile stop counting as users, and every
+        request whose claims no pod uses any more is released."""
+        async with self._lock:
+            for uid in [u for u in self._claims_of_pod if u not in live]:
+                self._forget_user(uid)
+            self._pods_synced = True
+            for rid in sorted(self._by_request):
+                await self._release_if_ended(rid, reason="no pod uses the claims any more")
+
+    def consumers(self, request_id: str) -> list[PodRef] | None:
+        """Every pod using the claims ``request_id`` holds (reserved for, or naming them while
+        alive), or None when it holds no claim: a victim of preemption is all of them, since
+        the claims' devices come back only once no pod uses them."""
+        keys = self._by_request.get(request_id)
+        if not keys:
+            return None
+        found: dict[str, PodRef] = {}
+        for key in sorted(keys):
+            for ref in drapods.reserved_for(self.claims[key]):
+                found.setdefault(ref.uid, ref)
+            for uid in sorted(self._users.get(key, ())):
+                found.setdefault(uid, self._claims_of_pod[uid][0])
+        return list(found.values())
 
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` holds devices of DRA claims (its pod's end frees nothing)."""
@@ -189,8 +216,9 @@ class DraBridge:
                 return  # the watch is behind this bridge's own write of the claim
             self._store(obj)
             rid = drapods.held_by(obj)
-            if rid is not None and drapods.is_deleting(obj):
-                await self._release_for(obj, rid, reason="claim deleted")
+            if rid is not None:
+                reason = "claim deleted" if drapods.is_deleting(obj) else "no pod uses the claim any more"
+                await self._release_if_ended(rid, reason=reason)
             await self._wake(key[0], owner=_owner_pod(obj))
 
     # -- pods ------------------------------------------------------------------------------------
@@ -200,12 +228,39 @@ class DraBridge:
             uid = pod.metadata.uid or ""
             if kind == "DELETED" or pod.terminal:
                 self.waiting.pop(uid, None)
+                named = self._forget_user(uid)
                 await self._pod_ended(pod)
+                # Its claims may have no consumer left (the claim's own event can come first).
+                for rid in sorted({r for k in named if (r := self._holder(k)) is not None}):
+                    await self._release_if_ended(rid, reason="the last pod using the claims ended")
                 return
+            self._note_user(pod)
             if names.GATE not in pod.gates or pod.metadata.deletionTimestamp:
                 self.waiting.pop(uid, None)
                 return
             await self._judge(pod, raw)
+
+    def _note_user(self, pod: podrules.PodView) -> None:
+        uid, ns = pod.metadata.uid or "", pod.metadata.namespace or ""
+        keys = frozenset((ns, ref.claim) for ref in drapods.claim_refs(pod) if ref.claim)
+        self._forget_user(uid)
+        self._claims_of_pod[uid] = (podrules.pod_ref(pod), keys)
+        for key in keys:
+            self._users.setdefault(key, set()).add(uid)
+
+    def _forget_user(self, uid: str) -> frozenset[Key]:
+        """Take a pod out of the users index; the claims it named."""
+        _, keys = self._claims_of_pod.pop(uid, (None, frozenset[Key]()))
+        for key in keys:
+            users = self._users.get(key, set())
+            users.discard(uid)
+            if not users:
+                self._users.pop(key, None)
+        return keys
+
+    def _holder(self, key: Key) -> str | None:
+        obj = self.claims.get(key)
+        return drapods.held_by(obj) if obj is not None else None
 
     async def _wake(self, namespace: str | None, *, owner: str | None = None) -> None:
         """Judge again the pods waiting for claims (of ``namespace``; None: all). A claim made
@@ -326,7 +381,8 @@ class DraBridge:
 
     async def _pod_ended(self, pod: podrules.PodView) -> None:
         """A pod gone before its request was placed: the request is cancelled (its claims' holds
-        go with the ``Freed`` that answers). Allocated claims keep their devices until deleted."""
+        go with the ``Freed`` that answers). Allocated claims keep their devices until no pod
+        uses them (:meth:`_release_if_ended`)."""
         rid = podrules.request_id_for(pod.metadata.uid or "")
         held = self._held(rid)
         if held and not all(drapods.is_allocated(o) for o in held):
@@ -356,6 +412,8 @@ class DraBridge:
             await self._apply(a, raw)
 
     async def _apply(self, a: Assignment, raw: Obj) -> None:
+        if a.request_id in self._released:
+            return  # a late redelivery: its claims are already on their way back
         pod = podrules.read_pod(raw)
         ns = pod.metadata.namespace or ""
         # The claims this bridge marked for the request (its own writes are in the cache); the
@@ -431,13 +489,30 @@ class DraBridge:
 
     # -- releasing -------------------------------------------------------------------------------
 
-    async def _release_for(self, obj: Obj, rid: str, *, reason: str) -> None:
-        """A held claim is being deleted: release its request once every claim it holds is (their
-        devices were chosen in one decision and go back in one release)."""
+    def _ended(self, obj: Obj) -> bool:
+        """Whether a held claim is done with its devices. A claim made from a template for a pod
+        is once it is being deleted (the pod's end deletes it: no write is spent deallocating
+        it first); a claim pods name is once none uses it — before the pods' first list nobody
+        knows who names it, so then only a claim being deleted is."""
+        if drapods.is_deleting(obj):
+            return True
+        if _owner_pod(obj) is not None:
+            return False  # made for one pod: the resourceclaim controller deletes it when it ends
+        return self._pods_synced and drapods.ended(obj, users=self._users.get(_key(obj), ()))
+
+    async def _release_if_ended(
+        self, rid: str, *, reason: str, records: Mapping[str, RequestRecord] | None = None
+    ) -> None:
+        """Release ``rid`` once every claim it holds is deleted or has no consumer left (their
+        devices were chosen in one decision and go back in one release). A claim that is not
+        being deleted is first deallocated at the version read again (:meth:`_deallocate`): a
+        pod reserving it meanwhile makes that write fail, and nothing is released. Tandem's
+        finalizer and request stay on the claim until ``Freed``, so a pod naming it meanwhile
+        waits for the devices to be clean, then gets the claim allocated anew."""
         held = self._held(rid)
-        if any(not drapods.is_deleting(o) for o in held):
+        if not held or rid in self._released or not all(self._ended(o) for o in held):
             return
-        record = await self._record(rid)
+        record = records.get(rid) if records is not None else await self._record(rid)
         if record is None or record.state not in (*ACTIVE_STATES, "releasing"):
             # Freed, cancelled or refused already (or its record expired): nothing is held and
             # no Freed will come. (A request not recorded *yet* that is placed later finds its
@@ -445,10 +520,42 @@ class DraBridge:
             for claim in held:
                 await self._let_go(claim)
             return
-        await self._publish_release(obj, rid, reason=reason)
+        node = record.node or next((n for o in held if (n := drapods.allocated_node(o))), None)
+        for obj in held:
+            live = drapods.is_allocated(obj) and not drapods.is_deleting(obj)
+            if live and not await self._deallocate(obj, rid):
+                return
+        await self._publish_release(held[0], rid, reason=reason, node=node)
+
+    async def _deallocate(self, obj: Obj, rid: str) -> bool:
+        """Clear an unused claim's allocation, reading it again first and writing at the version
+        read; False when it is in use again (or no longer ``rid``'s), True when it is clear."""
+        key = _key(obj)
+        try:
+            fresh = self._store(await self.kube.get_resource_claim(*key))
+        except NotFound:
+            self._drop(key)
+            return True
+        if drapods.held_by(fresh) != rid:
+            return False
+        if drapods.is_deleting(fresh) or not drapods.is_allocated(fresh):
+            return True
+        if drapods.in_use(fresh, users=self._users.get(key, ())):
+            return False
+        try:
+            self._store(await self.kube.patch_resource_claim_status(*key, drapods.deallocation(fresh)))
+        except Conflict:
+            # Changed since it was read (kube-scheduler reserved it for a pod): still in use.
+            log.info("dra_claim_taken_again", claim=f"{key[0]}/{key[1]}", request_id=rid)
+            return False
+        except NotFound:
+            self._drop(key)
+            return True
+        log.info("dra_claim_deallocated", claim=f"{key[0]}/{key[1]}", request_id=rid)
+        return True
 
     async def _publish_release(
-        self, obj: Obj | None, rid: str, *, reason: str, pod: PodRef | None = None
+        self, obj: Obj | None, rid: str, *, reason: str, pod: PodRef | None = None, node: str | None = None
     ) -> None:
         if rid in self._released:
             return
@@ -456,7 +563,8 @@ class DraBridge:
             meta = (obj or {}).get("metadata") or {}
             name = str((meta.get("annotations") or {}).get(names.DRA_POD) or "")
             pod = PodRef(namespace=str(meta.get("namespace") or ""), name=name, uid=rid.rsplit(".", 1)[0])
-        node = drapods.allocated_node(obj) if obj is not None else None
+        if node is None and obj is not None:
+            node = drapods.allocated_node(obj)
         subject = subjects.alloc_release(node)
         msg = Release(request_id=rid, pod=pod, node=node, reason=reason)
         await self.bus.publish(subject, msg, msg_id=subjects.msg_id("release", rid, subject))
@@ -467,10 +575,10 @@ class DraBridge:
         """Clear a claim's allocation and take Tandem's finalizer off (its devices are free)."""
         key = _key(obj)
         try:
-            if drapods.is_allocated(obj) and not (obj.get("status") or {}).get("reservedFor"):
-                obj = await self.kube.patch_resource_claim_status(*key, {"status": {"allocation": None}})
             for _ in range(3):
                 try:
+                    if drapods.is_allocated(obj) and not drapods.reserved_for(obj):
+                        obj = await self.kube.patch_resource_claim_status(*key, drapods.deallocation(obj))
                     self._store(await self.kube.replace_resource_claim(*key, drapods.let_go(obj)))
                     break
                 except Conflict:

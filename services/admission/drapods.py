@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any, NamedTuple
 
 from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest, Assignment
-from services.admission import names, podrules, podwrites
+from schemas.messages import AllocationRequest, Assignment, PodRef
+from services.admission import jobwatch, names, podrules, podwrites
 from services.admission.draclaims import Claim, PodDevices, field_names, is_tandems, pod_devices
 from services.admission.errors import InvalidClaim, InvalidPod, PolicyError
 from services.admission.podrules import PodView, Verdict
@@ -122,6 +122,40 @@ def is_deleting(obj: Obj) -> bool:
     return bool((obj.get("metadata") or {}).get("deletionTimestamp"))
 
 
+def reserved_for(obj: Obj) -> list[PodRef]:
+    """The pods a claim is reserved for (``status.reservedFor``: kube-scheduler adds a pod when
+    it binds it, the resourceclaim controller takes an ended pod out)."""
+    meta = obj.get("metadata") or {}
+    return [
+        PodRef(namespace=str(meta.get("namespace") or ""), name=str(r.get("name") or ""), uid=str(r["uid"]))
+        for r in (obj.get("status") or {}).get("reservedFor") or []
+        if isinstance(r, dict) and r.get("resource", "pods") == "pods" and r.get("uid")
+    ]
+
+
+def in_use(obj: Obj, *, users: Collection[str]) -> bool:
+    """Whether a claim still has a consumer: a pod it is reserved for, or a live pod that names
+    it (``users``, their uids) and may still be bound — a pod let go to kube-scheduler but not
+    reserved yet must find the claim allocated, or the scheduler would allocate it itself."""
+    return bool(reserved_for(obj)) or bool(users)
+
+
+def ended(obj: Obj, *, users: Collection[str]) -> bool:
+    """Whether a claim Tandem holds is done with its devices: being deleted, or without any
+    consumer (:func:`in_use`) — kube-scheduler's own allocator deallocates a claim then too."""
+    return is_deleting(obj) or not in_use(obj, users=users)
+
+
+def deallocation(obj: Obj) -> Obj:
+    """Merge patch of a claim's status clearing its allocation *at the version read*: the API
+    server answers 409 if anyone changed the claim since — kube-scheduler reserving it for a
+    new pod changes it — so a claim taken again is never deallocated under its pod."""
+    version = (obj.get("metadata") or {}).get("resourceVersion")
+    if not version:
+        raise ValueError("a claim is deallocated only at the version read (it has no resourceVersion)")
+    return {"metadata": {"resourceVersion": str(version)}, "status": {"allocation": None, "devices": None}}
+
+
 # -- admission ------------------------------------------------------------------------------
 
 
@@ -165,6 +199,9 @@ def admit(
             message=f"{who}: spec.nodeName is already set to {pod.spec.nodeName!r}; a pod whose claims ask"
             " Tandem's classes must let Tandem choose the node, so remove nodeName",
         )
+    job_warning = _job_refused_or_warned(pod, who=who, known=bool(tandem))
+    if isinstance(job_warning, Verdict):
+        return job_warning
     try:
         devices = pod_devices(tandem, default_class=names.DEFAULT_CLASS)
         if devices is not None:
@@ -174,12 +211,43 @@ def admit(
     except RequestError as exc:
         return Verdict(allowed=False, code=403, message=f"{who}: {exc}")
     ops, warnings = podrules.admission_patch(pod, None, traceparent=traceparent)
+    if job_warning:
+        warnings.append(job_warning)
     if unknown:
         warnings.append(
             "a ResourceClaim (or template) of this pod does not exist yet; Tandem holds the pod until it"
             " does and lets it go if it asks none of Tandem's classes"
         )
     return Verdict(allowed=True, patch=ops, warnings=warnings)
+
+
+def _job_refused_or_warned(pod: PodView, *, who: str, known: bool) -> Verdict | str | None:
+    """A pod of a job asking through claims: a job's all-or-nothing placement is built for pods
+    asking ``tandem.io/*`` resources only, and a pod through claims is placed on its own. A pod
+    that asks Tandem's job placement itself (``tandem.io/job*``) is refused, so a job is never
+    placed in part where its author expects all of it; a LeaderWorkerSet pod (whose group labels
+    its controller writes), or one whose claims do not exist yet (``known`` False: they may turn
+    out not to be Tandem's), is admitted with a warning that says so."""
+    try:
+        member = jobwatch.membership(pod)
+    except PolicyError as exc:
+        return Verdict(allowed=False, code=403, message=f"{who}: {exc}")
+    if member is None:
+        return None
+    why = (
+        f"it is in job {member.group!r}, and Tandem places a job all or nothing only for pods that ask"
+        f" its devices as resources ({', '.join(names.RESOURCES)}); a pod asking through ResourceClaims"
+        " is placed on its own"
+    )
+    keys = (jobwatch.JOB, jobwatch.JOB_SIZE, jobwatch.JOB_INDEX)
+    if known and any(k in pod.labels or k in pod.annotations for k in keys):
+        return Verdict(
+            allowed=False,
+            code=403,
+            message=f"{who}: {why}; ask the job's devices as resources, or remove {jobwatch.JOB}"
+            f" and {jobwatch.JOB_SIZE} to place the pods one by one",
+        )
+    return f"{who}: {why} (each pod's claims are allocated when that pod is judged)"
 
 
 # -- the bridge -------------------------------------------------------------------------------

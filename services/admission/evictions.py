@@ -15,7 +15,12 @@ devices of running allocations (services/allocator/evictionplans.py). For each v
   ``Preempted`` naming the preemptor;
 * a victim whose pod is already gone (or another pod by that name) gets its allocation
   released directly, in case its pod's deletion was missed;
-* a victim whose pod is already terminating or finished is left to the pod watch.
+* a victim whose pod is already terminating or finished is left to the pod watch;
+* a victim whose devices DRA ResourceClaims hold (docs/dra.md) is every pod using those claims
+  (reserved for them, or naming them while alive): its devices come back only once no pod uses
+  the claims, so each of those pods is evicted, and nothing is released directly — the claims'
+  own path releases it (a claim made from a template is deleted with its pod, a shared claim is
+  deallocated after its last pod).
 
 Victims a PodDisruptionBudget protects are tried again with back-off (the plan is redelivered:
 ``eviction_backoff`` doubling per delivery, at most 60 s), and the preemptor's pod gets a
@@ -56,6 +61,10 @@ class Evictor(Protocol):
         self, rid: str, ref: PodRef, *, node: str | None, reason: str, traceparent: str | None
     ) -> None: ...
 
+    def claim_consumers(self, request_id: str) -> list[PodRef] | None:
+        """The pods using the DRA claims ``request_id`` holds; None when it holds none."""
+        ...
+
 
 async def evict_victims(bridge: Evictor, plan: PreemptionPlan, delivery: Delivery) -> None:
     """Evict ``plan``'s victims (module docstring); raises Retry while a PDB blocks one."""
@@ -63,14 +72,16 @@ async def evict_victims(bridge: Evictor, plan: PreemptionPlan, delivery: Deliver
     if preemptor is None:
         log.info("preemption_dropped", request_id=plan.request_id, why="preemptor pod gone")
         return
-    blocked: list[tuple[Victim, str]] = []
+    blocked: list[tuple[PodRef, str]] = []
     for victim in plan.victims:
-        why = await _evict(bridge, plan, victim)
-        if why is not None:
-            blocked.append((victim, why))
+        consumers = bridge.claim_consumers(victim.request_id)
+        for ref in [victim.pod] if consumers is None else consumers:
+            why = await _evict(bridge, plan, victim, ref, release_if_gone=consumers is None)
+            if why is not None:
+                blocked.append((ref, why))
     if not blocked:
         return
-    text = "; ".join(f"{v.pod.namespace}/{v.pod.name}: {why}" for v, why in blocked)
+    text = "; ".join(f"{ref.namespace}/{ref.name}: {why}" for ref, why in blocked)
     message = (
         f"preempting {len(plan.victims)} pod(s) of lower priority on {plan.node}; eviction blocked "
         f"by a PodDisruptionBudget for {text}; retrying"
@@ -80,10 +91,13 @@ async def evict_victims(bridge: Evictor, plan: PreemptionPlan, delivery: Deliver
     raise Retry(f"preemption for {plan.request_id}: {text}", delay=delay)
 
 
-async def _evict(bridge: Evictor, plan: PreemptionPlan, victim: Victim) -> str | None:
-    """Evict one victim; the reason when a PodDisruptionBudget blocks it, else None."""
-    ref = victim.pod
+async def _evict(
+    bridge: Evictor, plan: PreemptionPlan, victim: Victim, ref: PodRef, *, release_if_gone: bool
+) -> str | None:
+    """Evict one pod of a victim; the reason when a PodDisruptionBudget blocks it, else None."""
     pod = await _live_pod(bridge, ref.namespace, ref.name, ref.uid)
+    if pod is None and not release_if_gone:
+        return None  # gone already: the claims it used go back once no pod uses them
     if pod is None:
         # Gone already (or another pod by that name): make sure its devices come back.
         metrics.BRIDGE_EVICTIONS.labels("gone").inc()

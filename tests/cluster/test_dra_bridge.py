@@ -13,13 +13,14 @@ allocation, and only with Tandem's devices.
 
 from __future__ import annotations
 
+import time
 import urllib.error
 from typing import Any
 
 import pytest
 
 from schemas.topology import locate
-from services.admission import names
+from services.admission import drapods, names
 from services.admission.draclaims import PARAMETERS_API, PARAMETERS_KIND
 from services.nodeagent.dra.slices import tandem_ids
 from services.topology import load_topology
@@ -241,35 +242,112 @@ def test_a_claim_deleted_while_the_bridge_is_away_is_released_when_it_is_back(re
     assert [r.state for r in release.requests_of(ns, "dra-pod")] == ["freed"]
 
 
-def test_a_claim_shared_by_two_pods_is_allocated_once_and_released_when_deleted(release: Release) -> None:
+def test_a_shared_claim_is_allocated_once_and_released_after_its_last_pod(release: Release) -> None:
+    """A claim named by several pods keeps its devices while any of them uses it; after the last
+    one ends, Tandem deallocates it (release → verified cleanup → freed, as kube-scheduler's own
+    allocator deallocates a claim whose reservedFor empties), and a pod naming it afterwards
+    gets it allocated anew."""
     cp = release.cp
     ns = make_namespace(cp)
     path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
     shared = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "shared"}}
     shared["spec"] = template("unused", gpus=1, nics=1)["spec"]["spec"]
     cp.request("POST", path, shared)
-    for name in ("first", "second"):
+
+    def start(name: str) -> str:
         pod = claim_pod(name, "unused")
         pod["spec"]["resourceClaims"] = [{"name": "devices", "resourceClaimName": "shared"}]
         cp.request("POST", f"/api/v1/namespaces/{ns}/pods", pod)
-    nodes = {
-        name: eventually(lambda n=name: pod_of(cp, ns, n)["spec"].get("nodeName"), what=f"{name} bound")
-        for name in ("first", "second")
-    }
+        return str(eventually(lambda: pod_of(cp, ns, name)["spec"].get("nodeName"), what=f"{name} bound"))
+
+    nodes = {name: start(name) for name in ("first", "second")}
     claim = cp.request("GET", f"{path}/shared")
     assert len(set(nodes.values())) == 1 and len(claim["status"]["allocation"]["devices"]["results"]) == 2
     assert sorted(r["name"] for r in claim["status"]["reservedFor"]) == ["first", "second"]
     holder = claim["metadata"]["annotations"][names.DRA_POD]
+    other = next(n for n in nodes if n != holder)
     requests = {n: release.requests_of(ns, n) for n in ("first", "second")}
     assert [r.state for r in requests[holder]] == ["assigned"]  # one request, by one pod
-    assert [r for n, rs in requests.items() if n != holder for r in rs] == []
+    assert requests[other] == []
 
-    for name in ("first", "second"):
-        cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{name}")
+    # The pod whose request holds the devices ends first: the other still uses them.
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{holder}")
     eventually(
-        lambda: not cp.request("GET", f"{path}/shared")["status"].get("reservedFor"), what="unreserved"
+        lambda: (
+            [r["name"] for r in cp.request("GET", f"{path}/shared")["status"].get("reservedFor") or []]
+            == [other]
+        ),
+        what=f"reserved for {other} alone",
     )
-    assert [r.state for r in release.requests_of(ns, holder)] == ["assigned"]  # held until deleted
+    time.sleep(3)  # room for a wrong release to happen
+    claim = cp.request("GET", f"{path}/shared")
+    assert claim["status"].get("allocation") and names.DRA_FINALIZER in claim["metadata"]["finalizers"]
+    assert [r.state for r in release.requests_of(ns, holder)] == ["assigned"]
+
+    # The last pod ends: released, cleaned, freed, and the claim (not deleted) let go.
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/{other}")
+    eventually(
+        lambda: [r.state for r in release.requests_of(ns, holder)] == ["freed"], what="the request freed"
+    )
+    let_go = eventually(
+        lambda: (c := cp.request("GET", f"{path}/shared"))["metadata"].get("finalizers") is None and c,
+        what="the claim let go",
+    )
+    assert "allocation" not in let_go["status"]
+    assert names.DRA_REQUEST not in (let_go["metadata"].get("annotations") or {})
+
+    # A pod naming it afterwards gets it allocated anew, by a request of its own.
+    start("third")
+    claim = cp.request("GET", f"{path}/shared")
+    third_uid = pod_of(cp, ns, "third")["metadata"]["uid"]
+    assert claim["metadata"]["annotations"][names.DRA_REQUEST] == f"{third_uid}.1"
+    assert [r["name"] for r in claim["status"]["reservedFor"]] == ["third"]
+    assert [r.state for r in release.requests_of(ns, "third")] == ["assigned"]
+    cp.request("DELETE", f"/api/v1/namespaces/{ns}/pods/third")
+    eventually(lambda: [r.state for r in release.requests_of(ns, "third")] == ["freed"], what="freed again")
     cp.request("DELETE", f"{path}/shared")
-    eventually(lambda: not claims_in(cp, ns), what="the claim gone once its devices are freed")
-    assert [r.state for r in release.requests_of(ns, holder)] == ["freed"]
+    eventually(lambda: not claims_in(cp, ns), what="the claim gone")
+
+
+def test_a_deallocation_at_a_stale_version_is_refused_with_409(release: Release) -> None:
+    """What the bridge relies on not to deallocate a claim under a pod that reserved it between
+    its read and its write: the real API server refuses the admission identity's status patch
+    carrying the version read (drapods.deallocation) once the claim was reserved since."""
+    cp = release.cp
+    ns = unmanaged_namespace(cp)  # the running bridge leaves this claim alone
+    path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "one"}}
+    body["spec"] = {
+        "devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.tandem.io"}}]}
+    }
+    cp.request("POST", path, body)
+    node = sorted(release.nodes)[0]
+    term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
+    allocation = {
+        "devices": {"results": [{"request": "gpus", "driver": "tandem.io", "pool": node, "device": "gpu6"}]},
+        "nodeSelector": {"nodeSelectorTerms": [term]},
+        "allocationTimestamp": "2026-12-04T03:00:00Z",
+    }
+    read = cp.request(
+        "PATCH",
+        f"{path}/one/status",
+        {"status": {"allocation": allocation}},
+        content_type="application/merge-patch+json",
+    )
+    # kube-scheduler reserves it for a pod after the bridge read it.
+    reserve = {"status": {"reservedFor": [{"resource": "pods", "name": "late", "uid": "5c0a6b1e-late"}]}}
+    cp.request("PATCH", f"{path}/one/status", reserve, content_type="application/merge-patch+json")
+    tandem = token_of(release, "admission")
+    status, answer = cp.request_as(tandem, "PATCH", f"{path}/one/status", drapods.deallocation(read))
+    assert status == 409, answer
+    assert cp.request("GET", f"{path}/one")["status"]["allocation"]["devices"]["results"]
+    cp.request(
+        "PATCH",
+        f"{path}/one/status",
+        {"status": {"reservedFor": None}},
+        content_type="application/merge-patch+json",
+    )
+    fresh = cp.request("GET", f"{path}/one")
+    status, answer = cp.request_as(tandem, "PATCH", f"{path}/one/status", drapods.deallocation(fresh))
+    assert status == 200 and "allocation" not in answer.get("status", {}), answer
+    cp.request("DELETE", f"{path}/one")
