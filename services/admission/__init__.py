@@ -19,8 +19,8 @@
   until all exist, then one job request; :mod:`.evictions` evicts preemption's victims.
 * :mod:`.draclaims`, :mod:`.drapods` — pure DRA rules: a pod's ResourceClaims as one request,
   the webhook's verdict, the allocation written; :mod:`.drabridge` applies them (docs/dra.md).
-* :mod:`.draclaims`, :mod:`.drapods` — pure DRA rules: a pod's ResourceClaims as one request,
-  the webhook's verdict, the allocation written; :mod:`.drabridge` applies them (docs/dra.md).
+* :mod:`.drajobs` — pure: a job whose pods ask through claims, made of each pod's claims and
+  released per pod by its job record; :mod:`.drajobbridge` applies it for the DRA bridge.
 * :mod:`.claims` — pure rules for ``DeviceClaim``\\ s (spec, request, expiry, who may use one,
   the status written); :mod:`.claimbridge` applies them (claims watch, pods that use a claim).
 

@@ -141,6 +141,7 @@ class Bridge:
                 record_event=self.record_event,
                 watch_timeout=watch_timeout,
                 relist_backoff=relist_backoff,
+                clock=clock,
             )
             if dra_kube is not None
             else None
@@ -262,6 +263,10 @@ class Bridge:
         for job_id, record in records.items():
             if record.state not in ("pending", "aborted", "committing", "committed"):
                 continue
+            if self.dra is not None and any(
+                self.dra.holds(record.job.pod_id(i)) for i in range(record.job.pods)
+            ):
+                continue  # its pods' DRA claims hold the devices: released through the claims (drajobbridge)
             gone = [
                 i
                 for i, ref in enumerate(record.job.members)
@@ -450,7 +455,9 @@ class Bridge:
         log.info("job_requested", job=job.job_id, namespace=job.namespace, pods=job.pods)
 
     async def _report_incomplete_jobs(self, now: float) -> None:
-        for group, size, present in self.jobs.waiting(now=now, timeout=self.job_wait_timeout):
+        gatherers = [self.jobs] if self.dra is None else [self.jobs, self.dra.jobs.gather]
+        waiting = [w for g in gatherers for w in g.waiting(now=now, timeout=self.job_wait_timeout)]
+        for group, size, present in waiting:
             message = (
                 f"job {group}: {len(present)} of {size} pods exist; Tandem requests devices for the "
                 "whole job once all of its pods exist (nothing is held meanwhile)"
@@ -592,6 +599,8 @@ class Bridge:
         if self.dra is not None:
             await self.dra.on_failed(f)
         members = self.jobs.job_of(f.request_id)
+        if not members and self.dra is not None:
+            members = self.dra.jobs.gather.job_of(f.request_id)  # a job whose pods ask through claims
         if members:
             # A job that cannot be placed yet: every pod of it says why.
             for pod in members:

@@ -12,6 +12,9 @@ around them); this module applies them:
   pinned to its node; a pod whose claims are all allocated, or none Tandem's, is just let go;
 * ``alloc.assigned`` for such a pod → each claim's ``status.allocation``, *then* the gate is
   removed, so kube-scheduler finds the claims allocated and binds the pod to their node;
+* the pods of a job (:func:`.jobwatch.membership`) are requested together, as one ``alloc.job``
+  once all exist, each pod's claims held under its pod id ``JOB/i`` and released through the
+  job record (:mod:`.drajobbridge`);
 * ``alloc.failed`` or a claim Tandem refuses → a Warning Event on the pod and on each claim (a
   ResourceClaim's status has no conditions), in the allocator's words (``tandem explain``);
 * a held claim deleted (its pod's end, for a claim made from a template) or left without a
@@ -35,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any, Protocol
 
@@ -43,8 +47,9 @@ from nats.js.errors import KeyNotFoundError
 from schemas import codec, subjects
 from schemas.config import DeviceClass
 from schemas.messages import AllocationFailed, Assignment, Freed, PodRef, Release, RequestRecord
-from services.admission import drapods, names, podrules
+from services.admission import drajobs, drapods, jobwatch, names, podrules
 from services.admission.draclaims import allocations, is_tandems, pod_devices
+from services.admission.drajobbridge import DraJobs
 from services.admission.errors import InvalidClaim, InvalidPod, PolicyError
 from services.kube.errors import Conflict, KubeError, NotFound
 from services.kube.relist import list_then_watch
@@ -95,6 +100,7 @@ class DraBridge:
         record_event: RecordEvent,
         watch_timeout: int = 300,
         relist_backoff: float = 1.0,
+        clock: Callable[[], float] = time.time,
     ) -> None:
         self.kube = kube
         self.bus = bus
@@ -103,7 +109,7 @@ class DraBridge:
         self.watch_timeout = watch_timeout
         self.relist_backoff = relist_backoff
         self.claims: dict[Key, Obj] = {}
-        self._by_request: dict[str, set[Key]] = {}  # the claims each request holds (index)
+        self.by_request: dict[str, set[Key]] = {}  # the claims each request holds (index)
         self.waiting: dict[str, Key] = {}  # gated pods (uid → namespace, name) waiting for claims
         self._requested: set[str] = set()
         self._released: set[str] = set()
@@ -114,6 +120,7 @@ class DraBridge:
         self._pods_synced = False  # the index above is trusted only after the pods' first list
         self._lock = asyncio.Lock()
         self._tracer = tracer("tandem.bridge")
+        self.jobs = DraJobs(self, clock=clock)  # pods of a job: placed together (drajobbridge)
         self.synced = asyncio.Event()
         """Set after the first list of claims (or after finding no resource.k8s.io/v1)."""
 
@@ -147,10 +154,10 @@ class DraBridge:
 
     async def resync(self, items: list[Obj], records: dict[str, RequestRecord]) -> None:
         async with self._lock:
-            self.claims, self._by_request = {}, {}
+            self.claims, self.by_request = {}, {}
             for obj in items:
-                self._store(obj)
-            for rid in sorted(self._by_request):
+                self.store(obj)
+            for rid in sorted(self.by_request):
                 await self._release_if_ended(rid, reason="claims deleted or unused", records=records)
             await self._wake(None)
 
@@ -162,14 +169,14 @@ class DraBridge:
             for uid in [u for u in self._claims_of_pod if u not in live]:
                 self._forget_user(uid)
             self._pods_synced = True
-            for rid in sorted(self._by_request):
+            for rid in sorted(self.by_request):
                 await self._release_if_ended(rid, reason="no pod uses the claims any more")
 
     def consumers(self, request_id: str) -> list[PodRef] | None:
         """Every pod using the claims ``request_id`` holds (reserved for, or naming them while
         alive), or None when it holds no claim: a victim of preemption is all of them, since
         the claims' devices come back only once no pod uses them."""
-        keys = self._by_request.get(request_id)
+        keys = self.by_request.get(request_id)
         if not keys:
             return None
         found: dict[str, PodRef] = {}
@@ -182,29 +189,29 @@ class DraBridge:
 
     def holds(self, request_id: str) -> bool:
         """Whether ``request_id`` holds devices of DRA claims (its pod's end frees nothing)."""
-        return bool(self._by_request.get(request_id))
+        return bool(self.by_request.get(request_id))
 
     def _held(self, request_id: str) -> list[Obj]:
-        return [self.claims[k] for k in sorted(self._by_request.get(request_id, ()))]
+        return [self.claims[k] for k in sorted(self.by_request.get(request_id, ()))]
 
-    def _store(self, obj: Obj) -> Obj:
+    def store(self, obj: Obj) -> Obj:
         """Cache a claim as the API server returned it (and index who holds it)."""
         key = _key(obj)
         self._drop(key)
         self.claims[key] = obj
         rid = drapods.held_by(obj)
         if rid is not None:
-            self._by_request.setdefault(rid, set()).add(key)
+            self.by_request.setdefault(rid, set()).add(key)
         return obj
 
     def _drop(self, key: Key) -> None:
         old = self.claims.pop(key, None)
         rid = drapods.held_by(old) if old is not None else None
         if rid is not None:
-            keys = self._by_request.get(rid, set())
+            keys = self.by_request.get(rid, set())
             keys.discard(key)
             if not keys:
-                self._by_request.pop(rid, None)
+                self.by_request.pop(rid, None)
 
     async def on_claim_event(self, kind: str, obj: Obj) -> None:
         key = _key(obj)
@@ -214,7 +221,7 @@ class DraBridge:
                 return
             if _older(obj, self.claims.get(key)):
                 return  # the watch is behind this bridge's own write of the claim
-            self._store(obj)
+            self.store(obj)
             rid = drapods.held_by(obj)
             if rid is not None:
                 reason = "claim deleted" if drapods.is_deleting(obj) else "no pod uses the claim any more"
@@ -228,6 +235,7 @@ class DraBridge:
             uid = pod.metadata.uid or ""
             if kind == "DELETED" or pod.terminal:
                 self.waiting.pop(uid, None)
+                self.jobs.gather.remove(pod)
                 named = self._forget_user(uid)
                 await self._pod_ended(pod)
                 # Its claims may have no consumer left (the claim's own event can come first).
@@ -299,12 +307,21 @@ class DraBridge:
         if objs is None:
             self.waiting[uid] = (ns, pod.metadata.name or "")
             return
-        rid = podrules.request_id_for(uid)
         tandem = [o for o in objs if is_tandems(drapods.spec_of(o))]
+        try:
+            member = jobwatch.membership(pod) if tandem else None
+        except PolicyError as exc:
+            await self.pod_event(pod, jobwatch.EVENT_REASON_INVALID, str(exc))
+            return
+        if member is not None:
+            self.waiting.pop(uid, None)
+            await self.jobs.judge(pod, raw, objs, member)  # placed with its job, all or nothing
+            return
+        rid = podrules.request_id_for(uid)
         todo = [o for o in tandem if not drapods.is_allocated(o)]
         nodes = {drapods.allocated_node(o) for o in tandem if drapods.is_allocated(o)}
         if len(nodes) > 1:
-            await self._pod_event(
+            await self.pod_event(
                 pod,
                 names.EVENT_REASON_INVALID,
                 "the pod's ResourceClaims are allocated on different nodes"
@@ -335,10 +352,10 @@ class DraBridge:
             return False
         self._requested.add(rid)  # a rejected one is not asked again: its Events say why
         if record.state == "assigned" and record.node:
-            assignment = await self._assignment_from_record(record.node, rid)
+            assignment = await self.assignment_from_record(record.node, rid)
             if assignment is not None:
                 with contextlib.suppress(Retry):
-                    await self._apply(assignment, raw)
+                    await self.apply(assignment, raw)
         return True
 
     async def _request(self, pod: podrules.PodView, todo: list[Obj], *, pin: str | None) -> None:
@@ -347,7 +364,7 @@ class DraBridge:
                 pod, [drapods.read_claim(o) for o in todo], device_classes=self.device_classes, pin=pin
             )
         except (InvalidClaim, PolicyError, InvalidPod) as exc:
-            await self._pod_event(pod, names.EVENT_REASON_INVALID, str(exc))
+            await self.pod_event(pod, names.EVENT_REASON_INVALID, str(exc))
             for obj in todo:
                 await self._claim_event(obj, names.EVENT_REASON_CLAIM_INVALID, str(exc))
             return
@@ -361,12 +378,12 @@ class DraBridge:
             ns, name = _key(obj)
             try:
                 body = drapods.held(obj, request_id=rid, pod=pod.metadata.name or "")
-                self._store(await self.kube.replace_resource_claim(ns, name, body))
+                self.store(await self.kube.replace_resource_claim(ns, name, body))
             except (Conflict, NotFound):
                 return  # changed or gone meanwhile: its watch event brings the pod back here
             except KubeError as exc:
                 log.warning("dra_claim_not_held", claim=f"{ns}/{name}", error=str(exc))
-                await self._pod_event(pod, names.EVENT_REASON_FAILED, f"ResourceClaim {ns}/{name}: {exc}")
+                await self.pod_event(pod, names.EVENT_REASON_FAILED, f"ResourceClaim {ns}/{name}: {exc}")
                 return
         # In the pod's trace (the webhook's span), as the pod bridge's requests are.
         parent = context_from_traceparent(pod.annotations.get(names.TRACEPARENT))
@@ -386,7 +403,7 @@ class DraBridge:
         rid = podrules.request_id_for(pod.metadata.uid or "")
         held = self._held(rid)
         if held and not all(drapods.is_allocated(o) for o in held):
-            await self._publish_release(held[0], rid, reason="pod ended before its claims were allocated")
+            await self.publish_release(held[0], rid, reason="pod ended before its claims were allocated")
 
     async def _ungate(self, pod: podrules.PodView, raw: Obj, *, assignment: Assignment | None) -> bool:
         """Remove the gate; False when the pod changed since ``raw`` (its next event, or the
@@ -409,18 +426,20 @@ class DraBridge:
         """Devices chosen for a pod with claims: write each claim's allocation, then let the pod go."""
         await self.synced.wait()
         async with self._lock:
-            await self._apply(a, raw)
+            await self.apply(a, raw)
 
-    async def _apply(self, a: Assignment, raw: Obj) -> None:
+    async def apply(self, a: Assignment, raw: Obj) -> None:
         if a.request_id in self._released:
             return  # a late redelivery: its claims are already on their way back
+        if drajobs.is_job_pod(a.request_id) and drajobs.split(a.request_id)[0] in self.jobs.cancelled:
+            return  # its job was cancelled (a pod ended first): the allocator releases it whole
         pod = podrules.read_pod(raw)
         ns = pod.metadata.namespace or ""
         # The claims this bridge marked for the request (its own writes are in the cache); the
         # pod's references only when the cache has none, e.g. after a restart.
         held = self._held(a.request_id) or await self._held_by_refs(a, pod, ns)
         if not held or any(drapods.is_deleting(o) for o in held):
-            await self._publish_release(
+            await self.publish_release(
                 held[0] if held else None, a.request_id, reason="claims gone", pod=a.pod
             )
             return
@@ -438,13 +457,13 @@ class DraBridge:
                 continue  # a redelivery: an allocation is written once
             key = _key(obj)
             try:
-                self._store(
+                self.store(
                     await self.kube.patch_resource_claim_status(
                         *key, {"status": {"allocation": written[key[1]]}}
                     )
                 )
             except NotFound:
-                await self._publish_release(obj, a.request_id, reason="claim gone before its allocation")
+                await self.publish_release(obj, a.request_id, reason="claim gone before its allocation")
                 return
         if not await self._ungate(pod, raw, assignment=a):
             raise Retry(f"pod {ns}/{pod.metadata.name} changed while its gate was removed", delay=0.2)
@@ -475,7 +494,7 @@ class DraBridge:
         bridge's). A request refused for good keeps its claims held until they are deleted: the
         claims say which request they waited for, so it is not asked again."""
         async with self._lock:
-            for obj in self._held(f.request_id):
+            for obj in self._held(f.request_id) or self.jobs.claims_of(f.request_id):
                 await self._claim_event(obj, names.EVENT_REASON_FAILED, f.reason)
 
     async def on_freed(self, f: Freed) -> None:
@@ -483,7 +502,7 @@ class DraBridge:
         await self.synced.wait()
         async with self._lock:
             for obj in self._held(f.request_id):
-                await self._let_go(obj)
+                await self.let_go(obj)
             self._released.discard(f.request_id)
             self._requested.discard(f.request_id)
 
@@ -505,12 +524,15 @@ class DraBridge:
     ) -> None:
         """Release ``rid`` once every claim it holds is deleted or has no consumer left (their
         devices were chosen in one decision and go back in one release). A claim that is not
-        being deleted is first deallocated at the version read again (:meth:`_deallocate`): a
+        being deleted is first deallocated at the version read again (:meth:`deallocate`): a
         pod reserving it meanwhile makes that write fail, and nothing is released. Tandem's
         finalizer and request stay on the claim until ``Freed``, so a pod naming it meanwhile
         waits for the devices to be clean, then gets the claim allocated anew."""
         held = self._held(rid)
         if not held or rid in self._released or not all(self._ended(o) for o in held):
+            return
+        if drajobs.is_job_pod(rid):
+            await self.jobs.release_if_ended(rid, held, reason=reason)  # a job's pod: its job record says
             return
         record = records.get(rid) if records is not None else await self._record(rid)
         if record is None or record.state not in (*ACTIVE_STATES, "releasing"):
@@ -518,21 +540,21 @@ class DraBridge:
             # no Freed will come. (A request not recorded *yet* that is placed later finds its
             # claims gone when assigned, and is released then.)
             for claim in held:
-                await self._let_go(claim)
+                await self.let_go(claim)
             return
         node = record.node or next((n for o in held if (n := drapods.allocated_node(o))), None)
         for obj in held:
             live = drapods.is_allocated(obj) and not drapods.is_deleting(obj)
-            if live and not await self._deallocate(obj, rid):
+            if live and not await self.deallocate(obj, rid):
                 return
-        await self._publish_release(held[0], rid, reason=reason, node=node)
+        await self.publish_release(held[0], rid, reason=reason, node=node)
 
-    async def _deallocate(self, obj: Obj, rid: str) -> bool:
+    async def deallocate(self, obj: Obj, rid: str) -> bool:
         """Clear an unused claim's allocation, reading it again first and writing at the version
         read; False when it is in use again (or no longer ``rid``'s), True when it is clear."""
         key = _key(obj)
         try:
-            fresh = self._store(await self.kube.get_resource_claim(*key))
+            fresh = self.store(await self.kube.get_resource_claim(*key))
         except NotFound:
             self._drop(key)
             return True
@@ -543,7 +565,7 @@ class DraBridge:
         if drapods.in_use(fresh, users=self._users.get(key, ())):
             return False
         try:
-            self._store(await self.kube.patch_resource_claim_status(*key, drapods.deallocation(fresh)))
+            self.store(await self.kube.patch_resource_claim_status(*key, drapods.deallocation(fresh)))
         except Conflict:
             # Changed since it was read (kube-scheduler reserved it for a pod): still in use.
             log.info("dra_claim_taken_again", claim=f"{key[0]}/{key[1]}", request_id=rid)
@@ -554,7 +576,7 @@ class DraBridge:
         log.info("dra_claim_deallocated", claim=f"{key[0]}/{key[1]}", request_id=rid)
         return True
 
-    async def _publish_release(
+    async def publish_release(
         self, obj: Obj | None, rid: str, *, reason: str, pod: PodRef | None = None, node: str | None = None
     ) -> None:
         if rid in self._released:
@@ -571,7 +593,7 @@ class DraBridge:
         self._released.add(rid)
         log.info("dra_released", request_id=rid, node=node, reason=reason)
 
-    async def _let_go(self, obj: Obj) -> None:
+    async def let_go(self, obj: Obj) -> None:
         """Clear a claim's allocation and take Tandem's finalizer off (its devices are free)."""
         key = _key(obj)
         try:
@@ -579,7 +601,7 @@ class DraBridge:
                 try:
                     if drapods.is_allocated(obj) and not drapods.reserved_for(obj):
                         obj = await self.kube.patch_resource_claim_status(*key, drapods.deallocation(obj))
-                    self._store(await self.kube.replace_resource_claim(*key, drapods.let_go(obj)))
+                    self.store(await self.kube.replace_resource_claim(*key, drapods.let_go(obj)))
                     break
                 except Conflict:
                     obj = await self.kube.get_resource_claim(*key)
@@ -601,7 +623,7 @@ class DraBridge:
             return None
         return codec.REQUEST_RECORD.decode(entry.value) if entry.value else None
 
-    async def _assignment_from_record(self, node: str, rid: str) -> Assignment | None:
+    async def assignment_from_record(self, node: str, rid: str) -> Assignment | None:
         kv = await self.bus.kv(subjects.KV_ALLOCS)
         try:
             entry = await kv.get(subjects.kv_key(node))
@@ -612,7 +634,7 @@ class DraBridge:
         rec = codec.NODE_ALLOCS.decode(entry.value).allocations.get(rid)
         return rec.assignment if rec is not None else None
 
-    async def _pod_event(self, pod: podrules.PodView, reason: str, message: str) -> None:
+    async def pod_event(self, pod: podrules.PodView, reason: str, message: str) -> None:
         with contextlib.suppress(KubeError):
             await self.record_event(pod, reason=reason, message=message)
 

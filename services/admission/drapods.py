@@ -28,7 +28,7 @@ from typing import Any, NamedTuple
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, Assignment, PodRef
-from services.admission import jobwatch, names, podrules, podwrites
+from services.admission import drajobs, jobwatch, names, podrules, podwrites
 from services.admission.draclaims import Claim, PodDevices, field_names, is_tandems, pod_devices
 from services.admission.errors import InvalidClaim, InvalidPod, PolicyError
 from services.admission.podrules import PodView, Verdict
@@ -199,20 +199,23 @@ def admit(
             message=f"{who}: spec.nodeName is already set to {pod.spec.nodeName!r}; a pod whose claims ask"
             " Tandem's classes must let Tandem choose the node, so remove nodeName",
         )
-    job_warning = _job_refused_or_warned(pod, who=who, known=bool(tandem))
-    if isinstance(job_warning, Verdict):
-        return job_warning
+    member, refused = _job_member(pod, who=who, tandem=tandem)
+    if refused is not None:
+        return refused
     try:
         devices = pod_devices(tandem, default_class=names.DEFAULT_CLASS)
         if devices is not None:
-            resolve_request(devices.ask, classes=device_classes, names=field_names(tandem))
+            r = resolve_request(devices.ask, classes=device_classes, names=field_names(tandem))
+            problem = drajobs.whole_devices_problem(r) if member is not None else None
+            if member is not None and problem is not None:
+                return Verdict(
+                    allowed=False, code=403, message=f"{who}: it is in job {member.group!r}: {problem}"
+                )
     except InvalidClaim as exc:
         return Verdict(allowed=False, code=403, message=f"{who}: {exc}")
     except RequestError as exc:
         return Verdict(allowed=False, code=403, message=f"{who}: {exc}")
     ops, warnings = podrules.admission_patch(pod, None, traceparent=traceparent)
-    if job_warning:
-        warnings.append(job_warning)
     if unknown:
         warnings.append(
             "a ResourceClaim (or template) of this pod does not exist yet; Tandem holds the pod until it"
@@ -221,33 +224,29 @@ def admit(
     return Verdict(allowed=True, patch=ops, warnings=warnings)
 
 
-def _job_refused_or_warned(pod: PodView, *, who: str, known: bool) -> Verdict | str | None:
-    """A pod of a job asking through claims: a job's all-or-nothing placement is built for pods
-    asking ``tandem.io/*`` resources only, and a pod through claims is placed on its own. A pod
-    that asks Tandem's job placement itself (``tandem.io/job*``) is refused, so a job is never
-    placed in part where its author expects all of it; a LeaderWorkerSet pod (whose group labels
-    its controller writes), or one whose claims do not exist yet (``known`` False: they may turn
-    out not to be Tandem's), is admitted with a warning that says so."""
+def _job_member(
+    pod: PodView, *, who: str, tandem: Sequence[Claim]
+) -> tuple[jobwatch.Membership | None, Verdict | None]:
+    """The job a pod with claims is in (its pods are placed together, all or nothing:
+    :mod:`.drajobs`), or the refusal of what a job cannot honour: a group label or annotation
+    that does not parse, or a Tandem ResourceClaim named directly — a claim pods share lives on
+    one node, and a job's pods are placed one per node, each with claims of its own."""
     try:
         member = jobwatch.membership(pod)
     except PolicyError as exc:
-        return Verdict(allowed=False, code=403, message=f"{who}: {exc}")
+        return None, Verdict(allowed=False, code=403, message=f"{who}: {exc}")
     if member is None:
-        return None
-    why = (
-        f"it is in job {member.group!r}, and Tandem places a job all or nothing only for pods that ask"
-        f" its devices as resources ({', '.join(names.RESOURCES)}); a pod asking through ResourceClaims"
-        " is placed on its own"
-    )
-    keys = (jobwatch.JOB, jobwatch.JOB_SIZE, jobwatch.JOB_INDEX)
-    if known and any(k in pod.labels or k in pod.annotations for k in keys):
-        return Verdict(
+        return None, None
+    named = [c for c in tandem if c.kind == "ResourceClaim"]
+    if named:
+        return member, Verdict(
             allowed=False,
             code=403,
-            message=f"{who}: {why}; ask the job's devices as resources, or remove {jobwatch.JOB}"
-            f" and {jobwatch.JOB_SIZE} to place the pods one by one",
+            message=f"{who}: it is in job {member.group!r} and names ResourceClaim"
+            f" {named[0].namespace}/{named[0].name} of Tandem's classes; a job's pods are placed each on"
+            " its own node with claims of its own, so ask through a ResourceClaimTemplate",
         )
-    return f"{who}: {why} (each pod's claims are allocated when that pod is judged)"
+    return member, None
 
 
 # -- the bridge -------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from schemas.config import DeviceClass
@@ -131,9 +132,15 @@ def _choice(pods: list[PodView], key: str, allowed: tuple[str, ...]) -> str | No
     return value
 
 
-def job_request(pods: list[PodView], *, device_classes: dict[str, DeviceClass]) -> JobRequest:
+def job_request(
+    pods: list[PodView],
+    *,
+    device_classes: dict[str, DeviceClass],
+    request_of: Callable[[PodView], AllocationRequest | None] | None = None,
+) -> JobRequest:
     """The job of ``pods`` (all of it, ordered by index, then name). Raises
-    :class:`PolicyError` when the pods do not make one valid job."""
+    :class:`PolicyError` when the pods do not make one valid job. ``request_of`` reads one
+    pod's request (default: its ``tandem.io/*`` resources; :mod:`.drajobs` reads its claims)."""
     if not pods:
         raise PolicyError("a job needs at least one pod")
     ordered = sorted(pods, key=_order)
@@ -146,7 +153,7 @@ def job_request(pods: list[PodView], *, device_classes: dict[str, DeviceClass]) 
         raise PolicyError(f"two pods of job {m.group} have the same index")
     reqs: list[AllocationRequest] = []
     for p in ordered:
-        r = allocation_request(p, device_classes=device_classes)
+        r = request_of(p) if request_of is not None else allocation_request(p, device_classes=device_classes)
         if r is None:
             raise PolicyError(f"pod {p.metadata.name} of job {m.group} asks no Tandem devices")
         reqs.append(r)
@@ -228,6 +235,13 @@ class Gatherer:
                     del self.groups[key]
                 return job, list(g.pods.values())
         return None, []
+
+    def reopen(self, job: str) -> None:
+        """Job ``job`` was cancelled before it was placed: its pods left form a new job once
+        the group is complete again (new pods, so a new job id)."""
+        for g in self.groups.values():
+            if g.requested == job:
+                g.requested = None
 
     def job_of(self, job: str) -> list[PodView]:
         for g in self.groups.values():

@@ -8,8 +8,9 @@
   devices it freed, the preemptor bound there by kube-scheduler.
 * A victim whose devices a claim shared by two pods holds is both pods: each is evicted, and
   the claim is deallocated after the second, its devices freed for the preemptor.
-* A pod of a Tandem job whose claims ask Tandem's classes is refused when it is created, with
-  the reason: a job is placed all or nothing only for pods asking Tandem's resources.
+* A pod of a Tandem job that names a ResourceClaim of Tandem's classes (one pods share) is
+  refused when it is created, with the reason: a job's pods are placed each with claims of its
+  own (a job through templates: tests/cluster/test_dra_jobs.py).
 """
 
 from __future__ import annotations
@@ -137,14 +138,19 @@ def test_a_victim_holding_a_shared_claim_is_every_pod_using_it(release: Release,
     assert [r.state for r in holder] == ["freed"]
 
 
-def test_a_tandem_job_asking_through_claims_is_refused_when_created(release: Release, ns: str) -> None:
+def test_a_tandem_job_pod_naming_a_shared_claim_is_refused_when_created(release: Release, ns: str) -> None:
+    """A job's pods are placed together (tests/cluster/test_dra_jobs.py), each with claims of its
+    own: a job pod naming a ResourceClaim of Tandem's classes (which pods share) is refused."""
     cp = release.cp
-    cp.request("POST", TEMPLATES.format(ns=ns), whole_node("worker"))
-    pod = claim_pod("worker-0", "worker")
+    shared = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "shared"}}
+    shared["spec"] = whole_node("unused")["spec"]["spec"]
+    cp.request("POST", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims", shared)
+    pod = claim_pod("worker-0", "unused")
+    pod["spec"]["resourceClaims"] = [{"name": "devices", "resourceClaimName": "shared"}]
     pod["metadata"]["labels"] = {jobwatch.JOB: "allreduce"}
     pod["metadata"]["annotations"] = {jobwatch.JOB_SIZE: "2"}
     with pytest.raises(urllib.error.HTTPError) as refused:
         cp.request("POST", f"/api/v1/namespaces/{ns}/pods", pod)
     message = refused.value.read().decode()
     assert refused.value.code == 403
-    assert "job 'job/allreduce'" in message and "placed on its own" in message, message
+    assert f"job 'job/allreduce' and names ResourceClaim {ns}/shared" in message, message

@@ -295,20 +295,23 @@ def job_pod(labels: dict[str, str], annotations: dict[str, str]) -> podrules.Pod
 TANDEM_SPEC = {"devices": {"requests": [{"name": "g", "exactly": {"deviceClassName": "gpu.tandem.io"}}]}}
 
 
-def test_a_tandem_job_asking_through_claims_is_refused_saying_why() -> None:
+def test_a_tandem_job_through_claims_is_admitted_and_a_bad_job_size_refused_saying_why() -> None:
+    """Its pods are placed together (tests/unit/test_dra_jobs.py); what cannot be read is refused."""
     view = job_pod({jobwatch.JOB: "allreduce"}, {jobwatch.JOB_SIZE: "2"})
+    classes = {"default": DeviceClass()}
     verdict = drapods.admit(
-        view,
-        specs={("template", "pairs"): TANDEM_SPEC},
-        device_classes={"default": DeviceClass()},
-        traceparent=None,
+        view, specs={("template", "pairs"): TANDEM_SPEC}, device_classes=classes, traceparent=None
+    )
+    assert verdict is not None and verdict.allowed, verdict
+    bad = job_pod({jobwatch.JOB: "allreduce"}, {jobwatch.JOB_SIZE: "two"})
+    verdict = drapods.admit(
+        bad, specs={("template", "pairs"): TANDEM_SPEC}, device_classes=classes, traceparent=None
     )
     assert verdict is not None and not verdict.allowed and verdict.code == 403
-    assert "job 'job/allreduce'" in verdict.message and "placed on its own" in verdict.message
-    assert f"remove {jobwatch.JOB}" in verdict.message, verdict.message
+    assert f"annotation {jobwatch.JOB_SIZE}: 'two' is not a whole number" in verdict.message, verdict.message
 
 
-def test_a_leaderworkerset_pod_through_claims_is_admitted_with_a_warning() -> None:
+def test_a_leaderworkerset_pod_through_claims_is_admitted_as_its_groups_pod() -> None:
     labels = {jobwatch.LWS_NAME: "llm", jobwatch.LWS_GROUP: "0", jobwatch.LWS_WORKER: "0"}
     view = job_pod(labels, {jobwatch.LWS_SIZE: "2"})
     verdict = drapods.admit(
@@ -318,4 +321,4 @@ def test_a_leaderworkerset_pod_through_claims_is_admitted_with_a_warning() -> No
         traceparent=None,
     )
     assert verdict is not None and verdict.allowed
-    assert any("placed on its own" in w for w in verdict.warnings), verdict.warnings
+    assert not any("placed on its own" in w for w in verdict.warnings), verdict.warnings
