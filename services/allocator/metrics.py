@@ -47,6 +47,18 @@ PREEMPTED = Counter(
 COMMIT_CONFLICTS = Counter(
     "tandem_allocator_commit_conflicts_total", "Commits that lost the compare-and-set race and re-decided"
 )
+CLAIMS_BUSY = Counter(
+    "tandem_allocator_claims_busy_total",
+    "Claims that found the request in another live replica's hand (redelivered later)",
+)
+SHARD_FALLBACKS = Counter(
+    "tandem_allocator_shard_fallbacks_total",
+    "Decisions that found no room in this replica's shard and looked at every node",
+)
+CATCH_UP_SECONDS = Counter(
+    "tandem_allocator_catch_up_seconds_total",
+    "Time spent applying other shards' node records before a decision that looks at them",
+)
 RECORD_FULL = Counter(
     "tandem_allocator_record_full_total",
     "Commits refused because the node's allocation record was full; the node is skipped until a release",

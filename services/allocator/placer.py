@@ -419,7 +419,12 @@ class Placer:
         has an outcome already)."""
         if attempt.request.request_id in self.model.placed:
             return "placed"
-        if not await self.book.claim(attempt.request, node=attempt.node, traceparent=attempt.trace):
+        try:
+            claimed = await self.book.claim(attempt.request, node=attempt.node, traceparent=attempt.trace)
+        except Retry:
+            metrics.CLAIMS_BUSY.inc()  # another live replica has it in hand: redelivered later
+            raise
+        if not claimed:
             return "done"
         attempt.claimed = True
         return "claimed"

@@ -27,6 +27,7 @@ from nats.aio.msg import Msg
 
 from schemas import codec, subjects
 from schemas.messages import AllocationRequest, AllocatorHeartbeat
+from services.allocator import metrics
 from services.allocator.core import Cluster, Placement, Unschedulable
 from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
 from services.runtime.nats.bus import Bus
@@ -86,7 +87,20 @@ class Replicas:
         return self.model.shard
 
     def decide(self, req: AllocationRequest) -> Placement | Unschedulable:
-        return decide_in_shard(self.model.cluster, req, self.shard, catch_up=self.model.catch_up)
+        # A request that falls back outside the shard is counted: each one looks at the
+        # other replicas' nodes, where their commits are in flight.
+        in_shard = self.shard is not None and HOSTNAME_LABEL not in req.node_selector
+        catch_up = self._fallback if in_shard else self._catch_up
+        return decide_in_shard(self.model.cluster, req, self.shard, catch_up=catch_up)
+
+    def _catch_up(self) -> None:
+        t0 = time.perf_counter()
+        self.model.catch_up()
+        metrics.CATCH_UP_SECONDS.inc(time.perf_counter() - t0)
+
+    def _fallback(self) -> None:
+        metrics.SHARD_FALLBACKS.inc()
+        self._catch_up()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -119,6 +119,17 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
     assert ledger["revisions_seen"] > ledger["assignments"] >= result["assigned"]
     assert ledger["frees"] == ledger["releases"] and ledger["freed_events"] >= ledger["frees"]
+    # Each replica's share (tools/loadtest/replicastats.py): the latency of what it assigned,
+    # and its own counters, read from its /metrics.
+    by_replica = result["by_replica"]
+    assert set(by_replica) == {f"allocator-{i}" for i in range(replicas)}
+    assert sum(r["assigned"] for r in by_replica.values()) <= result["assigned"]
+    for r in by_replica.values():
+        assert r["assigned"] > 0 and r["submit_to_assigned_ms"]["p99"] is not None, by_replica
+        assert r["counters"]["decisions_assigned"] >= r["assigned"], by_replica
+        assert {"commit_conflicts", "claims_busy", "shard_fallbacks", "decide_ms_mean"} <= set(r["counters"])
+    if replicas == 1:  # alone, a replica has no shard to fall back from, nobody to race
+        assert (by_replica["allocator-0"]["counters"]["shard_fallbacks"], result["replicas"]) == (0, 1)
 
 
 @pytest.mark.integration

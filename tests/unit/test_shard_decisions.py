@@ -56,3 +56,27 @@ def test_the_last_of_equals_is_the_only_node_when_one_is_left() -> None:
     only = placed(c.decide(req("x", 8, 8)))
     assert only.node == "s1-1"
     assert placed(c.decide(req("x", 8, 8), last_of_equals=True)).node == "s1-1"
+
+
+def test_a_replica_counts_the_decisions_that_fall_back_outside_its_shard() -> None:
+    """``tandem_allocator_shard_fallbacks_total``: the decisions that looked at the other
+    replicas' nodes (where their commits are in flight): what ``tandem loadtest`` reports per
+    replica (``by_replica``) to tell commit conflicts between replicas from their cause."""
+    from services.allocator import metrics
+    from services.allocator.readmodel import ReadModel
+    from services.allocator.replicas import Replicas
+
+    model = ReadModel(two_shards(1))
+    model.shard, model.shards = "0", 2
+    replicas = Replicas(None, instance="allocator-0", model=model)  # type: ignore[arg-type]  # no bus: decisions only
+    before = metrics.SHARD_FALLBACKS._value.get()
+    assert placed(replicas.decide(req("a", 8, 8))).node == "s0-0"  # its own shard: no fallback
+    assert metrics.SHARD_FALLBACKS._value.get() == before
+    model.cluster.hold("s0-0", "full", ["gpu0"])
+    assert placed(replicas.decide(req("b", 8, 8))).node == "s1-0"
+    assert metrics.SHARD_FALLBACKS._value.get() == before + 1
+    pinned = AllocationRequest(
+        request_id="c", pod=PodRef("ns", "c"), gpus=1, node_selector={HOSTNAME_LABEL: "s1-0"}
+    )
+    placed(replicas.decide(pinned))  # pinned to another shard's node: asked for, not a fallback
+    assert metrics.SHARD_FALLBACKS._value.get() == before + 1

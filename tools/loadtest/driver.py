@@ -90,6 +90,7 @@ class Req:
     first: float | None = None
     assigned: float | None = None
     node: str | None = None
+    allocator: str = ""  # the replica whose Assignment came first (Assignment.allocator)
     applied: float | None = None
     failed: bool = False
     rejected: bool = False
@@ -195,7 +196,7 @@ class LoadDriver:
             if req.node is not None and req.node != event.node:
                 self.extra_placements.add(rid)
             if req.assigned is None:
-                req.assigned, req.node = now, event.node
+                req.assigned, req.node, req.allocator = now, event.node, event.allocator
                 self._unpend(req)  # placed after waiting as pending
                 self._first(req, now)
                 if req.measured and req.released is None:
@@ -369,7 +370,7 @@ class LoadDriver:
             req = self.reqs[rid]
             now = time.perf_counter()
             if req.first is None and record.state in ("assigned", "releasing", "freed") and record.node:
-                req.assigned, req.node = now, record.node
+                req.assigned, req.node, req.allocator = now, record.node, record.owner
                 self._first(req, now)
                 if req.released is None:
                     self._hold(rid, req)

@@ -58,7 +58,7 @@ from services.runtime.nats.bus import Bus
 from services.runtime.process.embedded import EmbeddedNats, free_ports
 from services.runtime.process.tasks import Supervisor
 from services.runtime.settings import Settings
-from tools.loadtest import ceiling, invariants, ledgerwatch, meter
+from tools.loadtest import ceiling, invariants, ledgerwatch, meter, replicastats
 from tools.loadtest.config import LoadConfig
 from tools.loadtest.driver import LoadDriver, Req
 from tools.loadtest.errors import LoadtestError
@@ -229,6 +229,9 @@ class Harness:
         report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
         report.ledger = ledger
         report.nats_kill = kill.figures if kill is not None else None
+        ports = {c.name: c.ops_port for c in self.children.children if c.role == "allocator" and c.ops_port}
+        counters = await replicastats.read_counters(ports)
+        report.by_replica = replicastats.by_replica(replicastats.decided(driver.reqs.values()), counters)
         if self.scraper is not None:
             report.scrape = await self.scraper.read_targets(window_s=time.perf_counter() - self._t0)
         now = self._cpu_now()

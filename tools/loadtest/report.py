@@ -15,7 +15,8 @@ servers summed —, ``fleet``, ``harness``, and in the production profile ``call
 ``stream_replicas``, ``security`` (TLS, auth, and whether the servers refused a plain and an
 unauthenticated connection), ``scrape`` (Prometheus's targets: up, scrapes), and
 ``cpu_ms_per_decision`` (per process, and ``_total``), ``longest_stall_s`` and, with
-``--kill-server-at``, ``nats_kill``. A figure that was not measured is
+``--kill-server-at``, ``nats_kill``; last ``by_replica`` (each allocator replica's latency
+and counters, :mod:`tools.loadtest.replicastats`). A figure that was not measured is
 ``null``. ``shares`` and
 ``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
 :class:`Report` lists them.
@@ -85,6 +86,14 @@ class KillFigures(msgspec.Struct):
     back_s: float | None = None  # started again → healthy (caught up); null: never back
 
 
+class ReplicaFigures(msgspec.Struct, kw_only=True):
+    """One allocator replica's part of the run (``by_replica``, tools.loadtest.replicastats)."""
+
+    assigned: int = 0  # first answers that were its Assignment
+    submit_to_assigned_ms: Percentiles = msgspec.field(default_factory=Percentiles)
+    counters: dict[str, float] = msgspec.field(default_factory=dict)  # from its /metrics
+
+
 class Target(msgspec.Struct):
     """One scrape target as Prometheus saw it at the end of the load."""
 
@@ -150,6 +159,8 @@ class Report(msgspec.Struct, kw_only=True):
     longest_stall_s: float | None = None  # the longest time without a first answer, during the load
     longest_stall_from_s: float | None = None  # when it began, from the first submit
     nats_kill: KillFigures | None = None  # --kill-server-at: the server killed and brought back
+    # Per allocator replica: the latency of what it decided, its counters (replicastats)
+    by_replica: dict[str, ReplicaFigures] = msgspec.field(default_factory=dict)
 
 
 def percentiles(values: list[float]) -> Percentiles:
@@ -250,6 +261,20 @@ def _ledger(g: LedgerCounts) -> str:
     )
 
 
+def _replicas(by: dict[str, ReplicaFigures]) -> str:
+    def one(name: str, f: ReplicaFigures) -> str:
+        c = f.counters
+        seen = ", ".join(
+            f"{label} {c[key]:g}"
+            for key, label in (("commit_conflicts", "conflicts"), ("shard_fallbacks", "fallbacks"))
+            if key in c
+        )
+        why = f" ({seen})" if seen else ""
+        return f"{name} {f.assigned} assigned, {_ms(f.submit_to_assigned_ms)}{why}"
+
+    return "  per replica: " + "; ".join(one(n, f) for n, f in by.items())
+
+
 def summary(r: Report) -> str:
     """A few lines for a person; the JSON line follows it."""
     load = f"{r.rate:g}/s" if r.rate is not None else "open loop"
@@ -278,6 +303,8 @@ def summary(r: Report) -> str:
         f"{_cpu(r.cpu_ms_per_decision, '')}",
         _profile(r),
     ]
+    if len(r.by_replica) > 1:
+        lines.append(_replicas(r.by_replica))
     if r.idle_cpu_pct.inventory is not None:
         lines.append(f"  idle (heartbeats only), % of one core: {_cpu(r.idle_cpu_pct, ' %')}")
     return "\n".join(lines)
