@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 import urllib.error
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -54,6 +55,29 @@ def template(name: str, *, gpus: int, nics: int, extra: dict[str, Any] | None = 
 
 def claims_in(cp: ControlPlane, ns: str) -> list[dict[str, Any]]:
     return list(cp.request("GET", f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims")["items"])
+
+
+def unmanaged_claim(cp: ControlPlane) -> tuple[str, str]:
+    """A claim ``one`` for GPUs of Tandem's class in a namespace the running bridge leaves alone
+    (so a test writes its status itself); its namespace and the claims' path."""
+    ns = unmanaged_namespace(cp)
+    path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "one"}}
+    body["spec"] = {
+        "devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.tandem.io"}}]}
+    }
+    cp.request("POST", path, body)
+    return ns, path
+
+
+def own_namespace(release: Release) -> Iterator[str]:
+    """A namespace of a test's own, Tandem-managed; its pods and claims deleted and their devices
+    freed after (the body of the DRA tests' ``ns`` fixtures)."""
+    name = make_namespace(release.cp)
+    yield name
+    release.empty_namespace(name)
+    release.cp.request("DELETE", f"/apis/resource.k8s.io/v1/namespaces/{name}/resourceclaims")
+    eventually(lambda: not claims_in(release.cp, name), timeout=90, what="the namespace's claims gone")
 
 
 def events_on(cp: ControlPlane, ns: str, kind: str, reason: str) -> list[dict[str, Any]]:
@@ -151,13 +175,7 @@ def test_only_tandems_identity_allocates_a_claim_and_only_with_tandems_devices(r
     (the chart's policy); a user with the namespace's ``edit`` role may not write it at all, and
     one granted ``resourceclaims/status`` still lacks ``resourceclaims/binding``."""
     cp = release.cp
-    ns = unmanaged_namespace(cp)  # the running bridge leaves this claim alone
-    path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
-    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "one"}}
-    body["spec"] = {
-        "devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.tandem.io"}}]}
-    }
-    cp.request("POST", path, body)
+    ns, path = unmanaged_claim(cp)
     node = sorted(release.nodes)[0]
 
     def allocation(driver: str) -> dict[str, Any]:
@@ -314,13 +332,7 @@ def test_a_deallocation_at_a_stale_version_is_refused_with_409(release: Release)
     its read and its write: the real API server refuses the admission identity's status patch
     carrying the version read (drapods.deallocation) once the claim was reserved since."""
     cp = release.cp
-    ns = unmanaged_namespace(cp)  # the running bridge leaves this claim alone
-    path = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaims"
-    body = {"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": "one"}}
-    body["spec"] = {
-        "devices": {"requests": [{"name": "gpus", "exactly": {"deviceClassName": "gpu.tandem.io"}}]}
-    }
-    cp.request("POST", path, body)
+    _, path = unmanaged_claim(cp)
     node = sorted(release.nodes)[0]
     term = {"matchFields": [{"key": "metadata.name", "operator": "In", "values": [node]}]}
     allocation = {

@@ -22,21 +22,16 @@ import pytest
 from schemas.messages import JobRecord
 from services.admission import jobwatch, names
 from tests.cluster.release import Release, eventually
-from tests.cluster.test_dra_bridge import claims_in, template
+from tests.cluster.test_dra_bridge import claims_in, own_namespace, template
 from tests.cluster.test_dra_classes import claim_pod
-from tests.cluster.test_pod_life import make_namespace, pod_of
+from tests.cluster.test_pod_life import pod_of
 
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
 
 
 @pytest.fixture
 def ns(release: Release) -> Iterator[str]:
-    """A namespace of the test's own; its pods and claims deleted and their devices freed after."""
-    name = make_namespace(release.cp)
-    yield name
-    release.empty_namespace(name)
-    release.cp.request("DELETE", f"/apis/resource.k8s.io/v1/namespaces/{name}/resourceclaims")
-    eventually(lambda: not claims_in(release.cp, name), timeout=90, what="the namespace's claims gone")
+    yield from own_namespace(release)
 
 
 def worker(index: int) -> dict[str, Any]:

@@ -24,9 +24,9 @@ import pytest
 from services.admission import jobwatch, names
 from services.admission.draclaims import PARAMETERS_API, PARAMETERS_KIND
 from tests.cluster.release import Release, eventually
-from tests.cluster.test_dra_bridge import claims_in
+from tests.cluster.test_dra_bridge import claims_in, own_namespace
 from tests.cluster.test_dra_classes import claim_pod
-from tests.cluster.test_pod_life import make_namespace, pod_of
+from tests.cluster.test_pod_life import pod_of
 
 TEMPLATES = "/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
 
@@ -50,17 +50,22 @@ def dra_pod(name: str, template: str, *, priority: int) -> dict[str, Any]:
 
 @pytest.fixture
 def ns(release: Release) -> Iterator[str]:
-    """A namespace of the test's own; its pods and claims deleted and their devices freed after."""
-    name = make_namespace(release.cp)
-    yield name
-    release.empty_namespace(name)
-    release.cp.request("DELETE", f"/apis/resource.k8s.io/v1/namespaces/{name}/resourceclaims")
-    eventually(lambda: not claims_in(release.cp, name), timeout=90, what="the namespace's claims gone")
+    yield from own_namespace(release)
 
 
 def bound(release: Release, ns: str, name: str) -> str | None:
     node = pod_of(release.cp, ns, name)["spec"].get("nodeName")
     return str(node) if node else None
+
+
+def preempt_with_urgent(release: Release, ns: str) -> str:
+    """Create the high-priority pod ``urgent`` (template ``urgent``); the node it is bound to."""
+    release.cp.request("POST", f"/api/v1/namespaces/{ns}/pods", dra_pod("urgent", "urgent", priority=50))
+    try:
+        return eventually(lambda: bound(release, ns, "urgent"), timeout=120, what="the preemptor bound")
+    except BaseException:
+        print(release.logs(), claims_in(release.cp, ns))
+        raise
 
 
 def test_a_dra_pod_of_higher_priority_preempts_through_the_eviction_api(release: Release, ns: str) -> None:
@@ -73,12 +78,7 @@ def test_a_dra_pod_of_higher_priority_preempts_through_the_eviction_api(release:
     placed = {name: eventually(lambda n=name: bound(release, ns, n), what=f"{name} bound") for name in lows}
     assert sorted(placed.values()) == sorted(release.nodes)  # the fleet is full
 
-    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", dra_pod("urgent", "urgent", priority=50))
-    try:
-        node = eventually(lambda: bound(release, ns, "urgent"), timeout=120, what="the preemptor bound")
-    except BaseException:
-        print(release.logs(), claims_in(cp, ns))
-        raise
+    node = preempt_with_urgent(release, ns)
     pods = cp.request("GET", f"/api/v1/namespaces/{ns}/pods")["items"]
     left = [p["metadata"]["name"] for p in pods if p["metadata"]["name"].startswith("low-")]
     (victim,) = set(lows) - set(left)  # exactly one victim, on the node the preemptor got
@@ -123,12 +123,7 @@ def test_a_victim_holding_a_shared_claim_is_every_pod_using_it(release: Release,
     }
     assert placed["team-a"] == placed["team-b"]
 
-    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", dra_pod("urgent", "urgent", priority=50))
-    try:
-        node = eventually(lambda: bound(release, ns, "urgent"), timeout=120, what="the preemptor bound")
-    except BaseException:
-        print(release.logs(), claims_in(cp, ns))
-        raise
+    node = preempt_with_urgent(release, ns)
     assert node == placed["team-a"]
     names_left = {p["metadata"]["name"] for p in cp.request("GET", f"/api/v1/namespaces/{ns}/pods")["items"]}
     assert names_left == {"urgent", *others}  # both pods of the shared claim evicted, nobody else

@@ -13,7 +13,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
@@ -33,6 +32,7 @@ from services.admission import drajobs, drapods, jobwatch, names, podrules
 from services.admission.drabridge import DraBridge
 from services.admission.errors import PolicyError
 from services.kube.errors import Conflict, NotFound
+from tests.unit.drafakes import FakeBus
 
 Obj = dict[str, Any]
 CLASSES = {"default": DeviceClass()}
@@ -149,33 +149,6 @@ def test_a_job_pod_through_a_template_is_admitted_and_one_naming_a_claim_is_refu
 
 
 # -- the bridge against a fake API server -------------------------------------------------------------
-
-
-@dataclass
-class Entry:
-    value: bytes
-
-
-@dataclass
-class FakeKv:
-    values: dict[str, bytes]
-
-    async def get(self, key: str) -> Entry:
-        if key not in self.values:
-            raise KeyNotFoundError
-        return Entry(self.values[key])
-
-
-@dataclass
-class FakeBus:
-    buckets: dict[str, dict[str, bytes]] = field(default_factory=dict)
-    published: list[tuple[str, Any]] = field(default_factory=list)
-
-    async def kv(self, bucket: str) -> FakeKv:
-        return FakeKv(self.buckets.setdefault(bucket, {}))
-
-    async def publish(self, subject: str, message: Any, *, msg_id: str | None = None) -> None:
-        self.published.append((subject, message))
 
 
 @dataclass

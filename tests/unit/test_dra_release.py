@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from nats.js.errors import KeyNotFoundError
 
 from schemas import codec, subjects
 from schemas.config import DeviceClass
@@ -19,6 +18,7 @@ from schemas.messages import AllocationRequest, Freed, PodRef, Release, RequestR
 from services.admission import drapods, jobwatch, names, podrules
 from services.admission.drabridge import DraBridge
 from services.kube.errors import Conflict, NotFound
+from tests.unit.drafakes import FakeBus
 
 Obj = dict[str, Any]
 RID = "u-first.1"
@@ -95,33 +95,6 @@ def test_a_deallocation_is_written_only_at_the_version_read() -> None:
 
 
 @dataclass
-class Entry:
-    value: bytes
-
-
-@dataclass
-class FakeKv:
-    values: dict[str, bytes]
-
-    async def get(self, key: str) -> Entry:
-        if key not in self.values:
-            raise KeyNotFoundError
-        return Entry(self.values[key])
-
-
-@dataclass
-class FakeBus:
-    records: dict[str, bytes] = field(default_factory=dict)
-    published: list[tuple[str, Any]] = field(default_factory=list)
-
-    async def kv(self, bucket: str) -> FakeKv:
-        return FakeKv(self.records if bucket == subjects.KV_REQUESTS else {})
-
-    async def publish(self, subject: str, message: Any, *, msg_id: str | None = None) -> None:
-        self.published.append((subject, message))
-
-
-@dataclass
 class FakeApi:
     """One claim; writes carry optimistic locking (a stale resourceVersion is a 409)."""
 
@@ -167,7 +140,7 @@ def bridge_for(api: FakeApi, *, state: str = "assigned") -> tuple[DraBridge, Fak
     bus = FakeBus()
     req = AllocationRequest(request_id=RID, pod=PodRef(namespace="team", name="first", uid="u-first"), gpus=1)
     record = RequestRecord(request=req, state=state, node="gpu-0")  # type: ignore[arg-type]
-    bus.records[subjects.kv_key(RID)] = codec.encode(record)
+    bus.buckets[subjects.KV_REQUESTS] = {subjects.kv_key(RID): codec.encode(record)}
 
     async def no_event(*_: Any, **__: Any) -> None:
         return None
