@@ -108,8 +108,9 @@ bench-kube: cluster-bins
 	$(BIN)/python -m bench.kube $(BENCH_KUBE_ARGS)
 
 # DRA claims allocated by kube-scheduler alone (matchAttribute pcieRoot) beside Tandem, on the same
-# kwok fleet with the same ResourceSlices and pods, filled to 85 % and churned to 95 %
-# (docs/benchmarks.md, "DRA side by side"); one JSON line per fleet size. Needs root.
+# kwok fleet (built-in and real 8-GPU servers) with the same ResourceSlices and pods, filled to
+# 85 % and churned to 95 % (docs/benchmarks.md, "DRA side by side"); one JSON line per fleet size
+# and way. Needs root. BENCH_DRA_ARGS="--nodes 500" for one size; --mix KIND=SHARE,... or --kind.
 BENCH_DRA_ARGS ?=
 bench-dra: cluster-bins
 	$(BIN)/python -m bench.dra $(BENCH_DRA_ARGS)

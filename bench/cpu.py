@@ -10,13 +10,17 @@ process's user + system time (``/proc/<pid>/stat``, children already reaped incl
 (heartbeats, leases, watches kept open), so what remains is the cost of the work itself.
 
 A process that exits between the two readings is missed for the time it spent after the first;
-the benchmarks that use this keep their programs running across the interval.
+the benchmarks that use this keep their programs running across the interval. Only the calling
+process and its descendants are counted: a shared machine runs other people's control planes
+and Tandem processes under the same names, whose CPU is no cost of this benchmark's pods (it
+still shows in the machine's busy share).
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -43,8 +47,8 @@ def program_of(argv: list[str], *, me: bool = False) -> str | None:
 
 
 def _proc_times() -> dict[int, tuple[str, float]]:
-    """(program, CPU seconds) of every named process now running."""
-    out: dict[int, tuple[str, float]] = {}
+    """(program, CPU seconds) of every named process now running in the calling process's tree."""
+    found: dict[int, tuple[str | None, int, float]] = {}  # pid → (program, parent, seconds)
     mine = os.getpid()
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -56,12 +60,24 @@ def _proc_times() -> dict[int, tuple[str, float]]:
         except OSError:  # gone meanwhile
             continue
         name = program_of([a.decode(errors="replace") for a in argv if a], me=pid == mine)
-        if name is None:
-            continue
-        # Fields after the command name (which may hold spaces): utime, stime are 14 and 15.
+        # Fields after the command name (which may hold spaces): ppid is 4, utime, stime 14 and 15.
         fields = stat[stat.rindex(")") + 2 :].split()
-        out[pid] = (name, (int(fields[11]) + int(fields[12])) / TICKS)
-    return out
+        found[pid] = (name, int(fields[1]), (int(fields[11]) + int(fields[12])) / TICKS)
+    return {
+        pid: (name, seconds)
+        for pid, (name, _, seconds) in found.items()
+        if name is not None and _descends(pid, mine, found)
+    }
+
+
+def _descends(pid: int, root: int, found: Mapping[int, tuple[str | None, int, float]]) -> bool:
+    seen: set[int] = set()
+    while pid != root:
+        if pid in seen or pid not in found:
+            return False
+        seen.add(pid)
+        pid = found[pid][1]
+    return True
 
 
 def _machine() -> tuple[float, float]:

@@ -1,14 +1,23 @@
 """``make bench-dra``: DRA claims allocated by kube-scheduler alone beside Tandem, on one control
 plane in one run (docs/benchmarks.md, "DRA side by side").
 
-One configuration = N kwok nodes of one 8-GPU kind (``dgx-h100`` by default: 4 PCIe switches
-of 2 GPUs + 2 NICs, each switch under its own root complex), each with the ResourceSlice its
-node agent would publish (:func:`services.nodeagent.dra.slices.resource_slices`), and a seeded
-stream of pods, each with one claim from a ResourceClaimTemplate for k GPUs + k NICs (k = 1, 2,
-4 or 8), through the real API server:
+One configuration = N kwok nodes of a mix of 8-GPU servers (:data:`MIX`, or ``--mix`` /
+``--kind``): the built-in ``dgx-h100`` (4 PCIe switches of 2 GPUs + 2 NICs, each switch under a
+root complex of its own) and ``dgx-a100`` (the same, plus 2 NICs of their own and SR-IOV VFs),
+and three real servers imported from their ``nvidia-smi topo -m`` captures
+(:data:`tools.loadtest.mix.REAL_KINDS`: an H200 with one switch per GPU, an A100 and an
+NV18 (H100 class) DGX with 2 GPUs + 2 NICs a switch and spare NICs). Every kind has a NIC for
+each GPU under the GPU's own switch, so a claim of k GPUs + k NICs can be switch-aligned on
+any node that has the room. The captures with fewer NICs than GPUs are left out of the
+default mix: a claim asks one NIC per GPU, so their GPUs could not be filled at all.
+Each node has the ResourceSlice its node agent would publish
+(:func:`services.nodeagent.dra.slices.resource_slices`), and a seeded stream of pods, each with
+one claim from a ResourceClaimTemplate for k GPUs + k NICs (k = 1, 2, 4 or 8), goes through
+the real API server:
 
 * **fill**: pods are created (16 client threads) until they ask 85 % of the fleet's GPUs; the
-  phase waits until each is bound or nothing has moved for ``SETTLE_S``;
+  phase waits until each is bound or refused (the scheduler's ``Unschedulable``, Tandem's
+  Warning Event) and nothing has moved for ``SETTLE_S``, or nothing has moved for ``QUIET_S``;
 * **churn**: a tenth of the bound pods is deleted (their claims deallocated), then pods are
   created until the fleet is asked 95 % of its GPUs, and the phase settles again.
 
@@ -23,11 +32,18 @@ The two ways, each on the same fleet and the same pods:
     the templates without the constraint (Tandem pairs each GPU with a NIC of its own switch);
     the webhook gates each pod, the bridge allocates its claim, kube-scheduler binds.
 
+The same seeded stream serves both ways: the fill stage's pods are the same; the churn stage
+deletes a tenth of what each way bound and tops the fleet up from the same stream again, so its
+batch differs by as many pods as the ways' fills did.
+
 Reported per way and stage: pods bound and pods/s (first create of the stage to its last bind),
 create → bound p50/p99, the pods left unbound ("refused") and how many of them a single node
-still had the free GPUs and NICs for ("refused with room": fragmentation, or a constraint the
-layout cannot meet), the share of bound pods whose every GPU has a NIC of its own under the same
-PCIe switch, and the machine's CPU per pod (bench/cpu.py). One JSON line per configuration.
+still had the free GPUs and NICs (physical functions, what ``nic.tandem.io`` selects) for
+("refused with room": fragmentation, or a constraint the layout cannot meet), the same two
+counts over every pod still waiting, earlier stages' included (``waiting_all``), the share of
+bound pods whose every GPU has a NIC of its own under the same PCIe switch (counted over the
+pods whose node's layout has that many aligned pairs at all), and the CPU per pod of the bench's
+processes (bench/cpu.py). One JSON line per configuration: a fleet size and a way.
 """
 
 from __future__ import annotations
@@ -63,18 +79,23 @@ from bench.kube import (
     start_tandem,
 )
 from bench.kube import VALUES as KUBE_VALUES
-from services.admission.names import DRA_FINALIZER
+from services.admission.names import DRA_FINALIZER, EVENT_REASON_FAILED, EVENT_REASON_INVALID
 from services.nodeagent.dra.slices import DRIVER, resource_slices
 from services.runtime.process.embedded import EmbeddedNats
 from tests.cluster.build import build_all
 from tests.cluster.controlplane import CONTROL_PLANE, ControlPlane
 from tests.cluster.release import CHART, NAMESPACE, RELEASE
-from tools.loadtest.mix import NodeSpec, fleet_plan, node_topology
+from tools.loadtest.mix import KINDS, NodeSpec, fleet_plan, node_topology, parse_mix
 
 SIZES = (1, 2, 4, 8)
+# The default fleet: built-in kinds and real servers (tools/loadtest/mix.py), 8 GPUs each.
+MIX = "dgx-h100=0.30,dgx-a100=0.25,h200-10nic=0.15,a100-10nic=0.15,nv18-13nic=0.15"
 FILL, CHURN_FILL, CHURN_SHARE = 0.85, 0.95, 0.10
 WAYS = ("scheduler", "tandem")
-SETTLE_S = 20.0  # a stage is over when every pod is bound or none was bound for this long
+# A stage is over when every pod is bound, or each is bound or refused and none was bound for
+# SETTLE_S (a pod not yet tried is not refused: the scheduler may still be busy with others),
+# or none was bound for QUIET_S whatever the verdicts.
+SETTLE_S, QUIET_S = 20.0, 300.0
 RESOURCE = "/apis/resource.k8s.io/v1"
 PCIE_ROOT = "resource.kubernetes.io/pcieRoot"
 SWITCH = f"{DRIVER}/pcieSwitch"
@@ -126,7 +147,8 @@ def pod_body(name: str, size: int) -> Obj:
 
 
 class Fleet:
-    """What each node's pool holds: device name → (type, PCIe switch), from the slices."""
+    """What each node's pool holds: device name → (type, PCIe switch), from the slices; a NIC's
+    virtual functions are of type ``nic-vf`` (``nic.tandem.io`` selects physical functions)."""
 
     def __init__(self, plan: list[NodeSpec]) -> None:
         self.plan = plan
@@ -139,9 +161,22 @@ class Fleet:
                 for dev in s["spec"]["devices"]:
                     attrs = dev.get("attributes") or {}
                     kind = (attrs.get("type") or {}).get("string", "")
+                    if (attrs.get("function") or {}).get("string") == "vf":
+                        kind = "nic-vf"
                     switch = (attrs.get("pcieSwitch") or {}).get("string", "")
                     self.devices[(node, dev["name"])] = (kind, switch)
         self.gpus = sum(1 for kind, _ in self.devices.values() if kind == "gpu")
+        # The most GPUs of one pod that the node's layout can give each a NIC of its switch.
+        self.pairs: Counter[str] = Counter()
+        per_switch: dict[tuple[str, str], Counter[str]] = {}
+        for (node, _), (kind, switch) in self.devices.items():
+            if switch:
+                per_switch.setdefault((node, switch), Counter())[kind] += 1
+        for (node, _), count in per_switch.items():
+            self.pairs[node] += min(count["gpu"], count["nic"])
+
+    def kinds(self) -> dict[str, int]:
+        return dict(Counter(spec.kind for spec in self.plan))
 
     def publish(self, cp: ControlPlane) -> None:
         bodies = [s for slices in self.slices.values() for s in slices]
@@ -188,19 +223,48 @@ def claims(cp: ControlPlane, namespace: str) -> list[Obj]:
     return items
 
 
-def settle(watch: PodWatch, names: Callable[[], set[str]], *, timeout: float) -> None:
-    """Until every pod in ``names()`` is bound, or none was bound for ``SETTLE_S``."""
+def settle(
+    watch: PodWatch, names: Callable[[], set[str]], *, timeout: float, refused: Callable[[], set[str]]
+) -> None:
+    """Until every pod in ``names()`` is bound, or each is bound or refused (``refused()``: a
+    verdict seen) and none was bound for ``SETTLE_S``, or none was bound for ``QUIET_S``."""
     deadline = time.monotonic() + timeout
-    last, moved = -1, time.monotonic()
+    last, moved, looked = -1, time.monotonic(), 0.0
+    decided: set[str] = set()
     while time.monotonic() < deadline:
-        bound = sum(1 for n in names() if n in watch.bound)
-        if bound == len(names()):
+        pods = names()
+        bound = {n for n in pods if n in watch.bound}
+        if len(bound) == len(pods):
             return
-        if bound != last:
-            last, moved = bound, time.monotonic()
-        elif time.monotonic() - moved > SETTLE_S:
+        if len(bound) != last:
+            last, moved = len(bound), time.monotonic()
+        quiet = time.monotonic() - moved
+        if quiet > SETTLE_S and time.monotonic() - looked > 2.0:
+            decided, looked = refused(), time.monotonic()
+            if pods <= bound | decided:
+                return
+        if quiet > QUIET_S:
             return
         time.sleep(0.2)
+
+
+def verdicts(cp: ControlPlane, namespace: str, watch: PodWatch) -> set[str]:
+    """Pods told they cannot be placed: kube-scheduler's ``Unschedulable`` (it tried the pod
+    and found no node), or Tandem's Warning Event on the pod (``tandem explain``'s words)."""
+    out = {
+        name
+        for name, pod in watch.last.items()
+        if any(
+            c.get("type") == "PodScheduled" and c.get("reason") == "Unschedulable"
+            for c in (pod.get("status") or {}).get("conditions") or []
+        )
+    }
+    for reason in (EVENT_REASON_FAILED, EVENT_REASON_INVALID):
+        query = f"fieldSelector=reason%3D{reason}"
+        for event in cp.request("GET", f"/api/v1/namespaces/{namespace}/events?{query}")["items"]:
+            if event["involvedObject"].get("kind") == "Pod":
+                out.add(event["involvedObject"]["name"])
+    return out
 
 
 def stage(
@@ -227,24 +291,37 @@ def stage(
     with ThreadPoolExecutor(CLIENTS) as pool:
         list(pool.map(create, batch))
     live.update(dict(batch))
-    settle(watch, lambda: set(created), timeout=timeout)
+    settle(watch, lambda: set(created), timeout=timeout, refused=lambda: verdicts(cp, namespace, watch))
     use = meter.stop()
+    settled = time.monotonic() - started
     bound = {n: watch.bound[n] for n in created if n in watch.bound}
     last = max(bound.values(), default=started)
     counts: Counter[str] = Counter()
     by_pod, held = _allocated(cp, namespace, counts=counts)
     free = fleet.free(held)
     unbound = [(n, live[n]) for n in created if n not in bound]
-    room = sum(1 for _, k in unbound if any(f["gpu"] >= k and f["nic"] >= k for f in free.values()))
-    aligned = [fleet.aligned(*by_pod[n]) for n in bound if n in by_pod]
+    # Pods of earlier stages still waiting count at the stage's fill too.
+    waiting = [(n, k) for n, k in live.items() if n not in watch.bound]
+
+    def with_room(pods: list[tuple[str, int]]) -> int:
+        return sum(1 for _, k in pods if any(f["gpu"] >= k and f["nic"] >= k for f in free.values()))
+
+    # Over the pods whose node has as many GPUs with a NIC of their switch as the pod asks.
+    aligned = [
+        fleet.aligned(*by_pod[n]) for n in bound if n in by_pod and fleet.pairs[by_pod[n][0]] >= live[n]
+    ]
     return {
         "pods": len(batch),
         "bound": len(bound),
         "pods_per_s": round(len(bound) / max(1e-9, last - started), 1),
         "create_to_bound_ms": ms([bound[n] - created[n] for n in bound]),
+        "settled_s": round(settled, 1),
         "refused": len(unbound),
-        "refused_with_room": room,
+        "refused_with_room": with_room(unbound),
+        "waiting_all": len(waiting),
+        "waiting_all_with_room": with_room(waiting),
         "switch_aligned": round(sum(aligned) / len(aligned), 4) if aligned else None,
+        "alignable": len(aligned),
         "gpus_held": sum(1 for key in held if fleet.devices[key][0] == "gpu"),
         # Claims allocated at the end of the stage, and how many of them by Tandem (which
         # puts its finalizer on every claim it allocates): (b) must be all, (a) none.
@@ -297,7 +374,7 @@ def churn(
         owners = {pod for pod in _allocated(cp, namespace)[0]}
         if not owners & set(doomed):
             return
-        time.sleep(0.5)
+        time.sleep(2.0)  # each look lists every claim: thousands at 5,000 nodes
     raise RuntimeError(f"claims of deleted pods still allocated after 300 s in {namespace}")
 
 
@@ -340,46 +417,86 @@ def run_way(
     return out
 
 
-def configuration(nodes: int, *, kind: str, seed: int, workdir: Path, ways: tuple[str, ...] = WAYS) -> Obj:
+def configuration(
+    nodes: int,
+    *,
+    mix: str,
+    seed: int,
+    workdir: Path,
+    emit: Callable[[Obj], None],
+    ways: tuple[str, ...] = WAYS,
+) -> None:
+    """Both ways (or ``ways``) on one control plane with ``nodes`` kwok nodes of ``mix`` (as
+    :func:`tools.loadtest.mix.parse_mix` reads it; the simulated fleet reads the same text);
+    ``emit`` gets one line per way as soon as it is done."""
     bins = build_all(CONTROL_PLANE, log=False)
-    plan = fleet_plan(nodes, mix=((kind, 1.0),))
+    plan = fleet_plan(nodes, mix=parse_mix(mix))
     fleet = Fleet(plan)
-    timeout = max(300.0, fleet.gpus / 10)
+    timeout = max(600.0, fleet.gpus / 5)  # a stage's longest wait
     with ControlPlane(
         workdir / "cp", bins, heartbeat_s=KUBELET_STATUS_S, node_lease_s=KUBELET_LEASE_S, client_qps=2000
     ) as cp:
-        add_nodes(cp, nodes, kind=kind)
+        t0 = time.monotonic()
+        add_nodes(cp, nodes, specs=plan)
         fleet.publish(cp)
-        out: Obj = {"nodes": nodes, "kind": kind, "gpus": fleet.gpus}
+        head: Obj = {"nodes": nodes, "kinds": fleet.kinds(), "gpus": fleet.gpus, "seed": seed}
+        head["nodes_ready_s"] = round(time.monotonic() - t0, 1)
         if "scheduler" in ways:
             for body in device_classes():
                 cp.request("POST", f"{RESOURCE}/deviceclasses", body)
-            out["scheduler_alone"] = run_way(
-                cp, "bench-dra-scheduler", fleet, seed=seed, constrained=True, timeout=timeout
+            ns = "bench-dra-scheduler"
+            emit(
+                {
+                    **head,
+                    "way": "scheduler_alone",
+                    **run_way(cp, ns, fleet, seed=seed, constrained=True, timeout=timeout),
+                }
             )
-            clear(cp, "bench-dra-scheduler")
+            clear(cp, ns)
+            wait_no_claims(cp, ns)
             for body in device_classes():  # the chart installs its own
                 cp.request("DELETE", f"{RESOURCE}/deviceclasses/{body['metadata']['name']}")
         if "tandem" in ways:
             with EmbeddedNats(host=cp.host) as server, contextlib.ExitStack() as undo:
                 values = {**KUBE_VALUES, "dra": {"enabled": True}}
-                start_tandem(cp, workdir / "tandem", server, nodes, undo, values=values, kind=kind)
-                out["tandem"] = run_way(
-                    cp, "bench-dra-tandem", fleet, seed=seed, constrained=False, timeout=timeout
+                start_tandem(cp, workdir / "tandem", server, nodes, undo, values=values, mix=mix)
+                ns = "bench-dra-tandem"
+                emit(
+                    {
+                        **head,
+                        "way": "tandem",
+                        **run_way(cp, ns, fleet, seed=seed, constrained=False, timeout=timeout),
+                    }
                 )
-    return out
+
+
+def wait_no_claims(cp: ControlPlane, namespace: str, *, timeout: float = 300.0) -> None:
+    """Until the garbage collector has deleted the claims of the namespace's deleted pods, so
+    the next way starts with every device free."""
+    deadline = time.monotonic() + timeout
+    while claims(cp, namespace):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"claims of {namespace} not gone {timeout:.0f} s after their pods")
+        time.sleep(1.0)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.dra", description=__doc__.splitlines()[0])
     p.add_argument("--nodes", type=int, action="append", help="fleet sizes (default: 500 and 5000)")
-    p.add_argument(
-        "--kind", default="dgx-h100", help="the built-in topology of every node (default: dgx-h100)"
-    )
+    fleet = p.add_mutually_exclusive_group()
+    fleet.add_argument("--mix", default=MIX, metavar="KIND=SHARE,...", help=f"the fleet (default: {MIX})")
+    fleet.add_argument("--kind", choices=KINDS, help="every node of this one kind instead of the mix")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", choices=WAYS, help="run one way only (default: both, side by side)")
     p.add_argument("--keep", type=Path, metavar="DIR", help="work (and keep the logs) in DIR")
     args = p.parse_args(argv)
+    mix = f"{args.kind}=1" if args.kind else args.mix
+    try:
+        parse_mix(mix)
+    except ValueError as exc:
+        p.error(f"--mix: {exc}")
+    if any(n < 1 for n in args.nodes or []):
+        p.error("--nodes must be at least 1")
     if os.geteuid() != 0:
         print("bench.dra: needs root (the pod network is a network namespace)", file=sys.stderr)
         return 2
@@ -388,9 +505,13 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.keep / str(n) if args.keep else Path(tempfile.mkdtemp(prefix="tandem-bench-dra-"))
         ways = (args.only,) if args.only else WAYS
         try:
-            print(
-                json.dumps(configuration(n, kind=args.kind, seed=args.seed, workdir=workdir, ways=ways)),
-                flush=True,
+            configuration(
+                n,
+                mix=mix,
+                seed=args.seed,
+                workdir=workdir,
+                ways=ways,
+                emit=lambda line: print(json.dumps(line), flush=True),
             )
         finally:
             if not args.keep:

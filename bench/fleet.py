@@ -7,14 +7,12 @@ Every node gets its own decoded :class:`~schemas.topology.NodeTopology` with its
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import msgspec
 
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import Gpu, Nic, NodeTopology, NumaNode, PcieRoot, PcieSwitch, Socket
-from services.topology import import_nvidia_smi, load_topology
-from tools.loadtest.mix import Workload  # the request mix, shared with tandem loadtest
+from tools.loadtest.mix import CAPTURES, REAL_KINDS, Workload, kind_topology  # shared with tandem loadtest
 
 # (built-in topology, share of the fleet)
 MIX: tuple[tuple[str, float], ...] = (
@@ -24,13 +22,10 @@ MIX: tuple[tuple[str, float], ...] = (
     ("gpu-only-8", 0.15),
 )
 
-# Real servers too: two `nvidia-smi topo -m` matrices from the repository's test data,
-# imported with the project's importer (the matrix has no GPU model; it is given here).
-MATRICES = Path(__file__).resolve().parent.parent / "tests" / "unit" / "test_topology_matrices"
-REAL: dict[str, tuple[str, str]] = {
-    "h200-10nic": ("10_glm52_8xH200_10nic_3pix-per-gpu3.txt", "NVIDIA H200"),
-    "a800-4nic-asym": ("22_llm-action_8xA800_4nic-asym.txt", "NVIDIA A800-SXM4-80GB"),
-}
+# Real servers too: two `nvidia-smi topo -m` matrices from the repository's test data, as the
+# load test's mix names and imports them (tools/loadtest/mix.py, REAL_KINDS).
+MATRICES = CAPTURES
+REAL: dict[str, tuple[str, str]] = {name: REAL_KINDS[name] for name in ("h200-10nic", "a800-4nic-asym")}
 REAL_MIX: tuple[tuple[str, float], ...] = (
     ("dgx-h100", 0.30),
     ("dgx-a100", 0.20),
@@ -43,11 +38,7 @@ MIXES = {"builtin": MIX, "real": REAL_MIX}
 
 
 def _topology(name: str) -> NodeTopology:
-    if name in REAL:
-        file, model = REAL[name]
-        text = (MATRICES / file).read_text()
-        return import_nvidia_smi(text, name=name, gpu_model=model).topology
-    return load_topology(name)
+    return kind_topology(name)
 
 
 V100 = "Tesla V100-SXM3-32GB"

@@ -59,7 +59,7 @@ from tests.cluster.controlplane import CONTROL_PLANE, ControlPlane, node_body
 from tests.cluster.kubelet import LocalKubelet, RunningPod, publish_endpoints
 from tests.cluster.release import install, uninstall
 from tools.cli.conn import CliConnection
-from tools.loadtest.mix import fleet_plan
+from tools.loadtest.mix import NodeSpec, fleet_plan, kind_topology
 
 KIND = "dgx-h100"
 SIZES = (1, 2, 4, 8)
@@ -315,16 +315,21 @@ def clear(cp: ControlPlane, namespace: str) -> None:
         time.sleep(0.5)
 
 
-def add_nodes(cp: ControlPlane, count: int, *, kind: str = KIND) -> list[str]:
-    plan = [spec.name for spec in fleet_plan(count, mix=((kind, 1.0),))]
+def add_nodes(
+    cp: ControlPlane, count: int, *, kind: str = KIND, specs: list[NodeSpec] | None = None
+) -> list[str]:
+    """``count`` kwok nodes of ``kind`` (or the nodes of ``specs``, a mixed plan), each with its
+    kind's GPUs and NICs as extended resources; returns once all are Ready."""
+    specs = specs if specs is not None else fleet_plan(count, mix=((kind, 1.0),))
+    plan = [spec.name for spec in specs]
     labels = {"nvidia.com/gpu.present": "true"}
+
+    def body(spec: NodeSpec) -> dict[str, Any]:
+        topo = kind_topology(spec.kind)
+        return node_body(spec.name, gpus=len(topo.gpus()), nics=len(topo.nics()), labels=labels)
+
     with ThreadPoolExecutor(CLIENTS) as pool:
-        list(
-            pool.map(
-                lambda n: cp.request("POST", "/api/v1/nodes", node_body(n, gpus=8, nics=8, labels=labels)),
-                plan,
-            )
-        )
+        list(pool.map(lambda spec: cp.request("POST", "/api/v1/nodes", body(spec)), specs))
 
     def ready() -> int:
         items = cp.request("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
@@ -353,9 +358,11 @@ def start_tandem(
     *,
     values: dict[str, Any] = VALUES,
     kind: str = KIND,
+    mix: str | None = None,
 ) -> None:
     """Install and run Tandem (the chart with ``values``, a simulated fleet of ``nodes`` nodes of
-    ``kind``); ``undo`` stops and removes each part it started, in reverse."""
+    ``kind``, or of the ``mix`` as ``tools.loadtest.fleet --mix`` reads it); ``undo`` stops and
+    removes each part it started, in reverse."""
     install(cp, {**values, "nats": {**values["nats"], "url": server.url}})
     undo.callback(lambda: uninstall(cp))
     kubelet = LocalKubelet(cp, workdir)
@@ -386,8 +393,7 @@ def start_tandem(
             str(config),
             "--nodes",
             str(nodes),
-            "--kind",
-            kind,
+            *(("--mix", mix) if mix else ("--kind", kind)),
         ],
         stdout=subprocess.DEVNULL,
         stderr=(workdir / "fleet.log").open("wb"),

@@ -88,7 +88,7 @@ from services.runtime.process.lifecycle import run
 from services.runtime.process.tasks import Service, Supervisor
 from services.runtime.settings import Settings, load_settings
 from tools.loadtest.ledger import DeviceHolds
-from tools.loadtest.mix import FLEET_MIX, NodeSpec, fleet_plan, node_topology
+from tools.loadtest.mix import FLEET_MIX, KINDS, NodeSpec, fleet_plan, node_topology, parse_mix
 from tools.loadtest.publisher import AsyncPublisher
 
 log = get_logger(__name__)
@@ -378,10 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=0.0,
         help="share of releases whose first cleanup is reported unverified, then retried (default 0)",
     )
-    parser.add_argument(
-        "--kind",
-        choices=sorted(k for k, _ in FLEET_MIX),
-        help="every node of this kind (default: the mixed fleet)",
+    kinds = parser.add_mutually_exclusive_group()
+    kinds.add_argument("--kind", choices=KINDS, help="every node of this kind (default: the mixed fleet)")
+    kinds.add_argument(
+        "--mix",
+        metavar="KIND=SHARE,...",
+        help="the fleet in these proportions (the plan of tools.loadtest.mix.fleet_plan)",
     )
     parser.add_argument(
         "--token-dir",
@@ -393,7 +395,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--nodes must be at least 1")
     if not 0 <= args.cleanup_fail_share <= 1:
         parser.error("--cleanup-fail-share must be in [0, 1]")
-    plan = fleet_plan(args.nodes, mix=((args.kind, 1.0),)) if args.kind else fleet_plan(args.nodes)
+    try:
+        mix = parse_mix(args.mix) if args.mix else ((args.kind, 1.0),) if args.kind else FLEET_MIX
+    except ValueError as exc:
+        parser.error(f"--mix: {exc}")
+    plan = fleet_plan(args.nodes, mix=mix)
     try:
         settings: Settings = load_settings("loadtest-fleet", config=args.config)
     except SettingsError as exc:

@@ -5,7 +5,10 @@ they agree on every node's name and hardware without talking. The proportions fo
 core benchmark (``bench/fleet.py``): 40 % ``dgx-h100`` (8 GPUs, 8 NICs, one per PCIe
 switch), 30 % ``dgx-a100`` (8 GPUs, 10 NICs), 15 % ``pcie-4gpu-2nic`` (4 GPUs, 2 NICs with
 SR-IOV VFs), 15 % ``gpu-only-8`` (8 GPUs, no NIC). Each node's GPUs get their own UUIDs, as
-real nodes would report them.
+real nodes would report them. Besides the built-in kinds, :data:`REAL_KINDS` names real
+servers: ``nvidia-smi topo -m`` captures (``tests/unit/test_topology_matrices``, the copies of
+``../shared/topologies``) read with the project's importer, so a plan may mix them in
+(:func:`parse_mix` reads a mix written ``KIND=SHARE,...``).
 
 :class:`RequestStream` is a seeded stream of :class:`~schemas.messages.AllocationRequest`
 with the benchmark's workload: 1 / 2 / 4 / 8 GPUs (30 / 20 / 25 / 25 %); 70 % ask one NIC per
@@ -22,13 +25,14 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
+from pathlib import Path
 
 import msgspec
 
 from schemas.config import DeviceClass
 from schemas.messages import AllocationRequest, PodRef
 from schemas.topology import NodeTopology, ScopeName
-from services.topology import load_topology
+from services.topology import import_nvidia_smi, load_topology
 
 # (built-in topology, share of the fleet)
 FLEET_MIX: tuple[tuple[str, float], ...] = (
@@ -37,7 +41,19 @@ FLEET_MIX: tuple[tuple[str, float], ...] = (
     ("pcie-4gpu-2nic", 0.15),
     ("gpu-only-8", 0.15),
 )
-_KINDS = frozenset(kind for kind, _ in FLEET_MIX)
+# Real servers: a kind → its capture and GPU model (the matrix names no model). Each one's
+# layout: ``h200-10nic`` 8 switches of 1 GPU + 1 NIC (one with 3 NICs); ``a100-10nic`` and
+# ``nv18-13nic`` 4 switches of 2 GPUs + 2 NICs and one of NICs alone; ``a800-4nic-asym``
+# 4 NICs for 8 GPUs, on 3 switches.
+CAPTURES = Path(__file__).resolve().parents[2] / "tests" / "unit" / "test_topology_matrices"
+REAL_KINDS: dict[str, tuple[str, str]] = {
+    "h200-10nic": ("10_glm52_8xH200_10nic_3pix-per-gpu3.txt", "NVIDIA H200"),
+    "a100-10nic": ("09_oyanghd_8xA100-SXM-40G_10nic.txt", "NVIDIA A100-SXM4-40GB"),
+    "nv18-13nic": ("03_penny-blog_8xNV18_13nic_ib-eth.txt", "NVIDIA H100 80GB HBM3"),
+    "a800-4nic-asym": ("22_llm-action_8xA800_4nic-asym.txt", "NVIDIA A800-SXM4-80GB"),
+}
+_KINDS = frozenset(kind for kind, _ in FLEET_MIX) | frozenset(REAL_KINDS)
+KINDS = tuple(sorted(_KINDS))  # every kind a plan may name
 # The Kubernetes well-known label every node carries (the allocator labels nodes with it).
 HOSTNAME_LABEL = "kubernetes.io/hostname"
 NAMESPACE = "loadtest"
@@ -75,8 +91,31 @@ def fleet_plan(n: int, mix: tuple[tuple[str, float], ...] = FLEET_MIX) -> list[N
     return [spec for _, _, spec in keyed]
 
 
+def parse_mix(text: str) -> tuple[tuple[str, float], ...]:
+    """A mix written ``KIND=SHARE,KIND=SHARE`` (shares > 0, normalised to sum 1); ValueError
+    naming the part that is wrong."""
+    out: list[tuple[str, float]] = []
+    for part in (p.strip() for p in text.split(",")):
+        kind, sep, share = part.partition("=")
+        if not sep or kind not in _KINDS:
+            raise ValueError(f"mix entry {part!r}: want KIND=SHARE with KIND one of {', '.join(KINDS)}")
+        try:
+            value = float(share)
+        except ValueError:
+            raise ValueError(f"mix entry {part!r}: share {share!r} is not a number") from None
+        if not value > 0:
+            raise ValueError(f"mix entry {part!r}: share must be above 0")
+        out.append((kind, value))
+    total = sum(v for _, v in out)
+    return tuple((kind, v / total) for kind, v in out)
+
+
 @functools.cache
 def kind_topology(kind: str) -> NodeTopology:
+    """A built-in topology by name, or a real server's capture (:data:`REAL_KINDS`)."""
+    if kind in REAL_KINDS:
+        file, model = REAL_KINDS[kind]
+        return import_nvidia_smi((CAPTURES / file).read_text(), name=kind, gpu_model=model).topology
     return load_topology(kind)
 
 
