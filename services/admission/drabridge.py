@@ -524,12 +524,15 @@ class DraBridge:
     ) -> None:
         """Release ``rid`` once every claim it holds is deleted or has no consumer left (their
         devices were chosen in one decision and go back in one release). A claim that is not
-        being deleted is first deallocated at the version read again (:meth:`deallocate`): a
+        being deleted is first deallocated at the version read again (:meth:`_deallocate`): a
         pod reserving it meanwhile makes that write fail, and nothing is released. Tandem's
         finalizer and request stay on the claim until ``Freed``, so a pod naming it meanwhile
         waits for the devices to be clean, then gets the claim allocated anew."""
         held = self._held(rid)
-        if not held or rid in self._released or not all(self._ended(o) for o in held):
+        if not held or rid in self._released:
+            return
+        if not all(self._ended(o) for o in held):
+            self._note_in_use(held, rid)
             return
         if drajobs.is_job_pod(rid):
             await self.jobs.release_if_ended(rid, held, reason=reason)  # a job's pod: its job record says
@@ -543,13 +546,34 @@ class DraBridge:
                 await self.let_go(claim)
             return
         node = record.node or next((n for o in held if (n := drapods.allocated_node(o))), None)
+        if await self.deallocate_all(held, rid):
+            await self.publish_release(held[0], rid, reason=reason, node=node)
+
+    def _note_in_use(self, held: list[Obj], rid: str) -> None:
+        """Say which shared claims keep ``rid``'s devices and for how many pods: what an operator
+        asks when a shared claim's devices do not come back (a claim made for one pod goes with
+        its pod, nothing to say)."""
+        for obj in held:
+            if _owner_pod(obj) is None and drapods.is_allocated(obj) and not drapods.is_deleting(obj):
+                key = _key(obj)
+                log.info(
+                    "dra_shared_claim_in_use",
+                    claim=f"{key[0]}/{key[1]}",
+                    request_id=rid,
+                    reserved_for=len(drapods.reserved_for(obj)),
+                    users=len(self._users.get(key, ())),
+                )
+
+    async def deallocate_all(self, held: list[Obj], rid: str) -> bool:
+        """Deallocate every claim of ``rid`` still allocated and not being deleted
+        (:meth:`_deallocate`); False as soon as one is in use again (nothing is released then)."""
         for obj in held:
             live = drapods.is_allocated(obj) and not drapods.is_deleting(obj)
-            if live and not await self.deallocate(obj, rid):
-                return
-        await self.publish_release(held[0], rid, reason=reason, node=node)
+            if live and not await self._deallocate(obj, rid):
+                return False
+        return True
 
-    async def deallocate(self, obj: Obj, rid: str) -> bool:
+    async def _deallocate(self, obj: Obj, rid: str) -> bool:
         """Clear an unused claim's allocation, reading it again first and writing at the version
         read; False when it is in use again (or no longer ``rid``'s), True when it is clear."""
         key = _key(obj)

@@ -59,7 +59,7 @@ class Host(Protocol):
 
     async def let_go(self, obj: Obj) -> None: ...
 
-    async def deallocate(self, obj: Obj, rid: str) -> bool: ...
+    async def deallocate_all(self, held: list[Obj], rid: str) -> bool: ...
 
     async def publish_release(
         self, obj: Obj | None, rid: str, *, reason: str, pod: PodRef | None = None, node: str | None = None
@@ -99,7 +99,16 @@ class DraJobs:
         if await self._placed_before(raw, tandem):
             return
         key, complete = self.gather.add(pod, member, now=self.clock())
-        if complete is None or not any(names.GATE in p.gates for p in complete):
+        if complete is None:
+            log.info(
+                "dra_job_waiting",
+                job=member.group,
+                namespace=pod.metadata.namespace,
+                pod=pod.metadata.name,
+                size=member.size,
+            )
+            return
+        if not any(names.GATE in p.gates for p in complete):
             return
         await self._request(key, complete)
 
@@ -136,7 +145,8 @@ class DraJobs:
             for obj in claims[ref.uid]:
                 if drapods.held_by(obj) == rid:
                     continue
-                ns, name = drapods.read_claim(obj).namespace, drapods.read_claim(obj).name
+                claim = drapods.read_claim(obj)
+                ns, name = claim.namespace, claim.name
                 try:
                     h.store(
                         await h.kube.replace_resource_claim(
@@ -221,11 +231,7 @@ class DraJobs:
             await h.publish_release(held[0], job_id, reason=why, pod=pod)
             for obj in held:  # nothing was allocated; the allocator holds a job's devices itself
                 await h.let_go(obj)
-        else:
-            for obj in held:
-                live = drapods.is_allocated(obj) and not drapods.is_deleting(obj)
-                if live and not await h.deallocate(obj, rid):
-                    return
+        elif await h.deallocate_all(held, rid):
             await h.publish_release(held[0], rid, reason=reason, pod=pod, node=node)
 
     async def record(self, job_id: str) -> JobRecord | None:

@@ -46,6 +46,7 @@ def decide_in_shard(
     shard: str | None,
     *,
     catch_up: Callable[[], None] | None = None,
+    on_fallback: Callable[[], None] | None = None,
 ) -> Placement | Unschedulable:
     """The core's decision, on the nodes of ``shard`` first; all nodes when the shard has no
     room (so a request is unschedulable only when no node at all can take it). A pinned
@@ -53,12 +54,20 @@ def decide_in_shard(
     before a decision looks at them (:meth:`ReadModel.catch_up`). Outside its shard a replica
     takes the last of equally good nodes (the core does, with ``prefer_shard``): their owner
     takes the first, and both taking the same one made every such decision a compare-and-set
-    conflict."""
+    conflict. ``on_fallback`` is told of each decision that leaves the shard."""
     if shard is None or HOSTNAME_LABEL in req.node_selector:
         if catch_up is not None:
             catch_up()
         return cluster.decide(req)
-    return cluster.decide(req, prefer_shard=shard, before_fallback=catch_up)
+    before = catch_up
+    if on_fallback is not None:
+
+        def before() -> None:
+            on_fallback()
+            if catch_up is not None:
+                catch_up()
+
+    return cluster.decide(req, prefer_shard=shard, before_fallback=before)
 
 
 class Replicas:
@@ -89,18 +98,18 @@ class Replicas:
     def decide(self, req: AllocationRequest) -> Placement | Unschedulable:
         # A request that falls back outside the shard is counted: each one looks at the
         # other replicas' nodes, where their commits are in flight.
-        in_shard = self.shard is not None and HOSTNAME_LABEL not in req.node_selector
-        catch_up = self._fallback if in_shard else self._catch_up
-        return decide_in_shard(self.model.cluster, req, self.shard, catch_up=catch_up)
+        return decide_in_shard(
+            self.model.cluster,
+            req,
+            self.shard,
+            catch_up=self._catch_up,
+            on_fallback=metrics.SHARD_FALLBACKS.inc,
+        )
 
     def _catch_up(self) -> None:
         t0 = time.perf_counter()
         self.model.catch_up()
         metrics.CATCH_UP_SECONDS.inc(time.perf_counter() - t0)
-
-    def _fallback(self) -> None:
-        metrics.SHARD_FALLBACKS.inc()
-        self._catch_up()
 
     async def _on_heartbeat(self, msg: Msg) -> None:
         try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import urllib.error
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -123,6 +124,21 @@ class Release:
         return "\n".join(
             f"--- pod {p.name} (rc={p.popen.poll()})\n{p.tail()}" for ps in self.pods.values() for p in ps
         )
+
+    def logged(self, component: str, event: str, **fields: Any) -> bool:
+        """Whether a running pod of ``component`` wrote the JSON log line ``event`` with these
+        fields: how a test waits for a service to have *seen* something that changes nothing
+        visible (its whole log, not the tail :meth:`logs` prints)."""
+        for p in self.pods.get(component, []):
+            with contextlib.suppress(OSError):
+                for line in p.log.read_text(errors="replace").splitlines():
+                    if f'"{event}"' not in line:
+                        continue
+                    with contextlib.suppress(ValueError):
+                        got = json.loads(line)
+                        if got.get("event") == event and all(got.get(k) == v for k, v in fields.items()):
+                            return True
+        return False
 
     # --- Tandem's own records, read over NATS as the CLI reads them ---------------------------
     def _read(self, read: Callable[[TandemClient], Awaitable[T]]) -> T:

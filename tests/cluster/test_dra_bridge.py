@@ -13,7 +13,6 @@ allocation, and only with Tandem's devices.
 
 from __future__ import annotations
 
-import time
 import urllib.error
 from collections.abc import Iterator
 from typing import Any
@@ -297,7 +296,14 @@ def test_a_shared_claim_is_allocated_once_and_released_after_its_last_pod(releas
         ),
         what=f"reserved for {other} alone",
     )
-    time.sleep(3)  # room for a wrong release to happen
+    # The bridge has seen both the holder's end and the claim reserved for the other pod alone:
+    # the moment a wrong release would have been made.
+    eventually(
+        lambda: release.logged(
+            "admission", "dra_shared_claim_in_use", claim=f"{ns}/shared", reserved_for=1, users=1
+        ),
+        what="the bridge keeping the claim for the last pod",
+    )
     claim = cp.request("GET", f"{path}/shared")
     assert claim["status"].get("allocation") and names.DRA_FINALIZER in claim["metadata"]["finalizers"]
     assert [r.state for r in release.requests_of(ns, holder)] == ["assigned"]

@@ -13,7 +13,6 @@ holds until the node agents' verified cleanup freed each pod's devices.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,7 +57,10 @@ def test_a_jobs_pods_through_claims_are_placed_all_or_nothing(release: Release, 
     cp.request("POST", TEMPLATES.format(ns=ns), template("pairs", gpus=2, nics=2))
     cp.request("POST", f"/api/v1/namespaces/{ns}/pods", worker(0))
     eventually(lambda: claims_in(cp, ns), what="worker-0's claim made by the resourceclaim controller")
-    time.sleep(3)  # the bridge has seen the claim and judged the pod again
+    eventually(
+        lambda: release.logged("admission", "dra_job_waiting", namespace=ns, pod="worker-0", size=2),
+        what="the bridge judging worker-0 with its claim: its job waits for worker-1",
+    )
     (alone,) = claims_in(cp, ns)
     assert names.DRA_REQUEST not in (alone["metadata"].get("annotations") or {})  # nothing held
     assert "allocation" not in (alone.get("status") or {})
