@@ -25,6 +25,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
+from services.runtime.nats.provision import while_forming
 
 PAYLOAD = b"x" * 256
 FETCH_BATCH = 256
@@ -45,9 +46,12 @@ async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024, replicas
     token = uuid.uuid4().hex[:8]
     stream = f"LOADTEST_SCRATCH_{token}"
     subject = f"{subjects.ROOT}.loadtest.{token}"
-    await js.add_stream(
-        api.StreamConfig(name=stream, subjects=[subject], storage=api.StorageType.FILE, num_replicas=replicas)
+    # The first JetStream call of the run: a cluster just reported healthy may still be
+    # electing its meta leader (503), as the services' provisioning waits for it.
+    cfg = api.StreamConfig(
+        name=stream, subjects=[subject], storage=api.StorageType.FILE, num_replicas=replicas
     )
+    await while_forming(lambda: js.add_stream(cfg), what="ceiling stream")
     try:
         publish = await _publish_rate(js, subject, count=count, window=window)
         pull = await _pull_ack_rate(nc, js, subject, stream=stream, count=count)

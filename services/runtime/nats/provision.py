@@ -4,23 +4,27 @@ date, idempotently, by each service that starts (unless its NATS user may not: t
 The names and subjects come from :mod:`schemas.subjects`; the bounds that keep one sender's
 flood from costing anyone else (the dead-letter stream's size, a node subject's message count)
 are the constants here. A replicated stream that cannot be placed yet (a peer of the cluster
-down) is waited for; an API call that timed out is simply made again.
+down), or a JetStream API that answers "temporarily unavailable" (a cluster still electing its
+meta leader, or just routing a new account's API to it), is waited for
+(:func:`while_forming`); an API call that timed out is simply made again.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import nats
 from nats.js import JetStreamContext, api
-from nats.js.errors import APIError, BucketNotFoundError, NotFoundError
+from nats.js.errors import APIError, BucketNotFoundError, NotFoundError, ServiceUnavailableError
 
 from schemas import limits, subjects
 from services.runtime.observe.logging import get_logger
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 KV_BUCKETS = (
     subjects.KV_NODES,
@@ -31,8 +35,10 @@ KV_BUCKETS = (
     subjects.KV_CLAIMS,
 )
 DUPLICATE_WINDOW_S = 120.0
-# JetStream's "no suitable peers for placement" (a replicated stream while a peer is down):
-# provisioning waits for the peer, PLACEMENT_WAITS x PLACEMENT_WAIT_S at most.
+# JetStream's "no suitable peers for placement" (a replicated stream while a peer is down), and
+# its 503 "temporarily unavailable" (no meta leader yet, or a new account's API not yet routed
+# to it: seen right after three servers report healthy on a loaded machine): provisioning
+# waits, PLACEMENT_WAITS x PLACEMENT_WAIT_S at most.
 NO_PLACEMENT = 10005
 PLACEMENT_WAITS = 30
 PLACEMENT_WAIT_S = 0.5
@@ -49,24 +55,38 @@ async def provision(js: JetStreamContext, *, replicas: int = 1, attempts: int = 
     Every step is idempotent, so a JetStream API call that times out (a loaded server can take
     longer than the client's 5 s to create a file-backed stream) is simply tried again. So is a
     replicated stream or bucket that cannot be placed yet because a peer of the cluster is not
-    up (err_code 10005: a cluster still forming, or a server restarting), for a while longer:
-    it places once the peer is back."""
-    placement_waits = 0
+    up (err_code 10005: a cluster still forming, or a server restarting), or JetStream answers
+    503 (its meta leader not elected yet), for a while longer: :func:`while_forming`."""
     attempt = 1
     while True:
         try:
-            await _provision_once(js, replicas=replicas)
+            await while_forming(lambda: _provision_once(js, replicas=replicas), what="provision")
             return
         except nats.errors.TimeoutError:
             if attempt == attempts:
                 raise
             log.warning("provision_retry", attempt=attempt)
             attempt += 1
+
+
+def _forming(exc: APIError) -> bool:
+    """Whether ``exc`` is what a cluster still forming (or a peer restarting) answers."""
+    return isinstance(exc, ServiceUnavailableError) or exc.err_code == NO_PLACEMENT
+
+
+async def while_forming(call: Callable[[], Awaitable[T]], *, what: str) -> T:
+    """``await call()``, made again while JetStream answers that the cluster is still forming
+    (:func:`_forming`), PLACEMENT_WAITS times at most; ``call`` must be safe to repeat. Any
+    other error, or the last of those, is raised."""
+    waits = 0
+    while True:
+        try:
+            return await call()
         except APIError as exc:
-            if exc.err_code != NO_PLACEMENT or placement_waits >= PLACEMENT_WAITS:
+            if not _forming(exc) or waits >= PLACEMENT_WAITS:
                 raise
-            placement_waits += 1
-            log.warning("provision_waits_for_peers", error=exc.description, wait=placement_waits)
+            waits += 1
+            log.warning("jetstream_forming_wait", what=what, error=exc.description, code=exc.code, wait=waits)
             await asyncio.sleep(PLACEMENT_WAIT_S)
 
 
