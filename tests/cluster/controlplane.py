@@ -32,6 +32,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import ssl
 import subprocess
@@ -66,6 +67,22 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
+def _free_subnet() -> tuple[int, int]:
+    """A /30 of 10.231.0.0/16 (this test's own) that no address of this machine is in.
+
+    Drawn at random so that concurrent runs rarely race for one, and checked against the
+    addresses in use so that the host end of a run killed before its clean-up (its veth and
+    route stay) never shadows a new pod's: that collision cut a pod off from NATS once."""
+    used = set(re.findall(r"inet 10\.231\.(\d+)\.(\d+)/", sh("ip", "-4", "-o", "addr", "show").stdout))
+    taken = {(int(a), int(b) & ~3) for a, b in used}
+    draw = random.SystemRandom()
+    for _ in range(1000):
+        subnet = draw.randrange(256), draw.randrange(0, 252, 4)
+        if subnet not in taken:
+            return subnet
+    raise ControlPlaneError(f"no free /30 in 10.231.0.0/16 ({len(taken)} in use: stale test networks?)")
+
+
 @dataclass
 class PodNetwork:
     """A network namespace with a veth pair: ``host_ip`` on this machine, ``pod_ip`` inside."""
@@ -78,9 +95,7 @@ class PodNetwork:
     @classmethod
     def create(cls) -> PodNetwork:
         tag = os.urandom(3).hex()
-        # 10.231.0.0/16 is this test's own: a /30 per run, the octets drawn at random so that a
-        # run killed before its clean-up does not block the next.
-        third, fourth = random.randrange(256), random.randrange(0, 252, 4)
+        third, fourth = _free_subnet()
         net = cls(
             netns=f"tcl{tag}",
             host_if=f"tch{tag}",
