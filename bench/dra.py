@@ -225,9 +225,11 @@ def claims(cp: ControlPlane, namespace: str) -> list[Obj]:
 
 def settle(
     watch: PodWatch, names: Callable[[], set[str]], *, timeout: float, refused: Callable[[], set[str]]
-) -> None:
-    """Until every pod in ``names()`` is bound, or each is bound or refused (``refused()``: a
-    verdict seen) and none was bound for ``SETTLE_S``, or none was bound for ``QUIET_S``."""
+) -> str:
+    """Until every pod in ``names()`` is bound (``"all_bound"``), or each is bound or refused
+    (``refused()``: a verdict seen) and none was bound for ``SETTLE_S`` (``"verdicts"``), or
+    none was bound for ``QUIET_S`` (``"quiet"``), or ``timeout`` passed (``"limit"``): why it
+    ended, which the stage reports."""
     deadline = time.monotonic() + timeout
     last, moved, looked = -1, time.monotonic(), 0.0
     decided: set[str] = set()
@@ -235,17 +237,18 @@ def settle(
         pods = names()
         bound = {n for n in pods if n in watch.bound}
         if len(bound) == len(pods):
-            return
+            return "all_bound"
         if len(bound) != last:
             last, moved = len(bound), time.monotonic()
         quiet = time.monotonic() - moved
         if quiet > SETTLE_S and time.monotonic() - looked > 2.0:
             decided, looked = refused(), time.monotonic()
             if pods <= bound | decided:
-                return
+                return "verdicts"
         if quiet > QUIET_S:
-            return
+            return "quiet"
         time.sleep(0.2)
+    return "limit"
 
 
 def verdicts(cp: ControlPlane, namespace: str, watch: PodWatch) -> set[str]:
@@ -291,7 +294,9 @@ def stage(
     with ThreadPoolExecutor(CLIENTS) as pool:
         list(pool.map(create, batch))
     live.update(dict(batch))
-    settle(watch, lambda: set(created), timeout=timeout, refused=lambda: verdicts(cp, namespace, watch))
+    ended = settle(
+        watch, lambda: set(created), timeout=timeout, refused=lambda: verdicts(cp, namespace, watch)
+    )
     use = meter.stop()
     settled = time.monotonic() - started
     bound = {n: watch.bound[n] for n in created if n in watch.bound}
@@ -316,6 +321,9 @@ def stage(
         "pods_per_s": round(len(bound) / max(1e-9, last - started), 1),
         "create_to_bound_ms": ms([bound[n] - created[n] for n in bound]),
         "settled_s": round(settled, 1),
+        # "limit": cut at --stage-limit with pods neither bound nor refused, so pods_per_s
+        # is what the way bound in that time, and "refused" counts pods it had not decided.
+        "ended": ended,
         "refused": len(unbound),
         "refused_with_room": with_room(unbound),
         "waiting_all": len(waiting),
@@ -425,14 +433,17 @@ def configuration(
     workdir: Path,
     emit: Callable[[Obj], None],
     ways: tuple[str, ...] = WAYS,
+    stage_limit: float | None = None,
 ) -> None:
     """Both ways (or ``ways``) on one control plane with ``nodes`` kwok nodes of ``mix`` (as
     :func:`tools.loadtest.mix.parse_mix` reads it; the simulated fleet reads the same text);
-    ``emit`` gets one line per way as soon as it is done."""
+    ``emit`` gets one line per way as soon as it is done. ``stage_limit``: a stage's longest
+    wait in seconds (default: long enough for every pod, which at 5,000 nodes takes the
+    scheduler alone hours)."""
     bins = build_all(CONTROL_PLANE, log=False)
     plan = fleet_plan(nodes, mix=parse_mix(mix))
     fleet = Fleet(plan)
-    timeout = max(600.0, fleet.gpus / 5)  # a stage's longest wait
+    timeout = stage_limit or max(600.0, fleet.gpus / 5)  # a stage's longest wait
     with ControlPlane(
         workdir / "cp", bins, heartbeat_s=KUBELET_STATUS_S, node_lease_s=KUBELET_LEASE_S, client_qps=2000
     ) as cp:
@@ -440,6 +451,7 @@ def configuration(
         add_nodes(cp, nodes, specs=plan)
         fleet.publish(cp)
         head: Obj = {"nodes": nodes, "kinds": fleet.kinds(), "gpus": fleet.gpus, "seed": seed}
+        head["stage_limit_s"] = timeout
         head["nodes_ready_s"] = round(time.monotonic() - t0, 1)
         if "scheduler" in ways:
             for body in device_classes():
@@ -453,7 +465,7 @@ def configuration(
                 }
             )
             clear(cp, ns)
-            wait_no_claims(cp, ns)
+            wait_no_claims(cp, ns, timeout=max(300.0, fleet.gpus / 20))
             for body in device_classes():  # the chart installs its own
                 cp.request("DELETE", f"{RESOURCE}/deviceclasses/{body['metadata']['name']}")
         if "tandem" in ways:
@@ -489,6 +501,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--only", choices=WAYS, help="run one way only (default: both, side by side)")
     p.add_argument("--keep", type=Path, metavar="DIR", help="work (and keep the logs) in DIR")
+    p.add_argument(
+        "--stage-limit",
+        type=float,
+        metavar="S",
+        help="end a stage after S seconds whatever is still pending (the line says so: ended=limit)",
+    )
     args = p.parse_args(argv)
     mix = f"{args.kind}=1" if args.kind else args.mix
     try:
@@ -497,6 +515,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--mix: {exc}")
     if any(n < 1 for n in args.nodes or []):
         p.error("--nodes must be at least 1")
+    if args.stage_limit is not None and args.stage_limit <= 0:
+        p.error("--stage-limit must be more than 0 seconds")
     if os.geteuid() != 0:
         print("bench.dra: needs root (the pod network is a network namespace)", file=sys.stderr)
         return 2
@@ -511,6 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 seed=args.seed,
                 workdir=workdir,
                 ways=ways,
+                stage_limit=args.stage_limit,
                 emit=lambda line: print(json.dumps(line), flush=True),
             )
         finally:
