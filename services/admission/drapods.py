@@ -192,6 +192,16 @@ def admit(
             message=f"{who}: the pod asks Tandem's devices both as resources ({', '.join(names.RESOURCES)})"
             " and through ResourceClaims of Tandem's classes; ask them one way",
         )
+    if names.CLAIM in pod.annotations:
+        # A DeviceClaim's devices are the pod's whole allocation (docs/sharing.md "Claims");
+        # claims of Tandem's classes would ask more beside them, which neither way can honour.
+        return Verdict(
+            allowed=False,
+            code=403,
+            message=f"{who}: the pod uses DeviceClaim {pod.annotations[names.CLAIM]!r} ({names.CLAIM})"
+            " and asks Tandem's devices through ResourceClaims too; a pod gets its devices one way:"
+            " drop the annotation, or the claims of Tandem's classes",
+        )
     if pod.spec.nodeName:
         return Verdict(
             allowed=False,

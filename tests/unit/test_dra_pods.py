@@ -158,6 +158,31 @@ def test_the_webhook_refuses_what_tandem_would_not_honour_naming_it(
     assert verdict.message.startswith("tandem: pod trainer: ")
 
 
+def test_a_pod_that_uses_a_device_claim_cannot_ask_through_resource_claims_too() -> None:
+    body = pod({"name": "devices", "resourceClaimTemplateName": "pairs"})
+    body["metadata"]["annotations"] = {names.CLAIM: "reserved"}
+    verdict = drapods.admit(
+        podrules.read_pod(body),
+        specs={("template", "pairs"): spec()},
+        device_classes=CLASSES,
+        traceparent=None,
+    )
+    assert verdict is not None and not verdict.allowed and verdict.code == 403
+    assert "uses DeviceClaim 'reserved' (tandem.io/claim)" in verdict.message, verdict.message
+    # Another driver's claims beside a DeviceClaim are not Tandem's to judge here.
+    other = drapods.admit(
+        podrules.read_pod(body),
+        specs={
+            ("template", "pairs"): {
+                "devices": {"requests": [{"name": "x", "exactly": {"deviceClassName": "other"}}]}
+            }
+        },
+        device_classes=CLASSES,
+        traceparent=None,
+    )
+    assert other is None
+
+
 def test_the_webhook_reads_the_templates_before_its_verdict() -> None:
     class Reader:
         def __init__(self) -> None:
