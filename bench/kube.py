@@ -93,7 +93,10 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def ms(values: list[float]) -> dict[str, float]:
+def ms(values: list[float]) -> dict[str, float | None]:
+    """p50 and p99 in ms; None for no values (a stage that bound nothing), as JSON has no NaN."""
+    if not values:
+        return {"p50": None, "p99": None}
     return {"p50": round(percentile(values, 0.5) * 1000, 1), "p99": round(percentile(values, 0.99) * 1000, 1)}
 
 
