@@ -20,6 +20,7 @@ import re
 import shlex
 import subprocess
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -96,10 +97,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     },
 }
 COMPONENTS = ("allocator", "inventory", "admission", "nodeagent")
-PATCH_POLICY, GUARD_POLICY = (
-    f"{RELEASE}-admission-pods",
-    f"{RELEASE}-admission-guard",
-)  # every NATS client but the callout
+PODS_POLICY = f"{RELEASE}-admission-pods"
 
 
 def render(values: dict[str, Any] | None = None, *, release: str = RELEASE) -> list[dict[str, Any]]:
@@ -895,27 +893,94 @@ def test_network_policies_admit_only_tandem_to_nats() -> None:
     assert find(render(VARIANTS["insecure"]), "NetworkPolicy") == []
 
 
-def test_admission_may_change_only_gated_tandem_pods() -> None:
+def test_one_policy_guards_tandems_pods_and_admission_may_change_only_gated_ones() -> None:
     docs = render()
-    policy = one(docs, "ValidatingAdmissionPolicy", PATCH_POLICY)
+    policy = one(docs, "ValidatingAdmissionPolicy", PODS_POLICY)
     spec = policy["spec"]
     assert spec["failurePolicy"] == "Fail"
     assert spec["matchConstraints"]["resourceRules"] == [
-        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["UPDATE"], "resources": ["pods"]}
+        {"apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"], "resources": ["pods"]}
     ]
-    (who,) = spec["matchConditions"]
+    # No match condition: each would have the API server convert the pod once more.
+    assert "matchConditions" not in spec
+    assert [
+        p["metadata"]["name"]
+        for p in find(docs, "ValidatingAdmissionPolicy")
+        if "pods" in p["spec"]["matchConstraints"]["resourceRules"][0]["resources"]
+    ] == [PODS_POLICY]
     account = one(docs, "ClusterRoleBinding", f"{RELEASE}-admission")["subjects"][0]
+    tandem = next(v for v in spec["variables"] if v["name"] == "tandem")
     assert (
-        who["expression"]
+        tandem["expression"]
         == f"request.userInfo.username == 'system:serviceaccount:{NAMESPACE}:{account['name']}'"
     )
-    checks = " ".join(v["expression"] for v in spec["validations"])
-    # The label and the gate the webhook sets (services.admission.names), before and after.
-    assert f"oldObject.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
-    assert f"object.metadata.labels['{admission_names.MANAGED}'] == 'true'" in checks
-    assert f"g.name == '{admission_names.GATE}'" in checks
-    binding = one(docs, "ValidatingAdmissionPolicyBinding", PATCH_POLICY)["spec"]
+    names = " ".join(v["expression"] for v in spec["variables"])
+    # The label and the gate the webhook sets (services.admission.names).
+    assert f"'{admission_names.MANAGED}' in oldObject.metadata.labels" in names
+    assert f"g.name == '{admission_names.GATE}'" in names
+    binding = one(docs, "ValidatingAdmissionPolicyBinding", PODS_POLICY)["spec"]
     assert binding == {"policyName": policy["metadata"]["name"], "validationActions": ["Deny"]}
+    # Each half can be switched off alone; the policy goes with both.
+    patch_only = one(
+        render({"admission": {"podGuardPolicy": {"enabled": False}}}),
+        "ValidatingAdmissionPolicy",
+        PODS_POLICY,
+    )["spec"]
+    assert patch_only["matchConstraints"]["resourceRules"][0]["operations"] == ["UPDATE"]
+    assert all("variables.tandem" in v["expression"] for v in patch_only["validations"])
+    guard_only = one(
+        render({"admission": {"podPatchPolicy": {"enabled": False}}}),
+        "ValidatingAdmissionPolicy",
+        PODS_POLICY,
+    )["spec"]
+    assert len(guard_only["validations"]) == 4
+    both_off = {"admission": {"podPatchPolicy": {"enabled": False}, "podGuardPolicy": {"enabled": False}}}
+    assert find(render(both_off), "ValidatingAdmissionPolicy", PODS_POLICY) == []
+
+
+def pods_policy_denials(values: dict[str, Any] | None = None) -> Callable[..., list[str]]:
+    """The pods policy's CEL, evaluated (cel-python, its variables in order as the API server
+    defines them) on a request: the messages of the validations that deny it."""
+    import celpy
+
+    spec = one(render(values), "ValidatingAdmissionPolicy", PODS_POLICY)["spec"]
+    env = celpy.Environment()
+    variables_cel = [(v["name"], env.program(env.compile(v["expression"]))) for v in spec["variables"]]
+    checks = [
+        (v.get("message") or v["messageExpression"], env.program(env.compile(v["expression"])))
+        for v in spec["validations"]
+    ]
+
+    def denied(old: dict[str, Any] | None, new: dict[str, Any], user: str = "alice") -> list[str]:
+        act: dict[str, Any] = {
+            "request": celpy.json_to_cel(
+                {
+                    "userInfo": {"username": user},
+                    "operation": "UPDATE" if old else "CREATE",
+                    "namespace": "ml",
+                }
+            ),
+            "oldObject": celpy.json_to_cel(old or {}),
+            "object": celpy.json_to_cel(new),
+        }
+        variables: dict[str, Any] = {}
+        for name, program in variables_cel:  # each may use the ones before it
+            act["variables"] = celpy.celtypes.MapType(
+                {celpy.celtypes.StringType(k): val for k, val in variables.items()}
+            )
+            variables[name] = program.evaluate(act)
+        act["variables"] = celpy.celtypes.MapType(
+            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
+        )
+        out = []
+        for message, program in checks:
+            result = program.evaluate(act)
+            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
+            if not result:
+                out.append(message)
+        return out
+
+    return denied
 
 
 def test_nodeagent_ops_port_binds_its_nodes_address() -> None:
@@ -931,98 +996,41 @@ def test_nodeagent_ops_port_binds_its_nodes_address() -> None:
 
 
 def test_pod_patch_policy_admits_the_bridges_bind_and_nothing_else() -> None:
-    """The policy's CEL, evaluated (cel-python) on the pods the bridge really patches."""
-    import celpy
-
+    """The patch half on the pods the bridge really patches (the guard half switched off, so
+    what is denied here is the patch half's alone)."""
     from tests.unit.test_admission_helpers import deployment_pod, merge_patch
     from tests.unit.test_admission_podrules import assignment, persisted
 
-    spec = one(render(), "ValidatingAdmissionPolicy", PATCH_POLICY)["spec"]
-    env = celpy.Environment()
-    (condition,) = spec["matchConditions"]
-    applies = env.program(env.compile(condition["expression"]))
-    checks = [(v["message"], env.program(env.compile(v["expression"]))) for v in spec["validations"]]
+    denied = pods_policy_denials({"admission": {"podGuardPolicy": {"enabled": False}}})
     bridge = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-admission"
-
-    def denied(old: dict[str, Any], new: dict[str, Any], user: str = bridge) -> list[str]:
-        activation = {
-            "request": celpy.json_to_cel({"userInfo": {"username": user}}),
-            "oldObject": celpy.json_to_cel(old),
-            "object": celpy.json_to_cel(new),
-        }
-
-        def run(program: Any) -> bool:
-            result = program.evaluate(activation)
-            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
-            return bool(result)
-
-        if not run(applies):
-            return []
-        return [message for message, check in checks if not run(check)]
-
     gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
     bound = merge_patch(gated, admission_podwrites.bind_patch(gated, assignment("gpu-7")))
-    assert denied(gated, bound) == []  # the bridge's own bind
+    assert denied(gated, bound, bridge) == []  # the bridge's own bind
 
     stranger = copy.deepcopy(gated)
     del stranger["metadata"]["labels"][admission_names.MANAGED]
     stranger["spec"]["schedulingGates"] = []
-    assert any("tandem.io/managed" in m for m in denied(stranger, merge_patch(stranger, {"metadata": {}})))
+    assert any(
+        "tandem.io/managed" in m for m in denied(stranger, merge_patch(stranger, {"metadata": {}}), bridge)
+    )
     started = merge_patch(bound, {"metadata": {"annotations": {"x": "y"}}})
-    assert any("scheduling gate" in m for m in denied(bound, started))  # no longer gated
+    assert any("scheduling gate" in m for m in denied(bound, started, bridge))  # no longer gated
     unlabelled = merge_patch(gated, {"metadata": {"labels": {admission_names.MANAGED: None}}})
-    assert any("tandem.io/managed" in m for m in denied(gated, unlabelled))
+    assert any("tandem.io/managed" in m for m in denied(gated, unlabelled, bridge))
     swapped = copy.deepcopy(gated)
     swapped["spec"]["containers"][0]["image"] = "evil.example/miner:latest"
-    assert any("images" in m for m in denied(gated, swapped))
-    assert denied(stranger, swapped, user="system:serviceaccount:kube-system:replicaset-controller") == []
+    assert any("images" in m for m in denied(gated, swapped, bridge))
+    assert denied(stranger, swapped, "system:serviceaccount:kube-system:replicaset-controller") == []
 
 
 def test_guard_policy_keeps_tandems_fields_tandems_and_device_pods_behind_the_webhook() -> None:
-    """The guard policy's CEL, evaluated (cel-python, its variables in order) on the pods the
-    webhook, the bridge and others really create and change. The real API server runs it in
-    tests/cluster/test_bypass.py."""
-    import celpy
-
+    """The whole pods policy on the pods the webhook, the bridge and others really create and
+    change. The real API server runs it in tests/cluster/test_bypass.py."""
     from tests.unit.test_admission_helpers import deployment_pod, merge_patch
     from tests.unit.test_admission_podrules import assignment, persisted
 
-    docs = render()
-    spec = one(docs, "ValidatingAdmissionPolicy", GUARD_POLICY)["spec"]
-    binding = one(docs, "ValidatingAdmissionPolicyBinding", GUARD_POLICY)["spec"]
-    assert binding == {"policyName": GUARD_POLICY, "validationActions": ["Deny"]}
-    assert spec["failurePolicy"] == "Fail"
-    env = celpy.Environment()
+    denied = pods_policy_denials()
     bridge = f"system:serviceaccount:{NAMESPACE}:{RELEASE}-admission"
-
-    def denied(old: dict[str, Any] | None, new: dict[str, Any], user: str = "alice") -> list[str]:
-        act: dict[str, Any] = {
-            "request": celpy.json_to_cel(
-                {
-                    "userInfo": {"username": user},
-                    "operation": "UPDATE" if old else "CREATE",
-                    "namespace": "ml",
-                }
-            ),
-            "oldObject": celpy.json_to_cel(old or {}),
-            "object": celpy.json_to_cel(new),
-        }
-        variables: dict[str, Any] = {}
-        for v in spec["variables"]:  # each may use the ones before it
-            act["variables"] = celpy.celtypes.MapType(
-                {celpy.celtypes.StringType(k): val for k, val in variables.items()}
-            )
-            variables[v["name"]] = env.program(env.compile(v["expression"])).evaluate(act)
-        act["variables"] = celpy.celtypes.MapType(
-            {celpy.celtypes.StringType(k): v for k, v in variables.items()}
-        )
-        out = []
-        for v in spec["validations"]:
-            result = env.program(env.compile(v["expression"])).evaluate(act)
-            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
-            if not result:
-                out.append(v.get("message") or v["messageExpression"])
-        return out
 
     gated = persisted(deployment_pod(gpu="2", rdma="2"))  # as the webhook left it: label + gate
     assert denied(None, gated) == []  # created through the webhook
