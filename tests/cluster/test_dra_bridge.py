@@ -167,6 +167,15 @@ def test_a_template_tandem_would_not_honour_is_refused_when_the_pod_is_created(r
     assert refused.value.code == 403
     assert f"ResourceClaimTemplate {ns}/aligned spec.devices.constraints" in message, message
     assert "write scope" in message
+    # A pod using a DeviceClaim gets its devices that way only.
+    templates = f"/apis/resource.k8s.io/v1/namespaces/{ns}/resourceclaimtemplates"
+    cp.request("POST", templates, template("pairs", gpus=1, nics=1))
+    both = claim_pod("both", "pairs")
+    both["metadata"].setdefault("annotations", {})["tandem.io/claim"] = "reserved"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        cp.request("POST", f"/api/v1/namespaces/{ns}/pods", both)
+    message = refused.value.read().decode()
+    assert refused.value.code == 403 and "uses DeviceClaim 'reserved'" in message, message
 
 
 def test_only_tandems_identity_allocates_a_claim_and_only_with_tandems_devices(release: Release) -> None:

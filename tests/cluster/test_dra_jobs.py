@@ -2,7 +2,8 @@
 (issue "Tandem speaks DRA", item 3: "a whole job's claims ... keep their meaning"; docs/dra.md,
 "Jobs").
 
-Two pods of a Tandem job (``tandem.io/job`` + ``tandem.io/job-size``), each with a claim made by
+Two pods of a job (``tandem.io/job`` + ``tandem.io/job-size``, or the labels a LeaderWorkerSet
+group's or a JobSet's pods carry), each with a claim made by
 the real resourceclaim controller from a ResourceClaimTemplate of Tandem's classes: while only
 one exists nothing is requested or held (its claim carries no request, no job record exists);
 once both exist the job is requested once and committed by the allocator, each pod's claim gets
@@ -33,10 +34,28 @@ def ns(release: Release) -> Iterator[str]:
     yield from own_namespace(release)
 
 
-def worker(index: int) -> dict[str, Any]:
+# How a job's pods say so: Tandem's own labels, and what the LeaderWorkerSet and JobSet
+# controllers put on the pods they make (written here by hand: those controllers are not
+# installed; services/admission/jobwatch.py reads the same labels from them).
+STYLES = {
+    "tandem": lambda i: (
+        {jobwatch.JOB: "allreduce"},
+        {jobwatch.JOB_SIZE: "2", jobwatch.JOB_INDEX: str(i)},
+    ),
+    "leaderworkerset": lambda i: (
+        {jobwatch.LWS_NAME: "allreduce", jobwatch.LWS_GROUP: "0", jobwatch.LWS_WORKER: str(i)},
+        {jobwatch.LWS_SIZE: "2"},
+    ),
+    "jobset": lambda i: (
+        {jobwatch.JOBSET_NAME: "allreduce", jobwatch.COMPLETION_INDEX: str(i)},
+        {jobwatch.JOB_SIZE: "2"},
+    ),
+}
+
+
+def worker(index: int, style: str = "tandem") -> dict[str, Any]:
     pod = claim_pod(f"worker-{index}", "pairs")
-    pod["metadata"]["labels"] = {jobwatch.JOB: "allreduce"}
-    pod["metadata"]["annotations"] = {jobwatch.JOB_SIZE: "2", jobwatch.JOB_INDEX: str(index)}
+    pod["metadata"]["labels"], pod["metadata"]["annotations"] = STYLES[style](index)
     return pod
 
 
@@ -52,10 +71,11 @@ def claim_of(release: Release, ns: str, pod: str) -> dict[str, Any]:
     return claim
 
 
-def test_a_jobs_pods_through_claims_are_placed_all_or_nothing(release: Release, ns: str) -> None:
+@pytest.mark.parametrize("style", sorted(STYLES))
+def test_a_jobs_pods_through_claims_are_placed_all_or_nothing(release: Release, ns: str, style: str) -> None:
     cp = release.cp
     cp.request("POST", TEMPLATES.format(ns=ns), template("pairs", gpus=2, nics=2))
-    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", worker(0))
+    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", worker(0, style))
     eventually(lambda: claims_in(cp, ns), what="worker-0's claim made by the resourceclaim controller")
     eventually(
         lambda: release.logged("admission", "dra_job_waiting", namespace=ns, pod="worker-0", size=2),
@@ -67,7 +87,7 @@ def test_a_jobs_pods_through_claims_are_placed_all_or_nothing(release: Release, 
     assert {"name": names.GATE} in pod_of(cp, ns, "worker-0")["spec"]["schedulingGates"]
     assert jobs_in(release, ns) == [] and release.live_requests_in(ns) == []  # nothing requested
 
-    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", worker(1))
+    cp.request("POST", f"/api/v1/namespaces/{ns}/pods", worker(1, style))
     try:
         nodes = [
             eventually(
