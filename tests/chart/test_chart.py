@@ -34,6 +34,7 @@ from cryptography import x509
 from services.admission import names as admission_names
 from services.admission import podwrites as admission_podwrites
 from services.runtime.settings import load_settings
+from tests.celchecks import failing
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "tandem"
 RELEASE, NAMESPACE = "tandem", "tandem-system"
@@ -972,13 +973,7 @@ def pods_policy_denials(values: dict[str, Any] | None = None) -> Callable[..., l
         act["variables"] = celpy.celtypes.MapType(
             {celpy.celtypes.StringType(k): v for k, v in variables.items()}
         )
-        out = []
-        for message, program in checks:
-            result = program.evaluate(act)
-            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
-            if not result:
-                out.append(message)
-        return out
+        return failing(checks, act)
 
     return denied
 

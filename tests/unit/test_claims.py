@@ -19,6 +19,7 @@ from schemas.topology import MIG_PROFILE_PATTERN
 from services.admission import claims, names, podrules
 from services.admission.claims import ClaimState
 from services.admission.errors import InvalidClaim
+from tests.celchecks import failing
 
 CLASSES = {
     "default": DeviceClass(),
@@ -317,14 +318,7 @@ def test_the_crd_refuses_bad_mig_claims_with_the_request_rules() -> None:
     ]
 
     def refused(spec: dict[str, Any]) -> list[str]:
-        activation = {"self": celpy.json_to_cel({**defaults, **spec})}
-        out = []
-        for message, program in rules:
-            result = program.evaluate(activation)
-            assert isinstance(result, celpy.celtypes.BoolType), result  # not an evaluation error
-            if not result:
-                out.append(message)
-        return out
+        return failing(rules, {"self": celpy.json_to_cel({**defaults, **spec})})
 
     assert refused({"gpus": 2, "rdma": 1, "migProfile": "1g.10gb"}) == []
     assert refused({"gpus": 1, "shares": {"gpuMemoryMiB": 1024}}) == []
