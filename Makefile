@@ -110,7 +110,8 @@ bench-kube: cluster-bins
 # DRA claims allocated by kube-scheduler alone (matchAttribute pcieRoot) beside Tandem, on the same
 # kwok fleet (built-in and real 8-GPU servers) with the same ResourceSlices and pods, filled to
 # 85 % and churned to 95 % (docs/benchmarks.md, "DRA side by side"); one JSON line per fleet size
-# and way. Needs root. BENCH_DRA_ARGS="--nodes 500" for one size; --mix KIND=SHARE,... or --kind.
+# and way. Needs root. BENCH_DRA_ARGS="--nodes 500" for one size; --mix KIND=SHARE,... or --kind;
+# --stage-limit 1200 cuts each stage after 20 min (at 5,000 nodes the scheduler alone takes hours).
 BENCH_DRA_ARGS ?=
 bench-dra: cluster-bins
 	$(BIN)/python -m bench.dra $(BENCH_DRA_ARGS)
