@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 from services.allocator.metrics import AllocatorState
 from services.allocator.service import Allocator
@@ -12,7 +13,23 @@ from services.runtime.process.lifecycle import service_main
 from services.runtime.settings import Settings
 
 
-async def build(bus: Bus, settings: Settings) -> Allocator:
+@dataclass
+class Replica:
+    """The allocator with its gauges, counted as it starts, once its records are read (before
+    it reports ready), not at the first scrape."""
+
+    allocator: Allocator
+    gauges: AllocatorState
+
+    async def start(self) -> None:
+        await self.allocator.start()
+        self.gauges.prime()
+
+    async def stop(self) -> None:
+        await self.allocator.stop()
+
+
+async def build(bus: Bus, settings: Settings) -> Replica:
     allocator = Allocator(
         bus,
         instance=settings.instance,
@@ -23,8 +40,9 @@ async def build(bus: Bus, settings: Settings) -> Allocator:
         fabric_tiers=settings.fabric_tiers,
     )
     # Its gauges, computed at each scrape.
-    register_state(AllocatorState(allocator, node_metrics_max=settings.node_metrics_max))
-    return allocator
+    gauges = AllocatorState(allocator, node_metrics_max=settings.node_metrics_max)
+    register_state(gauges)
+    return Replica(allocator, gauges)
 
 
 if __name__ == "__main__":

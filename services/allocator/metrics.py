@@ -16,10 +16,9 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from schemas.messages import NodeAllocations, NodeRecord
-from services.allocator.core import Cluster
 from services.allocator.readmodel import ReadModel
 from services.allocator.requestbook import RequestBook
-from services.runtime.observe.metrics import DEVICE_STATES, device_states
+from services.runtime.observe.metrics import DEVICE_STATES, RenderedFamily, device_states, label_value
 
 DECISIONS = Counter("tandem_allocator_decisions_total", "Allocation decisions by outcome", ["outcome"])
 DECISION_SECONDS = Histogram(
@@ -85,9 +84,6 @@ class AllocatorView(Protocol):
     def model(self) -> ReadModel: ...
 
     @property
-    def cluster(self) -> Cluster: ...
-
-    @property
     def allocs(self) -> Mapping[str, tuple[NodeAllocations | None, int]]: ...
 
 
@@ -96,19 +92,20 @@ class AllocatorState(Collector):
 
     * ``tandem_allocator_pending_requests`` and ``tandem_allocator_oldest_pending_seconds``;
     * ``tandem_allocator_nodes{status}``;
-    * ``tandem_cluster_devices{kind,state}``: ``total`` and ``free`` (allocatable now) from the
-      core, over ready nodes, and ``allocated``/``unhealthy``/``cordoned`` from the records;
+    * ``tandem_cluster_devices{kind,state}``: devices of ready nodes, ``total`` and by state
+      (``free``, ``allocated``, ``unhealthy``, ``cordoned``), counted from the committed
+      records: the sums of the per-node counts;
     * ``tandem_node_devices{node,kind,state}``: the same per node (ready and lost ones), while
-      the allocator knows at most ``node_metrics_max`` nodes: a scrape renders every series on
-      the event loop, so a large fleet exports only the cluster totals.
+      the allocator knows at most ``node_metrics_max`` nodes.
 
-    A scrape runs on the allocator's event loop, between decisions, so it must not walk the
-    fleet: the read model gathers each node whose records changed
-    (``ReadModel.follow_changes``), and a
-    scrape computes those nodes' counts again and moves the cluster sums by the difference;
-    the node statuses come from the read model's count of lost nodes, and the core's totals
-    from its groups (one entry per kind of node and free set, not per node). Only the
-    per-node series, bounded by ``node_metrics_max``, are rendered node by node.
+    A scrape runs on the allocator's event loop, between decisions, so its cost must not grow
+    with the fleet: the read model gathers each node whose records changed
+    (``ReadModel.follow_changes``); a scrape counts those nodes again and moves the cluster
+    sums by the difference, and renders their per-node lines again; every other node's lines
+    are the bytes rendered when it last changed (a :class:`RenderedFamily`, joined, not
+    formatted). The node statuses come from the read model's count of lost nodes. Nothing
+    here reads the core: with several replicas, the core holds other shards' records only
+    when a decision looks at them (``ReadModel.catch_up``), and a scrape must not apply them.
     """
 
     def __init__(
@@ -123,9 +120,10 @@ class AllocatorState(Collector):
         self.node_metrics_max = node_metrics_max
         # node -> (its record, its allocations record, their counts)
         self._counts: dict[str, tuple[NodeRecord, NodeAllocations | None, dict[tuple[str, str], int]]] = {}
+        self._lines: dict[str, bytes] = {}  # node -> its tandem_node_devices lines, once rendered
         # (kind, state) -> devices of ready nodes, the sum of the ready nodes' _counts
         self._cluster: dict[tuple[str, str], int] = {
-            (kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES[1:]
+            (kind, state): 0 for kind in ("gpu", "nic") for state in DEVICE_STATES
         }
         self._ready: set[str] = set()  # the nodes counted in _cluster
         self._changed = allocator.model.follow_changes()
@@ -138,6 +136,7 @@ class AllocatorState(Collector):
             return known[2]
         counts = node_device_states(record, allocs)
         self._counts[name] = (record, allocs, counts)
+        self._lines.pop(name, None)
         return counts
 
     def _count_changed(self) -> None:
@@ -150,9 +149,16 @@ class AllocatorState(Collector):
             record = a.model.nodes.get(name)
             if record is None:
                 self._counts.pop(name, None)
+                self._lines.pop(name, None)
                 continue
             self._node_counts(name, record, a.allocs.get(name, (None, 0))[0])
             self._move(name, 1)
+
+    def prime(self) -> None:
+        """Count every node known now, as the first scrape would (0.3 s at 10,000 nodes): called
+        as the allocator starts, once it has read its records, so that this is not a stall of
+        decisions at the first scrape."""
+        self._count_changed()
 
     def _move(self, name: str, sign: int) -> None:
         """Add (1) or take out (-1) a node's counts from the cluster sums, if it is ready."""
@@ -166,9 +172,19 @@ class AllocatorState(Collector):
             if record.status != "ready":
                 return
             self._ready.add(name)
-        for (kind, state), n in counts.items():
-            if state != "free":
-                self._cluster[kind, state] += sign * n
+        for key, n in counts.items():
+            self._cluster[key] += sign * n
+
+    def _node_lines(self, name: str) -> bytes:
+        lines = self._lines.get(name)
+        if lines is None:
+            node = label_value(name)
+            lines = "".join(
+                f'tandem_node_devices{{node="{node}",kind="{kind}",state="{state}"}} {float(n)}\n'
+                for (kind, state), n in self._counts[name][2].items()
+            ).encode()
+            self._lines[name] = lines
+        return lines
 
     def collect(self) -> Iterator[Metric]:
         a = self.allocator
@@ -190,25 +206,18 @@ class AllocatorState(Collector):
         for status, n in zip(NODE_STATUSES, (known - lost, lost), strict=True):
             nodes.add_metric([status], n)
         yield nodes
-        per_node = GaugeMetricFamily(
-            "tandem_node_devices", "Devices of each node by kind and state", labels=["node", "kind", "state"]
-        )
-        if known <= self.node_metrics_max:
-            for name in sorted(self._counts):
-                for (kind, state), n in self._counts[name][2].items():
-                    per_node.add_metric([name, kind, state], n)
-        a.model.catch_up()  # the totals count every node's holds
-        totals = a.cluster.totals()
         devices = GaugeMetricFamily(
             "tandem_cluster_devices",
-            "Devices of ready nodes: total, free (allocatable now), allocated, unhealthy, cordoned",
+            "Devices of ready nodes: total, free (no allocation holds it, healthy, not cordoned), "
+            "allocated, unhealthy, cordoned",
             labels=["kind", "state"],
         )
-        devices.add_metric(["gpu", "total"], totals["gpus"])
-        devices.add_metric(["gpu", "free"], totals["free_gpus"])
-        devices.add_metric(["nic", "total"], totals["nics"])
-        devices.add_metric(["nic", "free"], totals["free_nics"])
+        for kind in ("gpu", "nic"):
+            devices.add_metric([kind, "total"], sum(self._cluster[kind, state] for state in DEVICE_STATES))
         for (kind, state), n in self._cluster.items():
             devices.add_metric([kind, state], n)
         yield devices
-        yield per_node
+        per_node = b""
+        if known <= self.node_metrics_max:
+            per_node = b"".join([self._node_lines(name) for name in self._counts])
+        yield RenderedFamily("tandem_node_devices", "Devices of each node by kind and state", per_node)

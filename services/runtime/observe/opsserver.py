@@ -16,7 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, CollectorRegistry
+
+from services.runtime.observe.metrics import exposition
 
 
 class OpsServer:
@@ -50,7 +52,7 @@ class OpsServer:
         return web.Response(status=503, text=f"not ready: {why}\n" if why else "not ready\n")
 
     async def _metrics(self, _: web.Request) -> web.Response:
-        body = generate_latest(self.registry)
+        body = exposition(self.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def start(self) -> OpsServer:
