@@ -22,6 +22,7 @@ from schemas.messages import (
     Cleaned,
     DeadLetter,
     DeviceCommand,
+    ForwardReply,
     Freed,
     HealthEvent,
     Heartbeat,
@@ -43,7 +44,9 @@ T_co = TypeVar("T_co", covariant=True)
 
 NodeEvent = NodeInventory | HealthEvent | Heartbeat | Applied | Cleaned
 AllocEvent = AllocationRequest | JobRequest | Assignment | AllocationFailed | Release | Freed | PreemptionPlan
-AnyMessage = NodeEvent | AllocEvent | DeadLetter | DeviceCommand | InventoryQuery | InventoryReply
+AnyMessage = (
+    NodeEvent | AllocEvent | DeadLetter | DeviceCommand | InventoryQuery | InventoryReply | ForwardReply
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _json_encoder = msgspec.json.Encoder()
@@ -55,6 +58,7 @@ DEAD_LETTER = msgspec.msgpack.Decoder(DeadLetter)
 COMMAND = msgspec.msgpack.Decoder(DeviceCommand)
 QUERY = msgspec.msgpack.Decoder(InventoryQuery)
 REPLY = msgspec.msgpack.Decoder(InventoryReply)
+FORWARD_REPLY = msgspec.msgpack.Decoder(ForwardReply)
 NODE_RECORD = msgspec.msgpack.Decoder(NodeRecord)
 NODE_ALLOCS = msgspec.msgpack.Decoder(NodeAllocations)
 REQUEST_RECORD = msgspec.msgpack.Decoder(RequestRecord)

@@ -463,6 +463,17 @@ class InventoryReply(_Msg, tag="reply.inventory"):
     error: str = ""
 
 
+class ForwardReply(_Msg, tag="reply.forward"):
+    """The answer of the replica a request was handed to (``tandem.allocator.forward.<name>``):
+    ``outcome`` is what its placement ended in — ``assigned``, ``duplicate`` (placed or in
+    hand already), ``rejected``, ``pending`` (recorded so there), or ``no_room`` (its shard
+    cannot take the request and it recorded nothing: the sender decides itself) — or
+    ``error`` says why it could not try."""
+
+    outcome: Annotated[str, msgspec.Meta(max_length=32)] = ""
+    error: Text = ""
+
+
 # ---------------------------------------------------------------------------------------------
 # KV records
 

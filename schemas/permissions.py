@@ -191,6 +191,7 @@ def allocator() -> Permissions:
         subjects.ALLOC_FREED,
         subjects.ALLOC_PREEMPT,
         subjects.ALLOCATOR_HEARTBEAT,
+        subjects.ALLOCATOR_FORWARD_ALL,
         subjects.dlq("allocator"),
         *_provision(),
         *_durable(a, subjects.CONSUMER_ALLOCATOR_REQUESTS, subjects.ALLOC_REQUEST),
@@ -203,8 +204,9 @@ def allocator() -> Permissions:
         *_kv_writer(subjects.KV_JOBS),
         *_kv_reader(subjects.KV_NODE_LABELS),
     ]
-    sub = [subjects.ALLOCATOR_HEARTBEAT, _inbox("allocator")]
-    return Permissions(publish=_dedup(pub), subscribe=_dedup(sub))
+    sub = [subjects.ALLOCATOR_HEARTBEAT, subjects.ALLOCATOR_FORWARD_ALL, _inbox("allocator")]
+    # allow_responses: a replica answers the requests other replicas hand it.
+    return Permissions(publish=_dedup(pub), subscribe=_dedup(sub), allow_responses=True)
 
 
 def inventory() -> Permissions:

@@ -71,6 +71,8 @@ def expected(subject: str) -> tuple[type | None, str | None]:
         return DeadLetter, None
     if subject == subjects.QUERY_INVENTORY:
         return InventoryQuery, None
+    if len(parts) == 4 and subject.startswith(f"{subjects.ALLOCATOR_FORWARD_PREFIX}."):
+        return AllocationRequest, None
     return None, None
 
 

@@ -57,6 +57,10 @@ ALLOC_PREEMPT = f"{ROOT}.alloc.preempt"
 UNPLACED = "_unplaced"
 QUERY_INVENTORY = f"{ROOT}.query.inventory"
 ALLOCATOR_HEARTBEAT = f"{ROOT}.allocator.heartbeat"
+# A request one allocator replica hands to the replica whose shard holds the node it would
+# take (core NATS request/reply, answered with ForwardReply; services/allocator/placer.py).
+ALLOCATOR_FORWARD_PREFIX = f"{ROOT}.allocator.forward"
+ALLOCATOR_FORWARD_ALL = f"{ALLOCATOR_FORWARD_PREFIX}.*"
 ALLOCS_REPUBLISH_PREFIX = f"{ROOT}.allocs"
 NODE_ALLOCS_ALL = f"{ALLOCS_REPUBLISH_PREFIX}.>"
 
@@ -105,6 +109,13 @@ def node_token(node: str) -> str:
 
 def node_from_token(token: str) -> str:
     return token.replace("_", ".")
+
+
+def allocator_forward(instance: str) -> str:
+    """The subject on which the replica named ``instance`` takes requests handed to it (the
+    name as one token: anything but letters, digits, ``-`` and ``_`` becomes ``_``)."""
+    token = "".join(c if c.isascii() and (c.isalnum() or c in "-_") else "_" for c in instance)
+    return f"{ALLOCATOR_FORWARD_PREFIX}.{token}"
 
 
 def node_subject(node: str, event: str) -> str:

@@ -54,6 +54,15 @@ SHARD_FALLBACKS = Counter(
     "tandem_allocator_shard_fallbacks_total",
     "Decisions that found no room in this replica's shard and looked at every node",
 )
+FORWARDS = Counter(
+    "tandem_allocator_forwards_total",
+    "Requests handed to the replica whose shard holds the node this one would take, by what came "
+    "of it: taken (placed, placed already, or rejected there), no_room (this replica decided "
+    "itself), failed (no answer in time, or the replica is gone: this replica decided itself)",
+    ["outcome"],
+)
+for _outcome in ("taken", "no_room", "failed"):
+    FORWARDS.labels(_outcome)
 CATCH_UP_SECONDS = Counter(
     "tandem_allocator_catch_up_seconds_total",
     "Time spent applying other shards' node records before a decision that looks at them",

@@ -14,6 +14,16 @@
   to it just before (:mod:`.preemption`); a refusal names the nodes the core does not count
   (:meth:`.ReadModel.explain`). Unschedulable → the request record says ``pending`` with the
   reason, or a preemption plan is made; invalid for good → ``rejected``;
+* **hand over** (:meth:`Placer.hand_over`): with several replicas, a request whose own
+  shard had no room and whose decision lands on a node of another live replica's shard is
+  handed to that replica (core NATS request/reply, ``tandem.allocator.forward.<name>``),
+  which decides it on its own shard only and places it there, or answers ``no_room``. Before,
+  the replica committed on that node itself, from a view without the owner's decisions in
+  flight, and lost the compare-and-set race to the owner's commits often enough to be most of
+  two replicas' extra latency (docs/benchmarks.md, "Two replicas"). Handed over once; when
+  the owner has no room, this replica decides on its own shard only (with two replicas:
+  nowhere has room, the request is pending as with one); when the owner does not answer in
+  time or is gone, this replica decides on every node and places it itself, as before;
 * **reserve** (:meth:`Placer.reserve`): the devices are held *tentatively* in the read model,
   so the decisions taken while this one commits see them as used;
 * **claim** (:meth:`Placer.claim`): the request record is written with compare-and-set,
@@ -53,17 +63,19 @@ from dataclasses import dataclass
 from typing import Literal
 
 import msgspec
+import nats
 from opentelemetry import trace as trace_api
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind, Status, StatusCode
 
-from schemas import limits, subjects
+from schemas import codec, limits, subjects
 from schemas.messages import (
     AllocationFailed,
     AllocationRequest,
     AllocRecord,
     AssignedNic,
     Assignment,
+    ForwardReply,
     NodeAllocations,
 )
 from services.allocator import commits, metrics
@@ -73,7 +85,7 @@ from services.allocator.readmodel import ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
 from services.runtime.kv.records import Conflict, RecordStore, RecordTooLarge
-from services.runtime.nats.bus import Bus, Delivery, Retry
+from services.runtime.nats.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery, Retry
 from services.runtime.observe import tracing
 from services.runtime.observe.logging import get_logger
 from services.runtime.observe.tracing import (
@@ -89,9 +101,17 @@ log = get_logger(__name__)
 _tracer = tracer("tandem.allocator", service="allocator")
 
 MAX_COMMIT_ATTEMPTS = 8
-# Where a request comes from: its message (which may be a redelivery), or the pending
-# retries (no message: the trace is the one its record keeps).
-Origin = Literal["message", "retry"]
+# How long a replica waits for the replica it handed a request to: about as long as its own
+# claim, commit and announce take at worst under load; a replica that is gone answers at
+# once (no responders).
+HAND_OVER_TIMEOUT_S = 5.0
+# What the replica a request was handed to answers when it took it: placed there, placed or
+# in hand already, rejected, or recorded pending there (it had claimed the request before a
+# lost commit race left its shard without room).
+TAKEN = ("assigned", "duplicate", "rejected", "pending")
+# Where a request comes from: its message (which may be a redelivery), the pending retries
+# (no message: the trace is the one its record keeps), or another replica that handed it over.
+Origin = Literal["message", "retry", "forwarded"]
 Decision = Placement | Unschedulable
 # What the commit stage found: the allocation added, a device taken by another replica
 # meanwhile, or the request held by a node record already (an earlier commit whose reply
@@ -177,6 +197,12 @@ class Placer:
             )
         return decision
 
+    def elsewhere(self, node: str, request_id: str) -> bool:
+        """Whether ``node`` is in another live replica's shard, and that replica may place
+        ``request_id`` there as well as this one (no preemption reserved devices for it here):
+        the retry pass leaves such a request to that replica's own pass."""
+        return request_id not in self.model.reservations and self.replicas.owner(node) is not None
+
     def hold(self, node: str, key: str, devices: list[str]) -> None:
         """Hold devices of a decision taken elsewhere (a job's pod) while it commits."""
         self.model.hold_tentative(node, key, devices)
@@ -257,6 +283,14 @@ class Placer:
             context = context_from_traceparent(trace)
         was_pending = rid in self.book.pending  # for metrics.PENDING_AGE_AT_PLACEMENT_SECONDS
         claimed: str | None = None  # the node the request record says, once claimed
+        # Handed over at most once, and never a request a preemption reserved devices for
+        # here (the reservation is this replica's).
+        may_hand_over = origin == "message" and rid not in self.model.reservations
+        forwarded = origin == "forwarded"
+        # Decide beyond this replica's shard: not for a request handed over to it, nor once
+        # the owner of the node it would take said its shard has no room (that owner sees its
+        # own decisions in flight, which this replica's view of its nodes lacks).
+        fallback = not forwarded
         for _ in range(MAX_COMMIT_ATTEMPTS):
             with _tracer.start_as_current_span(
                 "allocator.decide", context=context, kind=SpanKind.CONSUMER
@@ -268,7 +302,7 @@ class Placer:
                     context = context_from_traceparent(trace)
                 t0 = time.perf_counter()
                 try:
-                    decision = ahead if ahead is not None else self.decide(req)
+                    decision = ahead if ahead is not None else self.decide(req, fallback=fallback)
                     ahead = None
                 except InvalidRequest as exc:
                     # Retrying cannot help (e.g. a device class removed from the config after
@@ -278,8 +312,23 @@ class Placer:
                     return "rejected"
                 metrics.DECISION_SECONDS.observe(time.perf_counter() - t0)
                 if isinstance(decision, Unschedulable):
+                    if forwarded and claimed is None:  # the sender decides it on every node
+                        _refused(span, "no_room", decision.reason)
+                        return "no_room"
+                    # Claimed here before a lost commit race: the request record names this
+                    # replica, so this replica records what became of it.
                     _refused(span, "unschedulable", decision.reason)
                     return await self._unschedulable(req, decision, trace=trace, message=not retry)
+                owner = self.replicas.owner(decision.node) if may_hand_over else None
+                if owner is not None:
+                    may_hand_over = False
+                    answer = await self.hand_over(req, owner, span)
+                    if answer in TAKEN:
+                        return answer
+                    # No room there: decide again on this shard only (pending, with two
+                    # replicas); no answer: decide again on every node and place it here.
+                    fallback = answer != "no_room"
+                    continue
                 decided = trace_api.set_span_in_context(span, context)
                 attempt = self.reserve(req, decision, trace=trace, context=decided)
                 attempt.claimed = claimed == attempt.node
@@ -294,15 +343,16 @@ class Placer:
 
     # -- decide -----------------------------------------------------------------------------
 
-    def decide(self, req: AllocationRequest) -> Decision:
+    def decide(self, req: AllocationRequest, *, fallback: bool = True) -> Decision:
         """The replicas' decision, with the devices a preemption reserved for the request
         lent to it first (no await in between: decisions are serial); a refusal names the
-        nodes the core does not count. Raises InvalidRequest."""
+        nodes the core does not count. ``fallback``: false for a request handed over by
+        another replica (this replica's shard only). Raises InvalidRequest."""
         rid = req.request_id
         self.model.lend(rid)
         decision: Decision | None = None
         try:
-            decision = self.replicas.decide(req)
+            decision = self.replicas.decide(req, fallback=fallback)
         finally:
             self.model.keep(rid, taken=isinstance(decision, Placement))
         if isinstance(decision, Unschedulable):
@@ -341,6 +391,43 @@ class Placer:
             msg_id=subjects.msg_id(req.request_id, "rejected"),
         )
         log.info("rejected", request_id=req.request_id, reason=reason)
+
+    # -- hand over --------------------------------------------------------------------------
+
+    async def hand_over(self, req: AllocationRequest, owner: str, span: Span) -> str | None:
+        """Hand ``req`` to ``owner``, the replica whose shard holds the node this one would
+        take: the outcome there (one of ``TAKEN``), ``no_room`` (its shard cannot take it), or
+        None when it did not answer (no answer in time, gone, an error)."""
+        span.set_attribute("tandem.handed_to", owner)
+        try:
+            msg = await self.bus.request(subjects.allocator_forward(owner), req, timeout=HAND_OVER_TIMEOUT_S)
+            reply = codec.FORWARD_REPLY.decode(msg.data)
+        except (nats.errors.Error, TimeoutError, *codec.DecodeErrors) as exc:
+            metrics.FORWARDS.labels("failed").inc()
+            log.info("hand_over_failed", request_id=req.request_id, to=owner, error=repr(exc))
+            return None
+        if reply.outcome in TAKEN:
+            metrics.FORWARDS.labels("taken").inc()
+            return reply.outcome
+        if reply.outcome == "no_room":
+            metrics.FORWARDS.labels("no_room").inc()
+            return "no_room"
+        metrics.FORWARDS.labels("failed").inc()
+        log.info("hand_over_failed", request_id=req.request_id, to=owner, error=reply.error or reply.outcome)
+        return None
+
+    async def on_forward(self, event: object, delivery: Delivery) -> ForwardReply:
+        """A request another replica handed over (:meth:`hand_over`), placed on this
+        replica's shard only: ``no_room`` when the shard cannot take it."""
+        if not isinstance(event, AllocationRequest):
+            return ForwardReply(error=f"not an allocation request: {type(event).__name__}")
+        try:
+            outcome = await self.place(event, origin="forwarded", context=delivery.context)
+        except (Retry, *TRANSIENT_NATS_ERRORS) as exc:
+            # In another replica's hand, or NATS in an election: the sender decides, or its
+            # message is delivered again.
+            return ForwardReply(error=str(exc) or repr(exc))
+        return ForwardReply(outcome=outcome)
 
     # -- reserve ----------------------------------------------------------------------------
 

@@ -29,7 +29,7 @@ from schemas import codec, subjects
 from schemas.messages import AllocationRequest, AllocatorHeartbeat
 from services.allocator import metrics
 from services.allocator.core import Cluster, Placement, Unschedulable
-from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel
+from services.allocator.readmodel import HOSTNAME_LABEL, ReadModel, shard_of
 from services.runtime.nats.bus import Bus
 from services.runtime.observe.logging import get_logger
 from services.runtime.process.tasks import Supervisor
@@ -47,14 +47,17 @@ def decide_in_shard(
     *,
     catch_up: Callable[[], None] | None = None,
     on_fallback: Callable[[], None] | None = None,
+    fallback: bool = True,
 ) -> Placement | Unschedulable:
     """The core's decision, on the nodes of ``shard`` first; all nodes when the shard has no
-    room (so a request is unschedulable only when no node at all can take it). A pinned
-    request goes straight to its node. ``catch_up`` brings the other shards' nodes up to date
-    before a decision looks at them (:meth:`ReadModel.catch_up`). Outside its shard a replica
-    takes the last of equally good nodes (the core does, with ``prefer_shard``): their owner
-    takes the first, and both taking the same one made every such decision a compare-and-set
-    conflict. ``on_fallback`` is told of each decision that leaves the shard."""
+    room (so a request is unschedulable only when no node at all can take it), unless
+    ``fallback`` is false (a request another replica handed over: the shard's answer is the
+    answer). A pinned request goes straight to its node. ``catch_up`` brings the other
+    shards' nodes up to date before a decision looks at them (:meth:`ReadModel.catch_up`).
+    Outside its shard a replica takes the last of equally good nodes (the core does, with
+    ``prefer_shard``): their owner takes the first, and both taking the same one made every
+    such decision a compare-and-set conflict. ``on_fallback`` is told of each decision that
+    leaves the shard."""
     if shard is None or HOSTNAME_LABEL in req.node_selector:
         if catch_up is not None:
             catch_up()
@@ -67,7 +70,7 @@ def decide_in_shard(
             if catch_up is not None:
                 catch_up()
 
-    return cluster.decide(req, prefer_shard=shard, before_fallback=before)
+    return cluster.decide(req, prefer_shard=shard, before_fallback=before, fallback=fallback)
 
 
 class Replicas:
@@ -77,6 +80,7 @@ class Replicas:
         self.model = model
         self._others: dict[str, float] = {}  # other live replicas → last heartbeat (monotonic)
         self._started: dict[str, float] = {}  # other live replicas → when they started
+        self._live = [instance]  # every live replica, sorted: shard i is live[i]
         self._beat = AllocatorHeartbeat(instance=instance, started=time.time())
         self._sub: Any = None
 
@@ -95,7 +99,7 @@ class Replicas:
         the other shards' records by it)."""
         return self.model.shard
 
-    def decide(self, req: AllocationRequest) -> Placement | Unschedulable:
+    def decide(self, req: AllocationRequest, *, fallback: bool = True) -> Placement | Unschedulable:
         # A request that falls back outside the shard is counted: each one looks at the
         # other replicas' nodes, where their commits are in flight.
         return decide_in_shard(
@@ -104,7 +108,17 @@ class Replicas:
             self.shard,
             catch_up=self._catch_up,
             on_fallback=metrics.SHARD_FALLBACKS.inc,
+            fallback=fallback,
         )
+
+    def owner(self, node: str) -> str | None:
+        """The live replica whose shard ``node`` is in, when that is another replica than
+        this one (None: this one's, or no other replica is alive)."""
+        live = self._live
+        if len(live) < 2 or self.model.shards != len(live):
+            return None
+        name = live[int(shard_of(node, len(live)))]
+        return None if name == self.instance else name
 
     def _catch_up(self) -> None:
         t0 = time.perf_counter()
@@ -137,6 +151,7 @@ class Replicas:
 
     def _reshard(self) -> None:
         live = sorted([*self._others, self.instance])
+        self._live = live
         shard = str(live.index(self.instance)) if len(live) > 1 else None
         if len(live) != self.model.shards or shard != self.shard:
             log.info("replicas_changed", live=live, shard=shard)

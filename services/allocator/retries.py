@@ -9,6 +9,10 @@ and every ``retry_interval``. A pass also takes up *abandoned claims* (a replica
 request and died before committing it, see :mod:`.requestbook`), and the same loop sweeps
 half-done job commits and retries pending jobs (:mod:`.jobs`).
 
+With several replicas every one runs passes over every pending request; a replica places
+only the requests whose decision lands in its own shard, and leaves the others to the pass of
+the node's owner (:meth:`.Placer.elsewhere`), as a request message is handed over.
+
 A pass decides in priority order (then oldest first), every decision before anything waits;
 only a request that finds a place (or has something new to say) goes on, as a task, through
 the placement pipeline (:meth:`.Placer.place`, with the decision taken ahead and its devices
@@ -53,6 +57,10 @@ class Placing(Protocol):
     def busy(self, request_id: str) -> bool: ...
 
     def decide_ahead(self, req: AllocationRequest) -> Decision | None: ...
+
+    def elsewhere(self, node: str, request_id: str) -> bool: ...
+
+    def drop(self, node: str, key: str) -> None: ...
 
     def sweep_reserved(self, live: Collection[str]) -> None: ...
 
@@ -126,6 +134,12 @@ class PendingRetries:
             # request (None) is rejected by place, with the reason.
             decision = placer.decide_ahead(req)
             if isinstance(decision, Unschedulable) and not self.book.reason_due(rid, decision):
+                gate.release()
+                continue
+            if isinstance(decision, Placement) and placer.elsewhere(decision.node, rid):
+                # Another live replica's node: its own pass places the request there, from a
+                # view with its own decisions in flight, which this replica's commit would race.
+                placer.drop(decision.node, rid)
                 gate.release()
                 continue
             # Held in ``tasks`` and gathered below: not a bare task.

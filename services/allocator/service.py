@@ -37,9 +37,9 @@ from typing import Any
 
 from opentelemetry.context import Context
 
-from schemas import codec, subjects
+from schemas import codec, limits, subjects
 from schemas.config import DeviceClass
-from schemas.messages import AllocationRequest, NodeAllocations, NodeRecord
+from schemas.messages import AllocationRequest, ForwardReply, NodeAllocations, NodeRecord
 from services.allocator.core import Cluster
 from services.allocator.core.gang import DEFAULT_TIERS
 from services.allocator.evictionplans import Preemptions
@@ -214,6 +214,15 @@ class Allocator(Service):
                     )
                 ),
             )
+        # Requests other replicas hand over (Placer.hand_over): listened to before this
+        # replica's first heartbeat tells them it is alive.
+        await self.bus.serve(
+            subjects.allocator_forward(self.instance),
+            decoder=codec.ALLOC_EVENT,
+            handler=self.placer.on_forward,
+            error_reply=lambda reason: ForwardReply(error=limits.clip(reason)),
+            concurrent=True,
+        )
         await self.replicas.start(self._tasks)
         # Job commits a crashed replica left half-done are settled before new decisions.
         await self.jobs.sweep()

@@ -81,6 +81,7 @@ tandem_subjects = st.one_of(
     st.builds(subjects.node_health, node_names),
     st.builds(subjects.alloc_release, st.one_of(st.none(), node_names)),
     st.builds(subjects.alloc_assigned, node_names),
+    st.builds(subjects.allocator_forward, st.sampled_from(["allocator-0", "a.b"])),
     st.sampled_from(
         [subjects.ALLOC_REQUEST, subjects.ALLOC_FREED, subjects.QUERY_INVENTORY, "tandem", "x.y.z"]
     ),

@@ -71,6 +71,19 @@ def test_roles_follow_the_subject_contract() -> None:
     assert not any(s.startswith("$KV.") for s in cli.publish)  # reads records, never writes
 
 
+def test_only_allocators_hand_requests_to_each_other() -> None:
+    alloc = permissions.allocator()
+    forward = subjects.ALLOCATOR_FORWARD_ALL
+    assert forward in alloc.publish and forward in alloc.subscribe
+    assert alloc.allow_responses  # a replica answers what another handed it
+    for role in permissions.ROLES:
+        if role not in ("allocator", "nodeagent"):
+            p = permissions.for_role(role)
+            assert not any(s.startswith("tandem.allocator.forward") for s in all_subjects(p)), role
+    assert subjects.allocator_forward("allocator-0") == "tandem.allocator.forward.allocator-0"
+    assert subjects.allocator_forward("a.b c*>") == "tandem.allocator.forward.a_b_c__"  # one token
+
+
 def test_unknown_role_and_missing_node_are_errors() -> None:
     with pytest.raises(permissions.PermissionsError, match="unknown role 'scheduler'"):
         permissions.for_role("scheduler")
@@ -115,3 +128,15 @@ def test_nats_config_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
     creds.write_text("cli: {}\n")
     assert cli_main(["nats-config", "--node", "n1", "--credentials", str(creds)]) == 2
     assert f"{creds}: user 'cli' has no password" in capsys.readouterr().err
+
+
+def test_a_hand_over_subject_carries_only_an_allocation_request() -> None:
+    from schemas import routing
+    from schemas.messages import AllocationRequest, Freed, PodRef
+
+    subject = subjects.allocator_forward("allocator-1")
+    req = AllocationRequest(request_id="r", pod=PodRef("ns", "p"), gpus=1)
+    assert routing.refusal(subject, req) is None
+    refused = routing.refusal(subject, Freed(request_id="r", node="n"))
+    assert refused is not None and "carries only 'alloc.request'" in refused
+    assert routing.refusal(f"{subject}.extra", req) is not None

@@ -42,6 +42,9 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "commit_conflicts": ("tandem_allocator_commit_conflicts_total", {}),
     "claims_busy": ("tandem_allocator_claims_busy_total", {}),
     "shard_fallbacks": ("tandem_allocator_shard_fallbacks_total", {}),
+    "handed_over": ("tandem_allocator_forwards_total", {"outcome": "taken"}),
+    "hand_over_no_room": ("tandem_allocator_forwards_total", {"outcome": "no_room"}),
+    "hand_over_failed": ("tandem_allocator_forwards_total", {"outcome": "failed"}),
     "redeliveries": ("tandem_redeliveries_total", {"why": "retry"}),
     "catch_up_s": ("tandem_allocator_catch_up_seconds_total", {}),
 }

@@ -525,6 +525,7 @@ class Cluster:
         last_of_equals: bool = False,
         prefer_shard: str | None = None,
         before_fallback: Callable[[], None] | None = None,
+        fallback: bool = True,
     ) -> Placement | Unschedulable:
         """The best node and devices for ``request`` now; changes no hold.
 
@@ -532,11 +533,12 @@ class Cluster:
         instead of the first. ``prefer_shard``: the nodes registered with that shard come
         first (:mod:`.scores`, "shard preference"); when none of them can take the request,
         ``before_fallback`` is called (the caller brings the other nodes up to date) and every
-        node is considered, taking the last of equally good nodes (services/allocator/replicas.py)."""
+        node is considered, taking the last of equally good nodes (services/allocator/replicas.py)
+        — unless ``fallback`` is false: then the shard's refusal is the answer."""
         spec = normalise(request, self.device_classes)
         if prefer_shard is not None:
             mine = self._decide(spec, shard=prefer_shard)
-            if isinstance(mine, Placement):
+            if isinstance(mine, Placement) or not fallback:
                 return mine
             if before_fallback is not None:
                 before_fallback()

@@ -210,11 +210,19 @@ class Bus:
         handler: Callable[[Any, Delivery], Awaitable[msgspec.Struct | None]],
         queue: str = "",
         error_reply: Callable[[str], msgspec.Struct] | None = None,
+        concurrent: bool = False,
     ) -> None:
         """Core NATS subscription (request/reply or fire-and-forget) with the same checks as
         :meth:`consume`. A request that is refused or whose handler fails is answered with
         ``error_reply(reason)`` (when given), so the caller learns why at once instead of
-        waiting for its timeout."""
+        waiting for its timeout. ``concurrent``: each message's handler runs as a task of its
+        own (nats-py runs one subscription's callbacks one after another)."""
         await serve_requests(
-            self, subject, decoder=decoder, handler=handler, queue=queue, error_reply=error_reply
+            self,
+            subject,
+            decoder=decoder,
+            handler=handler,
+            queue=queue,
+            error_reply=error_reply,
+            concurrent=concurrent,
         )

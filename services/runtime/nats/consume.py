@@ -327,11 +327,15 @@ async def serve_requests(
     handler: Callable[[Any, Delivery], Awaitable[msgspec.Struct | None]],
     queue: str = "",
     error_reply: Callable[[str], msgspec.Struct] | None = None,
+    concurrent: bool = False,
 ) -> None:
     """Core NATS subscription (request/reply or fire-and-forget) with the same checks as
     :func:`run_consumer`. A request that is refused or whose handler fails is answered with
     ``error_reply(reason)`` (when given), so the caller learns why at once instead of
-    waiting for its timeout."""
+    waiting for its timeout. nats-py runs a subscription's callbacks one after another;
+    ``concurrent`` runs each message's handler as a task of its own instead, for handlers
+    that wait on round trips of their own."""
+    running: set[asyncio.Task[None]] = set()  # held: never a bare task
 
     async def answer_error(msg: Msg, reason: str) -> None:
         if error_reply is not None and msg.reply:
@@ -358,4 +362,9 @@ async def serve_requests(
         if reply is not None and msg.reply:
             await msg.respond(codec.encode(reply))
 
-    bus.subscriptions.append(await bus.nc.subscribe(subject, queue=queue, cb=on_msg))
+    async def start(msg: Msg) -> None:
+        task = asyncio.get_running_loop().create_task(on_msg(msg), name=f"serve:{subject}")
+        running.add(task)
+        task.add_done_callback(running.discard)
+
+    bus.subscriptions.append(await bus.nc.subscribe(subject, queue=queue, cb=start if concurrent else on_msg))
