@@ -101,10 +101,14 @@ log = get_logger(__name__)
 _tracer = tracer("tandem.allocator", service="allocator")
 
 MAX_COMMIT_ATTEMPTS = 8
-# How long a replica waits for the replica it handed a request to: about as long as its own
-# claim, commit and announce take at worst under load; a replica that is gone answers at
-# once (no responders).
-HAND_OVER_TIMEOUT_S = 5.0
+# How long a replica waits for the replica it handed a request to. A replica that is gone
+# answers at once (no responders); one that answers late is alive and busy, and still placing
+# the request: placing it here too only races its claim. At 5 s, most hand-overs of two
+# replicas with 10,000 nodes in open loop (seconds of queue in each) ran out, and the sender
+# decided, claimed and committed them again itself (docs/benchmarks.md). Half the message's
+# ack wait (30 s), so that this replica can still place it itself before the message is
+# delivered again.
+HAND_OVER_TIMEOUT_S = 15.0
 # What the replica a request was handed to answers when it took it: placed there, placed or
 # in hand already, rejected, or recorded pending there (it had claimed the request before a
 # lost commit race left its shard without room).

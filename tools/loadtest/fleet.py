@@ -95,6 +95,10 @@ log = get_logger(__name__)
 
 HEARTBEAT_TICK_S = 0.02
 CONNECT_CONCURRENCY = 16  # per-node connections being made at once (--token-dir)
+# Followers starting at once. With a connection per node, each start asks JetStream for the
+# allocation bucket's stream info before its first read: 10,000 of them at once timed the
+# JetStream API out (a DaemonSet's rollout starts agents a few at a time).
+FOLLOWER_START_CONCURRENCY = 64
 INVENTORY_FLUSH_S = 300.0
 # The problem an injected cleanup failure reports (the allocator writes it into the request record).
 INJECTED_PROBLEM = "cleanup not verified: failed on purpose by the load harness (--cleanup-fail-share)"
@@ -190,7 +194,13 @@ class Fleet(Service):
         # Inventories out first (that is what the services wait for); the followers' first
         # full read of the records runs meanwhile.
         self._publish_inventories()
-        await asyncio.gather(*(link.follower.start() for link in self._all))
+        gate = asyncio.Semaphore(FOLLOWER_START_CONCURRENCY)
+
+        async def follow(link: _Link) -> None:
+            async with gate:
+                await link.follower.start()
+
+        await asyncio.gather(*(follow(link) for link in self._all))
         flushed = await asyncio.gather(
             *(link.publisher.flush(timeout=INVENTORY_FLUSH_S) for link in self._all)
         )
