@@ -25,7 +25,7 @@ from nats.js import JetStreamContext, api
 from nats.js.errors import NotFoundError
 
 from schemas import subjects
-from services.runtime.nats.provision import while_forming
+from services.runtime.nats.provision import PLACEMENT_WAIT_S, PLACEMENT_WAITS, while_forming
 
 PAYLOAD = b"x" * 256
 FETCH_BATCH = 256
@@ -53,12 +53,25 @@ async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024, replicas
     )
     await while_forming(lambda: js.add_stream(cfg), what="ceiling stream")
     try:
+        await _until_led(js, stream)
         publish = await _publish_rate(js, subject, count=count, window=window)
         pull = await _pull_ack_rate(nc, js, subject, stream=stream, count=count)
         return Ceiling(round(publish), round(pull))
     finally:
         with contextlib.suppress(NotFoundError, nats.errors.TimeoutError):
             await js.delete_stream(stream)
+
+
+async def _until_led(js: JetStreamContext, stream: str) -> None:
+    """Return once ``stream`` has a leader. A replicated stream is created before its own
+    group has elected one, and publishes meanwhile find no stream to answer them
+    (``NoStreamResponseError``: two runs of ~40 at 3 servers stopped there)."""
+    for _ in range(PLACEMENT_WAITS):
+        info = await while_forming(lambda: js.stream_info(stream), what="ceiling stream")
+        if info.cluster is None or info.cluster.leader:
+            return
+        await asyncio.sleep(PLACEMENT_WAIT_S)
+    raise TimeoutError(f"stream {stream} has no leader after {PLACEMENT_WAITS * PLACEMENT_WAIT_S:g} s")
 
 
 async def _publish_rate(js: JetStreamContext, subject: str, *, count: int, window: int) -> float:
