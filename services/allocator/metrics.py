@@ -57,8 +57,9 @@ SHARD_FALLBACKS = Counter(
 FORWARDS = Counter(
     "tandem_allocator_forwards_total",
     "Requests handed to the replica whose shard holds the node this one would take, by what came "
-    "of it: taken (placed, placed already, or rejected there), no_room (this replica decided "
-    "itself), failed (no answer in time, or the replica is gone: this replica decided itself)",
+    "of it: taken (placed, placed already, rejected or recorded pending there), no_room (its shard "
+    "had no room: this replica decided on its own), failed (no answer in time, or the replica is "
+    "gone: this replica placed it itself)",
     ["outcome"],
 )
 for _outcome in ("taken", "no_room", "failed"):

@@ -85,7 +85,7 @@ from services.allocator.readmodel import ReadModel
 from services.allocator.replicas import Replicas
 from services.allocator.requestbook import RequestBook
 from services.runtime.kv.records import Conflict, RecordStore, RecordTooLarge
-from services.runtime.nats.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery, Retry
+from services.runtime.nats.bus import TRANSIENT_NATS_ERRORS, Bus, Delivery, Refuse, Retry
 from services.runtime.observe import tracing
 from services.runtime.observe.logging import get_logger
 from services.runtime.observe.tracing import (
@@ -103,11 +103,11 @@ _tracer = tracer("tandem.allocator", service="allocator")
 MAX_COMMIT_ATTEMPTS = 8
 # How long a replica waits for the replica it handed a request to. A replica that is gone
 # answers at once (no responders); one that answers late is alive and busy, and still placing
-# the request: placing it here too only races its claim. At 5 s, most hand-overs of two
-# replicas with 10,000 nodes in open loop (seconds of queue in each) ran out, and the sender
-# decided, claimed and committed them again itself (docs/benchmarks.md). Half the message's
-# ack wait (30 s), so that this replica can still place it itself before the message is
-# delivered again.
+# the request: placing it here too only races its claim. A wait of a few seconds ran out
+# under the seconds of queue of two replicas in open loop at 10,000 nodes, and the sender then
+# decided, claimed and committed the requests again itself (docs/benchmarks.md, "Measurements
+# behind the code"). Half the message's ack wait (30 s), so that this replica can still place
+# it itself before the message is delivered again.
 HAND_OVER_TIMEOUT_S = 15.0
 # What the replica a request was handed to answers when it took it: placed there, placed or
 # in hand already, rejected, or recorded pending there (it had claimed the request before a
@@ -427,10 +427,10 @@ class Placer:
             return ForwardReply(error=f"not an allocation request: {type(event).__name__}")
         try:
             outcome = await self.place(event, origin="forwarded", context=delivery.context)
-        except (Retry, *TRANSIENT_NATS_ERRORS) as exc:
-            # In another replica's hand, or NATS in an election: the sender decides, or its
-            # message is delivered again.
-            return ForwardReply(error=str(exc) or repr(exc))
+        except (Retry, Refuse, *TRANSIENT_NATS_ERRORS) as exc:
+            # In another replica's hand, a request id used for another request, or NATS in an
+            # election: said to the sender, which goes on as with its own message.
+            return ForwardReply(error=limits.clip(str(exc) or repr(exc)))
         return ForwardReply(outcome=outcome)
 
     # -- reserve ----------------------------------------------------------------------------
