@@ -16,7 +16,8 @@ What is played, and by whom:
   and finishes Jobs' pods. No container runs; the test runs the workloads it needs as local
   processes with the settings and tokens the cluster gives them.
 * **the pod network**: a network namespace joined to this machine by a veth pair
-  (:class:`PodNetwork`). The API server and NATS listen on the host end's address; a workload
+  (:class:`PodNetwork`), with IPv4 forwarding on while the control plane runs (pods reach
+  each other through this machine). The API server and NATS listen on the host end's address; a workload
   that must be reached *by* the API server (the admission webhook) runs inside the namespace,
   and the test publishes its address in an EndpointSlice of the workload's Service, as the
   endpoint-slice controller would for a pod. The API server routes to endpoints, not to the
@@ -81,6 +82,20 @@ def _free_subnet() -> tuple[int, int]:
         if subnet not in taken:
             return subnet
     raise ControlPlaneError(f"no free /30 in 10.231.0.0/16 ({len(taken)} in use: stale test networks?)")
+
+
+IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
+
+
+def forwarding_on() -> str:
+    """Turn IPv4 forwarding on; returns what it was. A pod reaches another pod (a NATS route,
+    a peer's DNS name) through this machine, across two veth pairs, and a machine where
+    forwarding is off — a new one that no container engine ever set up — drops those packets:
+    the secure install's three NATS servers never formed their cluster there."""
+    before = IP_FORWARD.read_text().strip()
+    if before != "1":
+        IP_FORWARD.write_text("1\n")
+    return before
 
 
 @dataclass
@@ -168,6 +183,7 @@ class ControlPlane:
     bins: dict[str, Path]
     procs: list[Proc] = field(default_factory=list)
     net: PodNetwork | None = None
+    forwarding_was: str = ""  # IPv4 forwarding before start, put back by stop
     api_port: int = 0
     etcd_port: int = 0
     # kwok's node heartbeat (kubelet's nodeStatusUpdateFrequency); thousands of nodes in a
@@ -314,6 +330,7 @@ class ControlPlane:
 
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.forwarding_was = forwarding_on()
         self.net = PodNetwork.create()
         self._pki()
         self.etcd_port, peer_port, self.api_port = free_ports(3)
@@ -374,6 +391,8 @@ class ControlPlane:
         if self.net is not None:
             self.net.delete()
             self.net = None
+        if self.forwarding_was not in ("", "1"):
+            IP_FORWARD.write_text(f"{self.forwarding_was}\n")
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def logs(self) -> str:
