@@ -58,11 +58,11 @@ FORWARDS = Counter(
     "tandem_allocator_forwards_total",
     "Requests handed to the replica whose shard holds the node this one would take, by what came "
     "of it: taken (placed, placed already, rejected or recorded pending there), no_room (its shard "
-    "had no room: this replica decided on its own), failed (no answer in time, or the replica is "
-    "gone: this replica placed it itself)",
+    "had no room: this replica decided on its own), gone (no responders: this replica placed it "
+    "itself), unanswered (no answer in time or an error there: the message is delivered again)",
     ["outcome"],
 )
-for _outcome in ("taken", "no_room", "failed"):
+for _outcome in ("taken", "no_room", "gone", "unanswered"):
     FORWARDS.labels(_outcome)
 CATCH_UP_SECONDS = Counter(
     "tandem_allocator_catch_up_seconds_total",

@@ -22,8 +22,10 @@
   flight, and lost the compare-and-set race to the owner's commits often enough to be most of
   two replicas' extra latency (docs/benchmarks.md, "Two replicas"). Handed over once; when
   the owner has no room, this replica decides on its own shard only (with two replicas:
-  nowhere has room, the request is pending as with one); when the owner does not answer in
-  time or is gone, this replica decides on every node and places it itself, as before;
+  nowhere has room, the request is pending as with one); when the owner is gone, this
+  replica decides on every node and places it itself, as before; when the owner took it but
+  did not say what became of it (no answer in time, an error), the message is delivered
+  again later, and the records say then;
 * **reserve** (:meth:`Placer.reserve`): the devices are held *tentatively* in the read model,
   so the decisions taken while this one commits see them as used;
 * **claim** (:meth:`Placer.claim`): the request record is written with compare-and-set,
@@ -103,11 +105,9 @@ _tracer = tracer("tandem.allocator", service="allocator")
 MAX_COMMIT_ATTEMPTS = 8
 # How long a replica waits for the replica it handed a request to. A replica that is gone
 # answers at once (no responders); one that answers late is alive and busy, and still placing
-# the request: placing it here too only races its claim. A wait of a few seconds ran out
-# under the seconds of queue of two replicas in open loop at 10,000 nodes, and the sender then
-# decided, claimed and committed the requests again itself (docs/benchmarks.md, "Measurements
-# behind the code"). Half the message's ack wait (30 s), so that this replica can still place
-# it itself before the message is delivered again.
+# the request. A wait of a few seconds ran out under the seconds of queue of two replicas in
+# open loop at 10,000 nodes (docs/benchmarks.md, "Measurements behind the code"). Half the
+# message's ack wait (30 s): a request not answered by then is delivered again.
 HAND_OVER_TIMEOUT_S = 15.0
 # What the replica a request was handed to answers when it took it: placed there, placed or
 # in hand already, rejected, or recorded pending there (it had claimed the request before a
@@ -330,7 +330,7 @@ class Placer:
                     if answer in TAKEN:
                         return answer
                     # No room there: decide again on this shard only (pending, with two
-                    # replicas); no answer: decide again on every node and place it here.
+                    # replicas); gone: decide again on every node and place it here.
                     fallback = answer != "no_room"
                     continue
                 decided = trace_api.set_span_in_context(span, context)
@@ -401,24 +401,31 @@ class Placer:
     async def hand_over(self, req: AllocationRequest, owner: str, span: Span) -> str | None:
         """Hand ``req`` to ``owner``, the replica whose shard holds the node this one would
         take: the outcome there (one of ``TAKEN``), ``no_room`` (its shard cannot take it), or
-        None when it did not answer (no answer in time, gone, an error)."""
+        None when the owner is gone (no responders: the request never reached it), and this
+        replica places it itself. Raises :class:`Retry` when the owner took the request but
+        said nothing of it (no answer in time, a NATS error on its side): it may have claimed
+        or placed the request, so this replica must not decide it again now; the message comes
+        back, and its records say then what became of it."""
         span.set_attribute("tandem.handed_to", owner)
+        rid = req.request_id
         try:
             msg = await self.bus.request(subjects.allocator_forward(owner), req, timeout=HAND_OVER_TIMEOUT_S)
             reply = codec.FORWARD_REPLY.decode(msg.data)
-        except (nats.errors.Error, TimeoutError, *codec.DecodeErrors) as exc:
-            metrics.FORWARDS.labels("failed").inc()
-            log.info("hand_over_failed", request_id=req.request_id, to=owner, error=repr(exc))
+        except nats.errors.NoRespondersError:
+            metrics.FORWARDS.labels("gone").inc()
+            log.info("hand_over_gone", request_id=rid, to=owner)
             return None
+        except (nats.errors.Error, TimeoutError, *codec.DecodeErrors) as exc:
+            metrics.FORWARDS.labels("unanswered").inc()
+            raise Retry(f"request {rid} handed to {owner}: no answer ({exc!r})") from exc
         if reply.outcome in TAKEN:
             metrics.FORWARDS.labels("taken").inc()
             return reply.outcome
         if reply.outcome == "no_room":
             metrics.FORWARDS.labels("no_room").inc()
             return "no_room"
-        metrics.FORWARDS.labels("failed").inc()
-        log.info("hand_over_failed", request_id=req.request_id, to=owner, error=reply.error or reply.outcome)
-        return None
+        metrics.FORWARDS.labels("unanswered").inc()
+        raise Retry(f"request {rid} handed to {owner}: {reply.error or reply.outcome or 'no outcome'}")
 
     async def on_forward(self, event: object, delivery: Delivery) -> ForwardReply:
         """A request another replica handed over (:meth:`hand_over`), placed on this

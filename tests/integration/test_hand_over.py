@@ -12,13 +12,16 @@ import zlib
 from collections.abc import AsyncIterator
 
 import pytest
+from nats.aio.msg import Msg
 from opentelemetry import trace as trace_api
 
-from schemas.messages import AllocationRequest, Assignment, PodRef
+from schemas import codec, subjects
+from schemas.messages import AllocationRequest, Assignment, ForwardReply, PodRef
 from services.allocator import metrics
 from services.allocator.readmodel import HOSTNAME_LABEL
 from services.allocator.service import Allocator
 from services.client import TandemClient
+from services.runtime.nats.bus import Retry
 from tests.integration.dgx import one_dgx
 from tests.waiting import wait_until
 from tools.localstack import LocalStack
@@ -99,16 +102,16 @@ async def test_when_the_owner_is_gone_the_replica_places_the_request_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, client, a, _ = two_replicas
-    failed = forwards("failed")
+    gone = forwards("gone")
     assert await a.placer.hand_over(request("x", gpus=1), "allocator-gone", trace_api.INVALID_SPAN) is None
-    assert forwards("failed") == failed + 1  # no responders: at once, not after the timeout
+    assert forwards("gone") == gone + 1  # no responders: at once, not after the timeout
 
     monkeypatch.setattr(a.replicas, "owner", lambda node: "allocator-gone")
     req = request("orphan", gpus=2)
     assert await a.placer.place(req, origin="message") == "assigned"
     got = await client.wait_for(req.request_id)
     assert isinstance(got, Assignment) and got.node == SHARD_1 and got.allocator == a.instance
-    assert forwards("failed") == failed + 2
+    assert forwards("gone") == gone + 2
 
 
 async def test_when_the_owner_has_no_room_the_request_waits_instead_of_racing_the_owner(
@@ -156,3 +159,29 @@ async def test_a_pending_request_is_placed_by_the_pass_of_the_replica_owning_the
     got = await client.wait_for(waiting.request_id, kinds=(Assignment,))
     assert isinstance(got, Assignment) and got.node == SHARD_1 and got.allocator == b.instance
     assert metrics.COMMIT_CONFLICTS._value.get() == conflicts
+
+
+async def test_an_owner_that_took_the_request_but_did_not_answer_leaves_it_to_a_redelivery(
+    two_replicas: tuple[LocalStack, TandemClient, Allocator, Allocator],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An error on the owner's side (or no answer in time): the owner may have claimed or
+    placed the request, so the sender must not place it too; its message comes back later."""
+    stack, _, a, _ = two_replicas
+    nc = stack.buses[0].nc
+
+    async def answer(msg: Msg) -> None:  # an owner whose claim an election cut short
+        await msg.respond(codec.encode(ForwardReply(error="nats: timeout")))
+
+    sub = await nc.subscribe(subjects.allocator_forward("allocator-slow"), cb=answer)
+    await nc.flush()
+    monkeypatch.setattr(a.replicas, "owner", lambda node: "allocator-slow")
+    req = request("unanswered", gpus=2)
+    unanswered = forwards("unanswered")
+    try:
+        with pytest.raises(Retry, match="handed to allocator-slow: nats: timeout"):
+            await a.placer.place(req, origin="message")
+    finally:
+        await sub.unsubscribe()
+    assert forwards("unanswered") == unanswered + 1
+    assert req.request_id not in a.placed and req.request_id not in a.book.pending

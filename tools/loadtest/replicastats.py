@@ -44,7 +44,8 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "shard_fallbacks": ("tandem_allocator_shard_fallbacks_total", {}),
     "handed_over": ("tandem_allocator_forwards_total", {"outcome": "taken"}),
     "hand_over_no_room": ("tandem_allocator_forwards_total", {"outcome": "no_room"}),
-    "hand_over_failed": ("tandem_allocator_forwards_total", {"outcome": "failed"}),
+    "hand_over_gone": ("tandem_allocator_forwards_total", {"outcome": "gone"}),
+    "hand_over_unanswered": ("tandem_allocator_forwards_total", {"outcome": "unanswered"}),
     "redeliveries": ("tandem_redeliveries_total", {"why": "retry"}),
     "catch_up_s": ("tandem_allocator_catch_up_seconds_total", {}),
 }
