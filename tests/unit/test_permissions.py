@@ -10,7 +10,8 @@ import pytest
 import structlog
 import yaml
 
-from schemas import permissions, subjects
+from schemas import permissions, routing, subjects
+from schemas.messages import AllocationRequest, Freed, PodRef
 from tools.cli.main import main as cli_main
 
 
@@ -131,9 +132,6 @@ def test_nats_config_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 def test_a_hand_over_subject_carries_only_an_allocation_request() -> None:
-    from schemas import routing
-    from schemas.messages import AllocationRequest, Freed, PodRef
-
     subject = subjects.allocator_forward("allocator-1")
     req = AllocationRequest(request_id="r", pod=PodRef("ns", "p"), gpus=1)
     assert routing.refusal(subject, req) is None
