@@ -16,8 +16,9 @@ What is played, and by whom:
   and finishes Jobs' pods. No container runs; the test runs the workloads it needs as local
   processes with the settings and tokens the cluster gives them.
 * **the pod network**: a network namespace joined to this machine by a veth pair
-  (:class:`PodNetwork`), with IPv4 forwarding on while the control plane runs (pods reach
-  each other through this machine). The API server and NATS listen on the host end's address; a workload
+  (:class:`~services.runtime.process.podnet.PodNetwork`), with IPv4 forwarding on while the
+  control plane runs (pods reach each other through this machine). The API server and NATS
+  listen on the host end's address; a workload
   that must be reached *by* the API server (the admission webhook) runs inside the namespace,
   and the test publishes its address in an EndpointSlice of the workload's Service, as the
   endpoint-slice controller would for a pod. The API server routes to endpoints, not to the
@@ -31,9 +32,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
-import os
 import random
-import re
 import shutil
 import ssl
 import subprocess
@@ -49,6 +48,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from services.runtime.process.embedded import free_ports, terminate
+from services.runtime.process.podnet import PodNetwork, forwarding_back, forwarding_on
 from tests.pki import Authority, Pair
 from tests.waiting import wait_until_sync
 
@@ -68,79 +68,12 @@ def sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, check=check, capture_output=True, text=True)
 
 
-def _free_subnet() -> tuple[int, int]:
-    """A /30 of 10.231.0.0/16 (this test's own) that no address of this machine is in.
-
-    Drawn at random so that concurrent runs rarely race for one, and checked against the
-    addresses in use so that the host end of a run killed before its clean-up (its veth and
-    route stay) never shadows a new pod's: that collision cut a pod off from NATS once."""
-    used = set(re.findall(r"inet 10\.231\.(\d+)\.(\d+)/", sh("ip", "-4", "-o", "addr", "show").stdout))
-    taken = {(int(a), int(b) & ~3) for a, b in used}
-    draw = random.SystemRandom()
-    for _ in range(1000):
-        subnet = draw.randrange(256), draw.randrange(0, 252, 4)
-        if subnet not in taken:
-            return subnet
-    raise ControlPlaneError(f"no free /30 in 10.231.0.0/16 ({len(taken)} in use: stale test networks?)")
+# The pods' addresses: /30s of 10.231.0.0/16 (this test's own), names starting "tc".
+POD_NET_SECOND = 231
 
 
-IP_FORWARD = Path("/proc/sys/net/ipv4/ip_forward")
-
-
-def forwarding_on() -> str:
-    """Turn IPv4 forwarding on; returns what it was. A pod reaches another pod (a NATS route,
-    a peer's DNS name) through this machine, across two veth pairs, and a machine where
-    forwarding is off — a new one that no container engine ever set up — drops those packets:
-    the secure install's three NATS servers never formed their cluster there."""
-    before = IP_FORWARD.read_text().strip()
-    if before != "1":
-        IP_FORWARD.write_text("1\n")
-    return before
-
-
-@dataclass
-class PodNetwork:
-    """A network namespace with a veth pair: ``host_ip`` on this machine, ``pod_ip`` inside."""
-
-    netns: str
-    host_if: str
-    host_ip: str
-    pod_ip: str
-
-    @classmethod
-    def create(cls) -> PodNetwork:
-        tag = os.urandom(3).hex()
-        third, fourth = _free_subnet()
-        net = cls(
-            netns=f"tcl{tag}",
-            host_if=f"tch{tag}",
-            host_ip=f"10.231.{third}.{fourth + 1}",
-            pod_ip=f"10.231.{third}.{fourth + 2}",
-        )
-        peer = f"tcp{tag}"
-        sh("ip", "netns", "add", net.netns)
-        try:
-            sh("ip", "link", "add", net.host_if, "type", "veth", "peer", "name", peer)
-            sh("ip", "link", "set", peer, "netns", net.netns)
-            sh("ip", "addr", "add", f"{net.host_ip}/30", "dev", net.host_if)
-            sh("ip", "link", "set", net.host_if, "up")
-            sh("ip", "-n", net.netns, "addr", "add", f"{net.pod_ip}/30", "dev", peer)
-            sh("ip", "-n", net.netns, "link", "set", peer, "up")
-            sh("ip", "-n", net.netns, "link", "set", "lo", "up")
-            # Everything else (the API server, NATS: this machine's addresses) via the host end.
-            sh("ip", "-n", net.netns, "route", "add", "default", "via", net.host_ip)
-        except subprocess.CalledProcessError:
-            net.delete()
-            raise
-        return net
-
-    def wrap(self, cmd: list[str]) -> list[str]:
-        """``cmd`` run inside the pod network."""
-        return ["ip", "netns", "exec", self.netns, *cmd]
-
-    def delete(self) -> None:
-        sh("ip", "link", "del", self.host_if, check=False)  # takes its peer along
-        sh("ip", "netns", "del", self.netns, check=False)
+def pod_network() -> PodNetwork:
+    return PodNetwork.create(second=POD_NET_SECOND, prefix="tc")
 
 
 @dataclass
@@ -331,7 +264,7 @@ class ControlPlane:
     def start(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.forwarding_was = forwarding_on()
-        self.net = PodNetwork.create()
+        self.net = pod_network()
         self._pki()
         self.etcd_port, peer_port, self.api_port = free_ports(3)
         self._start_etcd(peer_port)
@@ -391,8 +324,7 @@ class ControlPlane:
         if self.net is not None:
             self.net.delete()
             self.net = None
-        if self.forwarding_was not in ("", "1"):
-            IP_FORWARD.write_text(f"{self.forwarding_was}\n")
+        forwarding_back(self.forwarding_was)
         shutil.rmtree(self.workdir / "etcd", ignore_errors=True)
 
     def logs(self) -> str:

@@ -24,7 +24,7 @@ takes that object and starts its container the way kubelet would, on this machin
 * **image entrypoints**: a container with ``args`` and no ``command`` runs its image's
   entrypoint (:data:`ENTRYPOINTS`: the NATS image's ``nats-server`` is the wheel's).
 * **network**: a pod without ``hostNetwork`` gets a network namespace and veth pair of its own
-  (:class:`~tests.cluster.controlplane.PodNetwork`), its address published for its Services
+  (:class:`~services.runtime.process.podnet.PodNetwork`), its address published for its Services
   by :func:`publish_endpoints`; a host-network pod binds its node's address.
 
 What is not done: image pulls (the checkout is the image), resource limits, user and
@@ -51,7 +51,8 @@ from pathlib import Path
 from typing import Any
 
 from services.runtime.process.embedded import server_binary, terminate
-from tests.cluster.controlplane import ControlPlane, PodNetwork
+from services.runtime.process.podnet import PodNetwork
+from tests.cluster.controlplane import ControlPlane, pod_network
 from tests.waiting import wait_until_sync
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +176,7 @@ class LocalKubelet:
         if spec.get("hostNetwork"):
             ip = host_ip
         else:
-            net = PodNetwork.create()
+            net = pod_network()
             ip = net.pod_ip
         try:
             values = self._env(pod, container, ip=ip, host_ip=host_ip)

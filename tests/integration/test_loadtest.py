@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -216,6 +217,43 @@ def test_a_nats_server_killed_in_the_middle_of_a_run_and_brought_back_loses_noth
 
 
 @pytest.mark.integration
+@pytest.mark.netns
+@pytest.mark.skipif(os.geteuid() != 0, reason="the servers run in network namespaces (ip netns add: root)")
+def test_a_nats_server_cut_off_the_network_and_put_back_loses_nothing(
+    prom_tools: Tools,  # noqa: F811
+) -> None:
+    """Production profile, ``--partition-server-at``: the servers in network namespaces of their
+    own, the one leading the allocation bucket cut off once 30 % of the requests are out and put
+    back 8 s later. It runs on alone (nothing reaches it, nothing leaves); its clients take the
+    silence for a dead connection from their pings and move to the other two, which elect new
+    leaders; every request is answered, nothing is lost or held twice at any write, the ledger
+    missed no revision, and the JSON says which server was cut off and when it was current
+    again."""
+    code, out, err = loadtest(
+        *("--nodes", "12", "--requests", "200", "--rate", "20", "--json", "--ceiling-msgs", "0"),
+        *("--drain", "60", "--scrape-interval", "1", "--partition-server-at", "0.3", "--partition-for", "8"),
+        timeout=400,
+    )
+    assert code == 0, err[-3000:]
+    result = one_json_line(out)
+    assert result["nats_kill"] is None
+    cut = result["nats_partition"]
+    assert cut["server"].startswith("tandem-") and cut["down_s"] == 8, cut
+    assert cut["at_s"] > 0 and cut["back_s"] is not None, cut
+    assert result["assigned"] > 0 and result["assigned"] + result["unschedulable"] == 200
+    assert (result["lost"], result["double_held"], result["double_placed"], result["drained"]) == (
+        0,
+        0,
+        0,
+        True,
+    )
+    ledger = result["ledger"]
+    assert ledger["error"] is None and ledger["revisions_missed"] == 0, ledger
+    faults = ("double_held", "double_placed", "vanished", "freed_unknown", "overlap_at_apply")
+    assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
+
+
+@pytest.mark.integration
 def test_a_small_run_with_gpu_shares_places_them_and_keeps_the_invariants() -> None:
     """Half the requests ask a share of one GPU, two replicas: shares are placed, and no GPU
     is held whole and shared, nor shared past its memory, compute or share count."""
@@ -263,6 +301,15 @@ def test_bad_input_is_one_line() -> None:
         "",
         "tandem: --kill-server-at needs the production profile (three servers)",
     )
+    code, out, err = loadtest("--profile", "dev", "--partition-server-at", "0.5")
+    assert (code, out, err.strip()) == (
+        2,
+        "",
+        "tandem: --partition-server-at needs the production profile (three servers)",
+    )
+    code, out, err = loadtest("--partition-server-at", "0.5", "--kill-server-at", "0.5")
+    one_fault = "tandem: --partition-server-at and --kill-server-at: one fault a run"
+    assert (code, out, err.strip()) == (2, "", one_fault)
     code, out, err = loadtest("--scrape-interval", "0")
     assert (code, out, err.strip()) == (2, "", "tandem: --scrape-interval must be above 0, got 0.0")
 

@@ -1,6 +1,7 @@
-"""The coalescing flusher and the header parser override private methods of nats-py's client and
-the ack inbox reads two private attributes: these checks fail when an upgrade of nats-py moves
-what they rely on, instead of the client silently breaking (or parsing headers differently)."""
+"""The coalescing flusher, the reconnect and the header parser override private
+methods of nats-py's client and the ack inbox reads two private attributes: these checks fail
+when an upgrade of nats-py moves what they rely on, instead of the client silently breaking (or
+parsing headers differently)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,16 @@ def test_the_override_is_the_library_loop_plus_one_yield() -> None:
         assert line in library and line in ours
     # ... and the only behaviour the override adds is the yield before writing.
     assert "await asyncio.sleep(0)" in ours and "await asyncio.sleep(0)" not in library
+
+
+def test_the_reconnect_still_closes_the_transport_the_override_aborts() -> None:
+    # nats-py's TcpTransport keeps the stream writers the abort reaches (TLS over TCP, and TCP).
+    from nats.aio.transport import TcpTransport
+
+    transport = TcpTransport()
+    assert hasattr(transport, "_io_writer") and hasattr(transport, "_bare_io_writer")
+    library = inspect.getsource(Client._attempt_reconnect)
+    assert "self._transport.close()" in library and "await self._transport.wait_closed()" in library
 
 
 def test_the_attributes_the_ack_inbox_uses_still_exist() -> None:

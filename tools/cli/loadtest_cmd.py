@@ -102,7 +102,8 @@ def register(sub: Any) -> None:
 
 
 def _production_arguments(p: argparse.ArgumentParser) -> None:
-    """The profile, and what only the production profile runs (Prometheus, a server killed)."""
+    """The profile, and what only the production profile runs (Prometheus, a server killed or
+    cut off)."""
     p.add_argument(
         "--profile",
         choices=("production", "dev"),
@@ -132,6 +133,21 @@ def _production_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="with --kill-server-at: how long the server stays down (default 3)",
     )
+    p.add_argument(
+        "--partition-server-at",
+        type=float,
+        metavar="F",
+        help="production profile, as root: run the NATS servers in network namespaces of their "
+        "own and cut the one leading the allocation bucket off the network once this share of "
+        "the requests is submitted, then put it back (default: no partition)",
+    )
+    p.add_argument(
+        "--partition-for",
+        type=float,
+        default=15.0,
+        metavar="SECONDS",
+        help="with --partition-server-at: how long the server stays cut off (default 15)",
+    )
 
 
 def _config(args: argparse.Namespace) -> LoadConfig:
@@ -160,6 +176,8 @@ def _config(args: argparse.Namespace) -> LoadConfig:
         scrape_interval_s=args.scrape_interval,
         kill_server_at=args.kill_server_at,
         kill_down_s=args.kill_down,
+        partition_server_at=args.partition_server_at,
+        partition_s=args.partition_for,
         log_dir=args.log_dir,
         keep_logs=args.keep_logs,
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from tools.loadtest.errors import LoadtestError
@@ -34,6 +35,8 @@ class LoadConfig:
     scrape_interval_s: float = CHART_INTERVAL_S  # production: Prometheus's scrape interval
     kill_server_at: float | None = None  # production: SIGKILL a server after this share of requests
     kill_down_s: float = 3.0  # ... and start it again after this long (tools.loadtest.faults)
+    partition_server_at: float | None = None  # production: cut a server off after this share
+    partition_s: float = 15.0  # ... and put it back after this long
     log_dir: str | None = None
     keep_logs: bool = False
 
@@ -82,6 +85,23 @@ class LoadConfig:
                 "--kill-server-at needs the production profile (three servers)",
             ),
             (self.kill_down_s < 0, f"--kill-down must not be negative, got {self.kill_down_s}"),
+            (
+                self.partition_server_at is not None and not 0 < self.partition_server_at < 1,
+                f"--partition-server-at must be in (0, 1), got {self.partition_server_at}",
+            ),
+            (
+                self.partition_server_at is not None and self.profile != "production",
+                "--partition-server-at needs the production profile (three servers)",
+            ),
+            (
+                self.partition_server_at is not None and self.kill_server_at is not None,
+                "--partition-server-at and --kill-server-at: one fault a run",
+            ),
+            (
+                self.partition_server_at is not None and os.geteuid() != 0,
+                "--partition-server-at needs root (it runs the servers in network namespaces)",
+            ),
+            (self.partition_s < 0, f"--partition-for must not be negative, got {self.partition_s}"),
         ]
         for bad, message in problems:
             if bad:

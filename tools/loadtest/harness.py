@@ -63,7 +63,7 @@ from tools.loadtest.config import LoadConfig
 from tools.loadtest.driver import LoadDriver, Req
 from tools.loadtest.errors import LoadtestError
 from tools.loadtest.events import FleetEvents
-from tools.loadtest.faults import ServerKill
+from tools.loadtest.faults import FaultKind, ServerFault
 from tools.loadtest.ledger import LedgerCounts
 from tools.loadtest.mix import (
     SHARED_CLASS,
@@ -211,7 +211,7 @@ class Harness:
         load = f"open loop, {driver.max_in_flight} in flight" if cfg.rate is None else f"{cfg.rate:g}/s"
         self.progress(f"load: {cfg.requests} requests, {load}, fleet kept at {cfg.util:.0%} of its GPUs")
         checkpoints = {max(1, cfg.requests * k // 4): self._snapshot_hook(f"snapshot-{k}") for k in (1, 2, 3)}
-        kill = self._server_kill(checkpoints)
+        fault = self._server_fault(checkpoints)
         self.tasks.spawn("progress", lambda: self._report_progress(driver), restart=False)
         cpu_load0 = self._cpu_now()  # per decision: the load and the drain, not the start-up
         await driver.run(checkpoints=checkpoints, alive=self.children.check)
@@ -228,7 +228,10 @@ class Harness:
         self.children.sample_rss()
         report = self._report(driver, placed, ceil=ceil, ready_s=ready_s, drained=drained)
         report.ledger = ledger
-        report.nats_kill = kill.figures if kill is not None else None
+        if fault is not None and fault.kind == "kill":
+            report.nats_kill = fault.figures
+        elif fault is not None:
+            report.nats_partition = fault.figures
         ports = {c.name: c.ops_port for c in self.children.children if c.role == "allocator" and c.ops_port}
         counters = await replicastats.read_counters(ports)
         report.by_replica = replicastats.by_replica(replicastats.decided(driver.reqs.values()), counters)
@@ -241,25 +244,33 @@ class Harness:
         )
         return report
 
-    def _server_kill(self, checkpoints: dict[int, Callable[[], None]]) -> ServerKill | None:
-        """With ``--kill-server-at``: a checkpoint that kills a server and brings it back, in the
-        background (:mod:`tools.loadtest.faults`), beside a snapshot due at the same submit."""
+    def _server_fault(self, checkpoints: dict[int, Callable[[], None]]) -> ServerFault | None:
+        """With ``--kill-server-at`` or ``--partition-server-at``: a checkpoint that takes a
+        server away and brings it back, in the background (:mod:`tools.loadtest.faults`),
+        beside a snapshot due at the same submit."""
         cfg = self.cfg
-        if cfg.kill_server_at is None or self.prod is None or self.prod.cluster is None or self.bus is None:
+        if self.prod is None or self.prod.cluster is None or self.bus is None:
             return None
-        kill = ServerKill(self.prod.cluster, self.bus, down_s=cfg.kill_down_s, progress=self.progress)
-        at = max(1, int(cfg.requests * cfg.kill_server_at))
+        kind: FaultKind
+        if cfg.kill_server_at is not None:
+            share, kind, down_s = cfg.kill_server_at, "kill", cfg.kill_down_s
+        elif cfg.partition_server_at is not None:
+            share, kind, down_s = cfg.partition_server_at, "partition", cfg.partition_s
+        else:
+            return None
+        fault = ServerFault(self.prod.cluster, self.bus, kind=kind, down_s=down_s, progress=self.progress)
+        at = max(1, int(cfg.requests * share))
         snapshot = checkpoints.get(at)
 
         def strike() -> None:
             self._checks.append(
-                self.tasks.spawn("nats-kill", lambda: kill.run(started=self._t0), restart=False)
+                self.tasks.spawn(f"nats-{kind}", lambda: fault.run(started=self._t0), restart=False)
             )
             if snapshot is not None:
                 snapshot()
 
         checkpoints[at] = strike
-        return kill
+        return fault
 
     async def _finish_checks(self) -> None:
         """Wait (bounded) for the mid-run checks still reading, so that every snapshot taken is
@@ -319,7 +330,9 @@ class Harness:
     async def _start_production(self) -> str:
         """Three servers with TLS and the callout, the callout itself, and the check that
         they refuse what they must (:mod:`tools.loadtest.production`)."""
-        prod = self.prod = Production(self.run_dir, self.settings)
+        prod = self.prod = Production(
+            self.run_dir, self.settings, isolated=self.cfg.partition_server_at is not None
+        )
         url = await prod.start()
         self.progress(f"nats cluster of {len(prod.server_pids())} (TLS, auth callout) at {url}")
         await prod.start_callout(self.children, self._base_config(url), port=free_ports(1)[0])

@@ -7,6 +7,9 @@ and between the servers, and every connection authorized by the auth callout
 
 * **PKI**: a CA and one certificate for 127.0.0.1 that every server presents, to clients and
   to its routes (both ends of a route verify it, as in the chart), made with ``openssl``;
+* **networks**, only for a run that cuts a server off (``--partition-server-at``): each server
+  in a network namespace of its own (:mod:`services.runtime.process.podnet`), reached through
+  this machine as three machines would be, its address in the certificate too;
 * **keys and server config**: the callout's issuer (account) seed and its own user seed, and
   the ``server.conf`` of :func:`schemas.permissions.callout_block`, as ``tandem nats-config
   --auth-callout`` writes them, plus ``tls`` and ``cluster.tls`` blocks;
@@ -40,6 +43,7 @@ from services.authcallout import natsjwt
 from services.runtime.errors import EmbeddedServerError
 from services.runtime.nats.auth import tls_context
 from services.runtime.process.embedded import EmbeddedNatsCluster
+from services.runtime.process.podnet import PodNetwork, PodNetworkError, forwarding_back, forwarding_on
 from services.runtime.settings import Settings
 from tools.loadtest.errors import LoadtestError
 from tools.loadtest.procs import Child, Children
@@ -51,6 +55,8 @@ SERVERS = 3  # values.yaml nats.replicas; streams and buckets replicated on all 
 ACCOUNTS = {"allocator": "tandem-allocator", "inventory": "tandem-inventory"}
 CONNECT_CHECK_S = 5.0
 CALLOUT_READY_S = 60.0
+# The servers' own networks (--partition-server-at): /30s of 10.232.0.0/16, names starting "tl".
+NETWORK_SECOND = 232
 
 
 @dataclass(frozen=True)
@@ -71,9 +77,9 @@ def _openssl(*args: str) -> None:
         ) from exc
 
 
-def make_pki(directory: Path) -> Pki:
-    """A CA and a certificate for 127.0.0.1/localhost signed by it (server and client use:
-    routes present it to each other)."""
+def make_pki(directory: Path, *, ips: tuple[str, ...] = ()) -> Pki:
+    """A CA and a certificate for 127.0.0.1/localhost (and ``ips``) signed by it (server and
+    client use: routes present it to each other)."""
     d = directory
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"]
     ca, ca_key = str(d / "ca.crt"), str(d / "ca.key")
@@ -82,7 +88,8 @@ def make_pki(directory: Path) -> Pki:
     )
     _openssl("req", *ec, "-keyout", str(d / "tls.key"), "-out", str(d / "tls.csr"), "-subj", "/CN=nats")
     (d / "tls.ext").write_text(
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth,clientAuth\n"
+        f"subjectAltName={','.join(f'IP:{ip}' for ip in ('127.0.0.1', *ips))},DNS:localhost\n"
+        "extendedKeyUsage=serverAuth,clientAuth\n"
     )
     signed = ["-CA", ca, "-CAkey", ca_key, "-CAcreateserial", "-days", "2", "-extfile", str(d / "tls.ext")]
     _openssl("x509", "-req", "-in", str(d / "tls.csr"), "-out", str(d / "tls.crt"), *signed)
@@ -109,7 +116,7 @@ def _write_private(path: Path, text: str) -> Path:
 class Production:
     """Keys, certificates, tokens and the three servers of one production-profile run."""
 
-    def __init__(self, run_dir: Path, settings: Settings) -> None:
+    def __init__(self, run_dir: Path, settings: Settings, *, isolated: bool = False) -> None:
         self.dir = run_dir / "production"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.settings = settings
@@ -119,6 +126,9 @@ class Production:
         self.apiserver_url = ""
         self._apiserver: contextlib.AbstractAsyncContextManager[str] | None = None
         self.seeds: dict[str, Path] = {}
+        self.isolated = isolated  # each server in a network namespace of its own
+        self.networks: list[PodNetwork] = []
+        self._forwarding = ""
 
     @property
     def url(self) -> str:
@@ -132,7 +142,10 @@ class Production:
 
     async def start(self) -> str:
         """Certificates, keys, the TokenReview endpoint and the three servers; their URLs."""
-        self.pki = pki = await asyncio.to_thread(make_pki, self.dir)
+        if self.isolated:
+            await asyncio.to_thread(self._networks)
+        ips = tuple(net.pod_ip for net in self.networks)
+        self.pki = pki = await asyncio.to_thread(make_pki, self.dir, ips=ips)
         public = {}
         for name, prefix in (
             ("issuer", nkeys.PREFIX_BYTE_ACCOUNT),
@@ -152,7 +165,11 @@ class Production:
         self.apiserver_url = await self._apiserver.__aenter__()
         (self.dir / "kubeconfig").write_text(_kubeconfig(self.apiserver_url))
         self.cluster = EmbeddedNatsCluster(
-            size=SERVERS, base_dir=str(self.dir / "nats"), config_file=str(conf), scheme="tls"
+            size=SERVERS,
+            base_dir=str(self.dir / "nats"),
+            config_file=str(conf),
+            scheme="tls",
+            networks=self.networks or None,
         )
         try:
             await asyncio.to_thread(self.cluster.start)
@@ -160,6 +177,23 @@ class Production:
             self.cluster = None
             raise LoadtestError(f"nats cluster (production profile): {str(exc).splitlines()[0]}") from exc
         return self.url
+
+    def _networks(self) -> None:
+        """A namespace per server; forwarding on, since they reach each other through here."""
+        self._forwarding = forwarding_on()
+        try:
+            for _ in range(SERVERS):
+                self.networks.append(PodNetwork.create(second=NETWORK_SECOND, prefix="tl"))
+        except PodNetworkError as exc:
+            raise LoadtestError(f"--partition-server-at: network namespaces for the servers: {exc}") from exc
+
+    def _delete_networks(self) -> None:
+        for net in self.networks:
+            net.delete()
+        self.networks = []
+        if self._forwarding:
+            forwarding_back(self._forwarding)
+            self._forwarding = ""
 
     def server_pids(self) -> list[int]:
         if self.cluster is None:
@@ -219,12 +253,12 @@ class Production:
         """Try what must fail — a plain connection, and a TLS one without a token — and raise
         when either gets in; what was seen, for the report."""
         assert self.cluster is not None
-        port = self.cluster.members[0].port
-        plain = not await _connects([f"nats://127.0.0.1:{port}"])
+        host, port = self.cluster.members[0].host, self.cluster.members[0].port
+        plain = not await _connects([f"nats://{host}:{port}"])
         ctx = tls_context(
             msgspec.structs.replace(self.settings, nats_url=self.url, nats_tls_ca=str(self._ca()))
         )
-        no_token = not await _connects([f"tls://127.0.0.1:{port}"], tls=ctx)
+        no_token = not await _connects([f"tls://{host}:{port}"], tls=ctx)
         seen = Security(tls=True, auth="callout", plain_refused=plain, no_token_refused=no_token)
         if not (plain and no_token):
             raise LoadtestError(f"the servers let in what they must refuse ({seen}): see {self.dir}")
@@ -238,10 +272,12 @@ class Production:
         """The CLI's last resort (the event loop is gone): stop the servers."""
         if self.cluster is not None:
             self.cluster.stop()
+        self._delete_networks()
 
     async def stop(self) -> None:
         if self.cluster is not None:
             await asyncio.to_thread(self.cluster.stop)
+        await asyncio.to_thread(self._delete_networks)
         if self._apiserver is not None:
             with contextlib.suppress(Exception):
                 await self._apiserver.__aexit__(None, None, None)

@@ -15,9 +15,9 @@ servers summed —, ``fleet``, ``harness``, and in the production profile ``call
 ``stream_replicas``, ``security`` (TLS, auth, and whether the servers refused a plain and an
 unauthenticated connection), ``scrape`` (Prometheus's targets: up, scrapes), and
 ``cpu_ms_per_decision`` (per process, and ``_total``), ``longest_stall_s`` and, with
-``--kill-server-at``, ``nats_kill``; last ``by_replica`` (each allocator replica's latency
-and counters, :mod:`tools.loadtest.replicastats`). A figure that was not measured is
-``null``. ``shares`` and
+``--kill-server-at``, ``nats_kill`` (with ``--partition-server-at``, ``nats_partition``); last
+``by_replica`` (each allocator replica's latency and counters,
+:mod:`tools.loadtest.replicastats`). A figure that was not measured is ``null``. ``shares`` and
 ``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
 :class:`Report` lists them.
 """
@@ -77,13 +77,14 @@ class Security(msgspec.Struct):
     no_token_refused: bool | None = None  # TLS without a token
 
 
-class KillFigures(msgspec.Struct):
-    """The NATS server killed during the load (``--kill-server-at``, tools.loadtest.faults)."""
+class FaultFigures(msgspec.Struct):
+    """The NATS server killed (``--kill-server-at``) or cut off the network
+    (``--partition-server-at``) during the load, and brought back (tools.loadtest.faults)."""
 
     server: str = ""  # its name, and why it was chosen
     at_s: float | None = None  # when, from the start of the services
-    down_s: float = 0.0  # how long it stayed down
-    back_s: float | None = None  # started again → healthy (caught up); null: never back
+    down_s: float = 0.0  # how long it stayed down (killed) or cut off
+    back_s: float | None = None  # started again or reconnected → healthy (caught up); null: never
 
 
 class ReplicaFigures(msgspec.Struct, kw_only=True):
@@ -158,7 +159,8 @@ class Report(msgspec.Struct, kw_only=True):
     cpu_ms_per_decision_total: float | None = None  # every process together
     longest_stall_s: float | None = None  # the longest time without a first answer, during the load
     longest_stall_from_s: float | None = None  # when it began, from the first submit
-    nats_kill: KillFigures | None = None  # --kill-server-at: the server killed and brought back
+    nats_kill: FaultFigures | None = None  # --kill-server-at: the server killed and brought back
+    nats_partition: FaultFigures | None = None  # --partition-server-at: the server cut off and back
     # Per allocator replica: the latency of what it decided, its counters (replicastats)
     by_replica: dict[str, ReplicaFigures] = msgspec.field(default_factory=dict)
 
@@ -233,6 +235,12 @@ def _profile(r: Report) -> str:
         line += (
             f"\n  killed nats-server {k.server} at {_num(k.at_s, ' s')} for {k.down_s:g} s, "
             f"healthy {_num(k.back_s, ' s')} after its restart"
+        )
+    if r.nats_partition is not None:
+        k = r.nats_partition
+        line += (
+            f"\n  cut nats-server {k.server} off the network at {_num(k.at_s, ' s')} for {k.down_s:g} s, "
+            f"healthy {_num(k.back_s, ' s')} after it was back"
         )
     if r.longest_stall_s is not None:
         line += (

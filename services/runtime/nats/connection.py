@@ -63,6 +63,24 @@ class ConnectError(Exception):
 PERMANENT_CONNECT_ERRORS: tuple[type[Exception], ...] = (ssl.SSLError, nats.errors.AuthorizationError)
 PERMANENT_CONNECT_STRIKES = 3
 
+# How often the client pings its server (``Settings.nats_ping_interval`` unset). A server cut
+# off the network (a partition, a switch port gone) closes nothing: the connection stays open
+# and silent, and only unanswered pings tell. nats-py takes a connection for dead when a third
+# ping is due with two unanswered, i.e. 2-3 intervals after the silence began; with its
+# default (120 s) a service went on writing into the void for minutes while the other two
+# servers had long elected new leaders (``tandem loadtest --partition-server-at``). A node
+# agent pings less often: there are thousands, and its node is taken for lost after
+# ``node_lost_after`` either way (its holds stay).
+PING_INTERVAL_S = 2.0
+NODE_PING_INTERVAL_S = 5.0
+MAX_OUTSTANDING_PINGS = 2
+
+
+def ping_interval(settings: Settings) -> float:
+    if settings.nats_ping_interval is not None:
+        return settings.nats_ping_interval
+    return NODE_PING_INTERVAL_S if settings.service == "nodeagent" else PING_INTERVAL_S
+
 
 async def connect(settings: Settings, *, name: str | None = None) -> NATS:
     """Connect with unlimited reconnects; the client buffers publishes while reconnecting.
@@ -114,6 +132,8 @@ async def connect(settings: Settings, *, name: str | None = None) -> NATS:
             name=name or f"{settings.service}/{settings.instance}",
             max_reconnect_attempts=-1,
             reconnect_time_wait=0.5,  # type: ignore[arg-type]  # seconds; nats-py annotates int
+            ping_interval=ping_interval(settings),  # type: ignore[arg-type]  # seconds, as above
+            max_outstanding_pings=MAX_OUTSTANDING_PINGS,
             # A subscriber that never reads its queue must not hold shutdown for the 30 s default.
             drain_timeout=5,
             error_cb=on_error,
@@ -188,7 +208,7 @@ _SPACE_IN_NAME = re.compile(rb"[\t\n\x0b\x0c\r\x1c-\x1f ]")
 
 
 class _CoalescingClient(NATS):
-    """nats-py's client with two overrides, both checked against the library by
+    """nats-py's client with three overrides, checked against the library by
     tests/unit/test_bus_flusher.py so that an upgrade that moves what they rely on fails there:
 
     * a flusher that lets the event loop run once more before it writes, so the publishes and
@@ -198,7 +218,15 @@ class _CoalescingClient(NATS):
     * the header parser: the same result as the library's, which tests every character of
       every header name with a generator, in about half the time — every KV watch delivery and
       every request message carries a header block (docs/benchmarks.md, "Measurements behind
-      the code").
+      the code");
+    * the reconnect after a connection was lost aborts the old socket before nats-py closes it.
+      nats-py closes it gracefully and waits for that to end, and with a server that went
+      silent (cut off the network) the close waits for what is still buffered to reach it —
+      TLS's goodbye, the last writes — which it never does: the client stayed on the dead
+      connection until the network came back, though its pings had told it long before
+      (``tests/netns/test_nats_partition.py``). Nothing is lost by the abort: nats-py keeps
+      what it has not yet written in its own buffer and sends it after the reconnect, and what
+      the socket held had no server to go to.
 
     ``closed_event`` is set when the connection is closed for good (see :func:`connect`);
     ``closing`` once :func:`close_connection` began (a deliberate close, not a connection lost)."""
@@ -221,6 +249,10 @@ class _CoalescingClient(NATS):
                 continue
             out[name.decode()] = value.strip().decode("utf-8", "replace")
         return out
+
+    async def _attempt_reconnect(self) -> None:
+        _abort(self._transport)
+        await super()._attempt_reconnect()
 
     async def _flusher(self) -> None:
         assert self._transport, "Client.connect must be called first"
@@ -246,6 +278,14 @@ class _CoalescingClient(NATS):
             finally:
                 if not future.done():
                     future.set_result(None)
+
+
+def _abort(transport: object) -> None:
+    """Drop the socket under nats-py's transport at once (no goodbye, nothing flushed)."""
+    for name in ("_io_writer", "_bare_io_writer"):  # TLS on top of TCP, and the TCP one
+        writer = getattr(transport, name, None)
+        if isinstance(writer, asyncio.StreamWriter):
+            writer.transport.abort()
 
 
 async def close_connection(

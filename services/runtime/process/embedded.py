@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from services.runtime.errors import EmbeddedServerError
+from services.runtime.process.podnet import PodNetwork
 
 _LISTEN = re.compile(r"Listening for client connections on (\S+):(\d+)")
 
@@ -191,10 +192,12 @@ _DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 class _Member:
     """One server of the cluster: fixed ports (routes and clients name them), its own store."""
 
-    def __init__(self, *, name: str, ports: list[int], store_dir: str) -> None:
+    def __init__(self, *, name: str, ports: list[int], store_dir: str, net: PodNetwork | None = None) -> None:
         self.name = name
         self.port, self.cluster_port, self.monitor_port = ports
         self.store_dir = store_dir
+        self.net = net  # its own network namespace, or None: this machine's 127.0.0.1
+        self.host = net.pod_ip if net is not None else "127.0.0.1"
         self.proc: subprocess.Popen[str] | None = None
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -210,12 +213,14 @@ class _Member:
     def launch(self, *, cluster_name: str, routes: list[str], config_file: str | None = None) -> None:
         cmd = [
             server_binary(),
-            *("-a", "127.0.0.1", "-p", str(self.port), "-m", str(self.monitor_port)),
+            *("-a", self.host, "-p", str(self.port), "-m", str(self.monitor_port)),
             *("-n", self.name, "-js", "-sd", self.store_dir),
-            *("--cluster_name", cluster_name, "--cluster", f"nats://127.0.0.1:{self.cluster_port}"),
+            *("--cluster_name", cluster_name, "--cluster", f"nats://{self.host}:{self.cluster_port}"),
             *("--routes", ",".join(routes)),
             *(("-c", config_file) if config_file else ()),
         ]
+        if self.net is not None:
+            cmd = self.net.wrap(cmd)
         self.lines = []
         self.ready = threading.Event()
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -229,7 +234,7 @@ class _Member:
 
     def health(self) -> str:
         """``ok`` or the server's reason (no meta leader yet, a stream not current, ...)."""
-        url = f"http://127.0.0.1:{self.monitor_port}/healthz"
+        url = f"http://{self.host}:{self.monitor_port}/healthz"
         try:
             with _DIRECT.open(url, timeout=2) as resp:
                 body: bytes = resp.read()
@@ -246,11 +251,12 @@ class _Member:
 class EmbeddedNatsCluster:
     """``with EmbeddedNatsCluster() as c: c.url`` — three JetStream servers routed into one cluster.
 
-    Every server listens on 127.0.0.1 with its own client, route and monitoring port (picked
-    free once and kept: routes and clients name them, so :meth:`restart` must reuse them) and
-    its own store directory. :meth:`start` returns only when every server printed "Server is
-    ready" *and* its ``/healthz`` answers ok, which nats-server gives only once a JetStream meta
-    leader is elected and the server is current with it — before that, stream creation fails.
+    Every server listens on 127.0.0.1 (or its network's address, below) with its own client,
+    route and monitoring port (picked free once and kept: routes and clients name them, so
+    :meth:`restart` must reuse them) and its own store directory. :meth:`start` returns only
+    when every server printed "Server is ready" *and* its ``/healthz`` answers ok, which
+    nats-server gives only once a JetStream meta leader is elected and the server is current
+    with it — before that, stream creation fails.
 
     ``url`` is the comma-joined client list that ``Settings.nats_url`` accepts;
     :meth:`kill` SIGKILLs one server (no goodbye to peers or clients, as a crashed machine);
@@ -260,6 +266,11 @@ class EmbeddedNatsCluster:
     accounts and the auth callout: the load harness's production profile); the flags above
     still win for names, addresses, ports and store. ``scheme``: ``tls`` when that config
     makes clients speak TLS, so that :attr:`urls` say so.
+
+    ``networks``: one :class:`~services.runtime.process.podnet.PodNetwork` per server (the
+    caller's, which it deletes after :meth:`stop`): each server then runs in its namespace and
+    listens on its ``pod_ip`` instead, as three machines would, and :meth:`partition` cuts one
+    off the network (every packet to and from it dropped) until :meth:`rejoin`.
     """
 
     def __init__(
@@ -271,9 +282,12 @@ class EmbeddedNatsCluster:
         startup_timeout: float = 30.0,
         config_file: str | None = None,
         scheme: str = "nats",
+        networks: list[PodNetwork] | None = None,
     ) -> None:
         if size < 1:
             raise EmbeddedServerError(f"cluster size must be at least 1, got {size}")
+        if networks is not None and len(networks) != size:
+            raise EmbeddedServerError(f"{len(networks)} networks for {size} servers: one each")
         self.size = size
         self.cluster_name = cluster_name
         self._own_dir = base_dir is None
@@ -281,13 +295,14 @@ class EmbeddedNatsCluster:
         self.startup_timeout = startup_timeout
         self.config_file = config_file
         self.scheme = scheme
+        self.networks = networks
         self.members: list[_Member] = []
 
     @property
     def urls(self) -> list[str]:
         if not self.members:
             raise EmbeddedServerError("embedded nats cluster is not running")
-        return [f"{self.scheme}://127.0.0.1:{m.port}" for m in self.members]
+        return [f"{self.scheme}://{m.host}:{m.port}" for m in self.members]
 
     @property
     def url(self) -> str:
@@ -309,7 +324,7 @@ class EmbeddedNatsCluster:
         return self.members[index].alive
 
     def _routes(self) -> list[str]:
-        return [f"nats://127.0.0.1:{m.cluster_port}" for m in self.members]
+        return [f"nats://{m.host}:{m.cluster_port}" for m in self.members]
 
     def _launch(self, member: _Member) -> None:
         others = [r for r, m in zip(self._routes(), self.members, strict=True) if m is not member]
@@ -322,6 +337,7 @@ class EmbeddedNatsCluster:
                 name=f"{self.cluster_name}-{i}",
                 ports=ports[3 * i : 3 * i + 3],
                 store_dir=str(Path(self.base_dir) / f"server-{i}"),
+                net=self.networks[i] if self.networks is not None else None,
             )
             for i in range(self.size)
         ]
@@ -364,7 +380,7 @@ class EmbeddedNatsCluster:
             if not m.alive:
                 continue
             try:
-                with _DIRECT.open(f"http://127.0.0.1:{m.monitor_port}/jsz", timeout=2) as resp:
+                with _DIRECT.open(f"http://{m.host}:{m.monitor_port}/jsz", timeout=2) as resp:
                     info = json.loads(resp.read())
             except (OSError, ValueError):
                 continue
@@ -379,6 +395,21 @@ class EmbeddedNatsCluster:
         if member.proc is not None and member.proc.poll() is None:
             member.proc.kill()
             member.proc.wait()
+
+    def partition(self, index: int) -> None:
+        """Cut server ``index`` off the network: it runs on, and nothing reaches it or leaves it
+        (its clients and peers see silence, not a closed connection) until :meth:`rejoin`."""
+        self._network(index).cut()
+
+    def rejoin(self, index: int) -> None:
+        """Server ``index`` back on the network, where :meth:`partition` took it off."""
+        self._network(index).heal()
+
+    def _network(self, index: int) -> PodNetwork:
+        net = self.members[index].net
+        if net is None:
+            raise EmbeddedServerError("a partition needs the servers in networks of their own (networks=...)")
+        return net
 
     def restart(self, index: int, *, timeout: float = 30.0) -> None:
         """Start server ``index`` again (same name, ports, store) and wait until it is healthy,
