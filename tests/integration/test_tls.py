@@ -127,3 +127,25 @@ def test_the_service_process_exits_with_one_line_when_the_server_is_not_trusted(
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("inventory: NATS at tls://127.0.0.1:") and "nats_tls_ca" in last
     assert "Traceback" not in done.stderr
+
+
+def test_one_context_for_the_same_files_and_a_new_one_when_a_file_changes(
+    pki: tuple[Authority, Pair, Pair],
+) -> None:
+    from services.runtime.nats.auth import tls_context
+
+    ca, _, client = pki
+    settings = make_settings(
+        "tls://127.0.0.1:1",
+        "nodeagent",
+        nats_tls_ca=str(ca.ca_file),
+        nats_tls_cert=str(client.cert),
+        nats_tls_key=str(client.key),
+    )
+    first = tls_context(settings)
+    assert first is not None and tls_context(settings) is first
+    # A rotated certificate (rewritten in place): the next connection reads it again.
+    stat = client.cert.stat()
+    os.utime(client.cert, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))
+    second = tls_context(settings)
+    assert second is not None and second is not first

@@ -105,6 +105,7 @@ class Harness:
         self.server: EmbeddedNats | None = None
         self.prod: Production | None = None  # the production profile's servers, keys and tokens
         self.scraper: Scraper | None = None
+        self._scraping: asyncio.Task[None] | None = None  # until Prometheus scrapes every target
         self.security = Security()
         self.bus: Bus | None = None
         self.violations = invariants.Violations()
@@ -194,6 +195,7 @@ class Harness:
         try:
             ready_s = await self._probe(driver, t0=t0, deadline=deadline)
             self.progress(f"allocator deciding {ready_s:.2f} s after the services started")
+            await self._scraping_every_target()
             idle = await self._idle() if cfg.idle_s > 0 else CpuFigures()
             report = await self._load(driver, publisher, ceil=ceil, ready_s=ready_s)
             report.idle_cpu_pct = idle
@@ -340,10 +342,18 @@ class Harness:
         return url
 
     async def _start_scraper(self, targets: dict[str, int]) -> None:
+        """Prometheus, started; the wait until it scrapes every target (its discovery takes up
+        to 5 s) runs beside the fleet's start and is awaited before the load."""
         scraper = self.scraper = Scraper(self.run_dir, interval_s=self.cfg.scrape_interval_s)
         [port] = free_ports(1)
         await scraper.start(self.children, targets, port=port)
-        self.progress(f"prometheus scraping {', '.join(targets)} every {self.cfg.scrape_interval_s:g} s")
+        self._scraping = asyncio.ensure_future(scraper.wait_ready())
+
+    async def _scraping_every_target(self) -> None:
+        if self._scraping is not None:
+            await self._scraping
+            names = ", ".join(self.scraper.names) if self.scraper is not None else ""
+            self.progress(f"prometheus scraping {names} every {self.cfg.scrape_interval_s:g} s")
 
     def _harness_keys(self) -> dict[str, object]:
         """How the harness and its checker and ledger connect (production: a trusted user)."""
@@ -639,6 +649,11 @@ class Harness:
                 counts = ", ".join(f"{k} {v}" for k, v in stats.items() if k != "event")
                 self.progress(f"fleet: {counts}")
         await self.children.stop(services, grace=15.0)
+        if self._scraping is not None and not self._scraping.done():
+            self._scraping.cancel()
+        if self._scraping is not None:
+            with contextlib.suppress(BaseException):  # a failure of a run already failing
+                await self._scraping
         await self.tasks.aclose()
         if self.bus is not None:
             with contextlib.suppress(Exception):

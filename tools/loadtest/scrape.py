@@ -63,6 +63,7 @@ class Scraper:
         self.dir = run_dir / "prometheus"
         self.interval_s = interval_s
         self.port = 0
+        self.names: list[str] = []  # the jobs it scrapes
         self.child: Child | None = None
 
     @property
@@ -70,6 +71,7 @@ class Scraper:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self, children: Children, targets: dict[str, int], *, port: int) -> None:
+        """Start Prometheus; :meth:`wait_ready` says when it scrapes every target."""
         self.dir.mkdir(parents=True, exist_ok=True)
         self.port = port
         conf = self.dir / "prometheus.yml"
@@ -85,13 +87,14 @@ class Scraper:
                 "--log.level=warn",
             ],
         )
-        await self._wait_ready(len(targets))
+        self.names = list(targets)
 
-    async def _wait_ready(self, targets: int) -> None:
+    async def wait_ready(self) -> None:
         """Until Prometheus is ready and has every target in its scrape pool (its discovery
         hands static targets over up to 5 s after the start): from then on each is scraped
         every interval."""
         assert self.child is not None
+        targets = len(self.names)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_S
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
