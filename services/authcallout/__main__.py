@@ -37,6 +37,7 @@ async def build(bus: Bus, settings: Settings) -> AuthCallout:
         namespace=settings.auth_namespace,
         identities=settings.auth_identities,
         audiences=[settings.auth_audience],
+        remember_s=settings.auth_review_cache_s,
     )
     return AuthCallout(
         bus.nc,

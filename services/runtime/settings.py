@@ -56,6 +56,8 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     )
     auth_audience: str = "tandem-nats"
     auth_user_ttl: float = 3600.0
+    # Seconds a token the API server accepted is taken without asking again (0: always ask).
+    auth_review_cache_s: Annotated[float, msgspec.Meta(ge=0)] = 60.0
     # TLS: the CA bundle that signs the server's certificate (None: the system's), and a
     # client certificate and key for servers that verify clients. ``tls://`` URLs, or any of
     # these set, turn TLS on.
