@@ -65,7 +65,7 @@ class Settings(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     nats_tls_cert: str | None = None
     nats_tls_key: str | None = None
     # Seconds between the client's pings; two unanswered and the connection is taken for dead
-    # and another server tried. None: 2 s, and 5 s for a node agent (thousands of them).
+    # and another server tried. None: 2 s, and 30 s for a node agent (thousands of them).
     # nats-py's own 120 s left a service on a server cut off the network for up to 6 minutes.
     nats_ping_interval: Annotated[float, msgspec.Meta(gt=0)] | None = None
     service: str = "tandem"

@@ -17,7 +17,9 @@ import asyncio
 import contextlib
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import nats
 from nats.aio.client import Client as NATS
@@ -29,6 +31,8 @@ from services.runtime.nats.provision import PLACEMENT_WAIT_S, PLACEMENT_WAITS, w
 
 PAYLOAD = b"x" * 256
 FETCH_BATCH = 256
+API_TRIES = 5
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,7 +55,7 @@ async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024, replicas
     cfg = api.StreamConfig(
         name=stream, subjects=[subject], storage=api.StorageType.FILE, num_replicas=replicas
     )
-    await while_forming(lambda: js.add_stream(cfg), what="ceiling stream")
+    await _patiently(lambda: js.add_stream(cfg))
     try:
         await _until_led(js, stream)
         publish = await _publish_rate(js, subject, count=count, window=window)
@@ -62,12 +66,27 @@ async def measure(nc: NATS, *, count: int = 20_000, window: int = 1024, replicas
             await js.delete_stream(stream)
 
 
+async def _patiently(call: Callable[[], Awaitable[T]]) -> T:
+    """A JetStream API call made again while the cluster is still forming, or when it timed
+    out: a cluster just reported healthy can leave its first requests unanswered for a while
+    (one 10,000-node run of ~50 stopped here with "NATS did not answer in time"). Each call
+    here is safe to repeat (the same stream, the same durable)."""
+    for attempt in range(1, API_TRIES + 1):
+        try:
+            return await while_forming(call, what="ceiling stream")
+        except nats.errors.TimeoutError:
+            if attempt == API_TRIES:
+                raise
+            await asyncio.sleep(PLACEMENT_WAIT_S)
+    raise AssertionError("unreachable")
+
+
 async def _until_led(js: JetStreamContext, stream: str) -> None:
     """Return once ``stream`` has a leader. A replicated stream is created before its own
     group has elected one, and publishes meanwhile find no stream to answer them
     (``NoStreamResponseError``: two runs of ~40 at 3 servers stopped there)."""
     for _ in range(PLACEMENT_WAITS):
-        info = await while_forming(lambda: js.stream_info(stream), what="ceiling stream")
+        info = await _patiently(lambda: js.stream_info(stream))
         if info.cluster is None or info.cluster.leader:
             return
         await asyncio.sleep(PLACEMENT_WAIT_S)
@@ -88,7 +107,8 @@ async def _publish_rate(js: JetStreamContext, subject: str, *, count: int, windo
 
 
 async def _pull_ack_rate(nc: NATS, js: JetStreamContext, subject: str, *, stream: str, count: int) -> float:
-    psub = await js.pull_subscribe(subject, durable=f"ceiling-{stream.lower()}", stream=stream)
+    durable = f"ceiling-{stream.lower()}"
+    psub = await _patiently(lambda: js.pull_subscribe(subject, durable=durable, stream=stream))
     got = 0
     started = time.perf_counter()
     try:

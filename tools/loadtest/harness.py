@@ -135,7 +135,13 @@ class Harness:
         url = cfg.nats_url or await self._start_server()
         bus = self.bus = await self._connect(url)
         self.progress(f"measuring the JetStream ceiling ({cfg.ceiling_msgs} messages)")
-        ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs, replicas=self._replicas())
+        try:
+            ceil = await ceiling.measure(bus.nc, count=cfg.ceiling_msgs, replicas=self._replicas())
+        except (nats.errors.TimeoutError, TimeoutError) as exc:
+            raise LoadtestError(
+                f"JetStream ceiling: the servers at {url} did not answer in time ({exc or 'timeout'}); "
+                "give --ceiling-msgs 0 to run without it"
+            ) from exc
         self.progress(f"JetStream ceiling: publish {ceil.publish_per_s}/s, pull+ack {ceil.pull_ack_per_s}/s")
 
         loop = asyncio.get_running_loop()
@@ -386,6 +392,9 @@ class Harness:
             "log_level": s.log_level,
             "log_json": True,
             "heartbeat_interval": s.heartbeat_interval,
+            # Passed on only when set (TANDEM_NATS_PING_INTERVAL for the harness): each role's
+            # own default otherwise (services.runtime.nats.connection).
+            **({"nats_ping_interval": s.nats_ping_interval} if s.nats_ping_interval is not None else {}),
             **(keys or {}),
         }
 

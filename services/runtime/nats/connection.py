@@ -69,10 +69,12 @@ PERMANENT_CONNECT_STRIKES = 3
 # ping is due with two unanswered, i.e. 2-3 intervals after the silence began; with its
 # default (120 s) a service went on writing into the void for minutes while the other two
 # servers had long elected new leaders (``tandem loadtest --partition-server-at``). A node
-# agent pings less often: there are thousands, and its node is taken for lost after
-# ``node_lost_after`` either way (its holds stay).
+# agent pings far less often: there are thousands, each ping a TLS message both ways (every
+# 5 s, 10,000 agents cost this machine's fleet and servers 15-30 % of a core at idle and
+# quadrupled the p99 at 267 requests/s, docs/benchmarks.md), and its node is taken for lost
+# after ``node_lost_after`` either way (its holds stay, nothing new is placed there).
 PING_INTERVAL_S = 2.0
-NODE_PING_INTERVAL_S = 5.0
+NODE_PING_INTERVAL_S = 30.0
 MAX_OUTSTANDING_PINGS = 2
 
 
