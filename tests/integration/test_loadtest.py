@@ -27,7 +27,15 @@ import pytest
 from opentelemetry import trace
 
 from schemas import codec, subjects
-from schemas.messages import AllocRecord, AssignedGpu, AssignedNic, Assignment, NodeAllocations, PodRef
+from schemas.messages import (
+    AllocRecord,
+    AssignedGpu,
+    AssignedNic,
+    Assignment,
+    NodeAllocations,
+    PodRef,
+    RequestRecord,
+)
 from services.runtime.observe.tracing import context_from_traceparent
 from tests.conftest import BusFactory, make_settings
 from tests.prometheus.conftest import Tools, prom_tools  # noqa: F401 (the fixture: installs or skips)
@@ -399,6 +407,40 @@ async def test_the_driver_sends_each_request_and_its_release_in_one_pod_trace(
     assert [msg.subject for msg in seen] == [subjects.ALLOC_REQUEST] * 2 + [subjects.alloc_release("node-a")]
     assert traces[0] != traces[1]  # one trace per pod
     assert traces[2] == traces[0] == placed.traceparent  # the release rides in its request's trace
+
+
+async def test_a_missed_answer_is_read_back_only_once_the_node_record_holds_the_request(
+    bus_factory: BusFactory,
+) -> None:
+    """An answer the harness's subscription missed is read back from the request record — but
+    an ``assigned`` record is first only a claim, written before the commit, and a commit that
+    fails sends the request elsewhere: the harness that took the claim once saw one request
+    assigned to two nodes. It takes it only when the node's record holds the request."""
+    bus = await bus_factory("loadtest")
+    publisher = AsyncPublisher(bus.acks, window=16)
+    stream = RequestStream(seed=5, run="t", nodes=["node-a"])
+    driver = LoadDriver(
+        bus.nc, publisher, stream=stream, fleet_gpus=8, util=0.85, requests=1, rate=None,
+        max_in_flight=1, seed=5,
+    )  # fmt: skip
+    request = stream.next()
+    rid = request.request_id
+    driver.submit(request)  # queued only: the publisher does not run
+    driver.reqs[rid].submitted -= 10  # unanswered for long enough to be looked up
+    requests = await bus.kv(subjects.KV_REQUESTS)
+    allocs = await bus.kv(subjects.KV_ALLOCS)
+    claim = RequestRecord(request=request, state="assigned", node="node-a", owner="allocator-0")
+    await requests.put(subjects.kv_key(rid), codec.encode(claim))
+
+    assert await driver.recover_missed() == 0
+    assert driver.reqs[rid].node is None and driver.reqs[rid].first is None
+
+    held = AllocRecord(assignment=Assignment(request_id=rid, pod=PodRef("ns", rid), node="node-a", gpus=[]))
+    record = NodeAllocations(node="node-a", allocations={rid: held})
+    await allocs.put(subjects.kv_key("node-a"), codec.encode(record))
+    driver._last_recovery = 0.0  # look again now rather than in MISSED_AFTER_S
+    assert await driver.recover_missed() == 1
+    assert driver.reqs[rid].node == "node-a" and driver.reqs[rid].first is not None
 
 
 def test_percentiles_nearest_rank() -> None:

@@ -1,4 +1,4 @@
-"""The coalescing flusher, the reconnect and the header parser override private
+"""The coalescing flusher, the ping loop, the reconnect and the header parser override private
 methods of nats-py's client and the ack inbox reads two private attributes: these checks fail
 when an upgrade of nats-py moves what they rely on, instead of the client silently breaking (or
 parsing headers differently)."""
@@ -37,6 +37,22 @@ def test_the_override_is_the_library_loop_plus_one_yield() -> None:
         assert line in library and line in ours
     # ... and the only behaviour the override adds is the yield before writing.
     assert "await asyncio.sleep(0)" in ours and "await asyncio.sleep(0)" not in library
+
+
+def test_the_ping_loop_override_is_the_library_loop_plus_messages_as_answers() -> None:
+    library = inspect.getsource(Client._ping_interval)
+    ours = inspect.getsource(_CoalescingClient._ping_interval)
+    for line in (
+        'await asyncio.sleep(self.options["ping_interval"])',
+        "self._pings_outstanding += 1",
+        'if self._pings_outstanding > self.options["max_outstanding_pings"]:',
+        "await self._send_ping()",
+    ):
+        assert line in library and line in ours, line
+    # What the override adds reads the counter the library keeps for every message.
+    assert 'self.stats["in_msgs"] += 1' in inspect.getsource(Client._process_msg)
+    assert 'self.stats["in_msgs"]' in ours and "self.stats" not in library
+    assert "self._pings_outstanding = 0" in inspect.getsource(Client._process_pong)
 
 
 def test_the_reconnect_still_closes_the_transport_the_override_aborts() -> None:

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
 
 from schemas import codec, subjects
 from schemas.messages import (
@@ -358,6 +359,7 @@ class LoadDriver:
             return 0
         try:
             kv = await self.nc.jetstream().key_value(subjects.KV_REQUESTS)
+            allocs = await self.nc.jetstream().key_value(subjects.KV_ALLOCS)
         except Exception:  # the bucket's stream is electing a leader: look again later
             return 0
         recovered = 0
@@ -368,6 +370,13 @@ class LoadDriver:
             except Exception:  # not written yet, or NATS still settling: look again later
                 continue
             req = self.reqs[rid]
+            claim = record.state == "assigned" and req.first is None
+            if claim and not await _holds(allocs, record.node or "", rid):
+                # Only a claim yet (written before the commit): if the commit on that node
+                # fails, the request is decided again, elsewhere. Taken as an answer once the
+                # node's record holds it (a harness that took the claim saw one request
+                # "assigned" to two nodes: a 10,000-node run of two replicas).
+                continue
             now = time.perf_counter()
             if req.first is None and record.state in ("assigned", "releasing", "freed") and record.node:
                 req.assigned, req.node, req.allocator = now, record.node, record.owner
@@ -498,3 +507,12 @@ class LoadDriver:
             await asyncio.sleep(0.1)
             await self.recover_missed()
         return True
+
+
+async def _holds(allocs: KeyValue, node: str, request_id: str) -> bool:
+    """Whether ``node``'s allocation record holds ``request_id`` (False while it cannot be read)."""
+    try:
+        entry = await allocs.get(subjects.kv_key(node))
+        return request_id in codec.NODE_ALLOCS.decode(entry.value or b"").allocations
+    except Exception:  # not written yet, or NATS still settling: look again later
+        return False

@@ -590,6 +590,13 @@ class Harness:
         lost = lost_requests(reqs, placed)
         if lost:
             self.progress(f"lost: {', '.join(lost[:10])}{' ...' if len(lost) > 10 else ''}")
+        for what, ids in (
+            ("held on two nodes at once", self.violations.double_placed),
+            ("assigned to two nodes, one after the other", driver.extra_placements),
+        ):
+            if ids:
+                named = ", ".join(sorted(ids)[:10]) + (" ..." if len(ids) > 10 else "")
+                self.progress(f"placed twice ({what}): {named}")
         assigned = sum(1 for rid, r in reqs.items() if r.assigned is not None or rid in placed)
         unschedulable = sum(
             1 for rid, r in reqs.items() if r.failed and r.assigned is None and rid not in placed

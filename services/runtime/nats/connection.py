@@ -210,7 +210,7 @@ _SPACE_IN_NAME = re.compile(rb"[\t\n\x0b\x0c\r\x1c-\x1f ]")
 
 
 class _CoalescingClient(NATS):
-    """nats-py's client with three overrides, checked against the library by
+    """nats-py's client with four overrides, checked against the library by
     tests/unit/test_bus_flusher.py so that an upgrade that moves what they rely on fails there:
 
     * a flusher that lets the event loop run once more before it writes, so the publishes and
@@ -221,7 +221,9 @@ class _CoalescingClient(NATS):
       every header name with a generator, in about half the time — every KV watch delivery and
       every request message carries a header block (docs/benchmarks.md, "Measurements behind
       the code");
-    * the reconnect after a connection was lost aborts the old socket before nats-py closes it.
+    * the ping loop counts any message received since the last ping as the server's answer
+      (its PONG can wait behind what it still has to send), and the reconnect after a
+      connection was lost aborts the old socket before nats-py closes it.
       nats-py closes it gracefully and waits for that to end, and with a server that went
       silent (cut off the network) the close waits for what is still buffered to reach it —
       TLS's goodbye, the last writes — which it never does: the client stayed on the dead
@@ -255,6 +257,28 @@ class _CoalescingClient(NATS):
     async def _attempt_reconnect(self) -> None:
         _abort(self._transport)
         await super()._attempt_reconnect()
+
+    async def _ping_interval(self) -> None:
+        # The library's loop, but a message received since the last ping counts as the
+        # server's answer: pings are frequent now (PING_INTERVAL_S), and a server's PONG waits
+        # behind whatever it still has to send this client — a busy replica reading every
+        # write of the fleet can be seconds behind. A server cut off sends nothing at all.
+        seen = self.stats["in_msgs"]
+        while True:
+            await asyncio.sleep(self.options["ping_interval"])
+            if not self.is_connected:
+                continue
+            if self.stats["in_msgs"] != seen:
+                seen = self.stats["in_msgs"]
+                self._pings_outstanding = 0
+            try:
+                self._pings_outstanding += 1
+                if self._pings_outstanding > self.options["max_outstanding_pings"]:
+                    await self._process_op_err(nats.errors.StaleConnectionError())
+                    return
+                await self._send_ping()
+            except (asyncio.CancelledError, RuntimeError, AttributeError):
+                break
 
     async def _flusher(self) -> None:
         assert self._transport, "Client.connect must be called first"

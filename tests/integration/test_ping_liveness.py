@@ -1,0 +1,49 @@
+"""When a connection is taken for dead (``services.runtime.nats.connection``): pings every
+``nats_ping_interval``, two unanswered and it is stale — but a message received since the last
+ping counts as the server's answer, since the server's PONG waits behind what it still has to
+send (a busy replica reading every write of the fleet). Silence is what a server cut off
+sends; a flood is not silence."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import nats
+from nats.aio.msg import Msg
+
+from services.runtime.nats.connection import connect
+from tests.conftest import make_settings
+
+
+async def test_messages_count_as_answers_and_silence_makes_the_connection_stale(nats_url: str) -> None:
+    nc = await connect(make_settings(nats_url, "ping-test", nats_ping_interval=0.2))
+    peer = await nats.connect(nats_url)
+
+    async def unanswered(future: Any = None) -> None:
+        """The ping never reaches the server, so no PONG ever comes back."""
+
+    got = 0
+
+    async def count(msg: Msg) -> None:
+        nonlocal got
+        got += 1
+
+    try:
+        await nc.subscribe("ping-test.flood", cb=count)
+        await nc.flush()
+        nc._send_ping = unanswered  # type: ignore[method-assign]
+        # Ten ping intervals of messages and no PONG: alive.
+        for _ in range(40):
+            await peer.publish("ping-test.flood", b"x")
+            await asyncio.sleep(0.05)
+        assert got > 30 and nc.stats["reconnects"] == 0 and nc.is_connected
+        # Neither message nor PONG: stale within a few intervals, and connected again.
+        for _ in range(50):
+            if nc.stats["reconnects"] >= 1:
+                break
+            await asyncio.sleep(0.05)
+        assert nc.stats["reconnects"] >= 1
+    finally:
+        await peer.close()
+        await nc.close()
