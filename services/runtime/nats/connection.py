@@ -228,9 +228,9 @@ class _CoalescingClient(NATS):
       silent (cut off the network) the close waits for what is still buffered to reach it —
       TLS's goodbye, the last writes — which it never does: the client stayed on the dead
       connection until the network came back, though its pings had told it long before
-      (``tests/netns/test_nats_partition.py``). Nothing is lost by the abort: nats-py keeps
-      what it has not yet written in its own buffer and sends it after the reconnect, and what
-      the socket held had no server to go to.
+      (``tests/netns/test_nats_partition.py``). The abort loses nothing a graceful close would
+      have delivered: what the socket held had no server to go to, and a JetStream publish
+      among it is sent again when its ack does not come (same ``Nats-Msg-Id``).
 
     ``closed_event`` is set when the connection is closed for good (see :func:`connect`);
     ``closing`` once :func:`close_connection` began (a deliberate close, not a connection lost)."""
