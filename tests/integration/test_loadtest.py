@@ -191,25 +191,50 @@ def test_the_default_profile_runs_nats_as_the_chart_installs_it_and_prometheus_s
     assert all(result["rss_mb"][p] > 0 for p in ("allocator", "nats", "callout", "prometheus"))
 
 
+NOT_ROOT = os.geteuid() != 0
+FAULTS = [
+    pytest.param(("--kill-server-at", "0.3", "--kill-down", "2"), "nats_kill", 2, id="killed"),
+    pytest.param(
+        ("--partition-server-at", "0.3", "--partition-for", "8"),
+        "nats_partition",
+        8,
+        id="cut-off",
+        marks=[
+            pytest.mark.netns,
+            pytest.mark.skipif(NOT_ROOT, reason="the servers run in network namespaces (ip netns add: root)"),
+        ],
+    ),
+]
+
+
 @pytest.mark.integration
-def test_a_nats_server_killed_in_the_middle_of_a_run_and_brought_back_loses_nothing(
+@pytest.mark.parametrize(("flags", "key", "down"), FAULTS)
+def test_a_nats_server_taken_away_in_the_middle_of_a_run_and_brought_back_loses_nothing(
     prom_tools: Tools,  # noqa: F811
+    flags: tuple[str, ...],
+    key: str,
+    down: int,
 ) -> None:
-    """Production profile, ``--kill-server-at``: the server leading the allocation bucket is
-    SIGKILLed once 30 % of the requests are out and started again 2 s later; the load goes on
-    over the other two; every request is answered, nothing is lost or held twice at any write,
-    and the JSON says which server went, when it was back, and the longest time without a
+    """Production profile: once 30 % of the requests are out, the server leading the
+    allocation bucket is SIGKILLed and started again 2 s later (``--kill-server-at``), or cut
+    off the network for 8 s — the servers in network namespaces of their own; it runs on
+    alone, and its clients take the silence for a dead connection from their pings
+    (``--partition-server-at``). The load goes on over the other two; every request is
+    answered, nothing is lost or held twice at any write, the ledger missed no revision, and
+    the JSON says which server went, when it was back, and the longest time without a
     decision (reported, not judged here: on a shared machine it is noise)."""
     code, out, err = loadtest(
         *("--nodes", "12", "--requests", "200", "--rate", "20", "--json", "--ceiling-msgs", "0"),
-        *("--drain", "60", "--scrape-interval", "1", "--kill-server-at", "0.3", "--kill-down", "2"),
+        *("--drain", "60", "--scrape-interval", "1", *flags),
         timeout=400,
     )
     assert code == 0, err[-3000:]
     result = one_json_line(out)
-    kill = result["nats_kill"]
-    assert kill["server"].startswith("tandem-") and kill["down_s"] == 2, kill
-    assert kill["at_s"] > 0 and kill["back_s"] is not None, kill
+    other = "nats_partition" if key == "nats_kill" else "nats_kill"
+    fault = result[key]
+    assert result[other] is None
+    assert fault["server"].startswith("tandem-") and fault["down_s"] == down, fault
+    assert fault["at_s"] > 0 and fault["back_s"] is not None, fault
     assert result["assigned"] > 0 and result["assigned"] + result["unschedulable"] == 200
     assert (result["lost"], result["double_held"], result["double_placed"], result["drained"]) == (
         0,
@@ -222,43 +247,6 @@ def test_a_nats_server_killed_in_the_middle_of_a_run_and_brought_back_loses_noth
     faults = ("double_held", "double_placed", "vanished", "freed_unknown", "overlap_at_apply")
     assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
     assert result["longest_stall_s"] > 0 and result["longest_stall_from_s"] >= 0
-
-
-@pytest.mark.integration
-@pytest.mark.netns
-@pytest.mark.skipif(os.geteuid() != 0, reason="the servers run in network namespaces (ip netns add: root)")
-def test_a_nats_server_cut_off_the_network_and_put_back_loses_nothing(
-    prom_tools: Tools,  # noqa: F811
-) -> None:
-    """Production profile, ``--partition-server-at``: the servers in network namespaces of their
-    own, the one leading the allocation bucket cut off once 30 % of the requests are out and put
-    back 8 s later. It runs on alone (nothing reaches it, nothing leaves); its clients take the
-    silence for a dead connection from their pings and move to the other two, which elect new
-    leaders; every request is answered, nothing is lost or held twice at any write, the ledger
-    missed no revision, and the JSON says which server was cut off and when it was current
-    again."""
-    code, out, err = loadtest(
-        *("--nodes", "12", "--requests", "200", "--rate", "20", "--json", "--ceiling-msgs", "0"),
-        *("--drain", "60", "--scrape-interval", "1", "--partition-server-at", "0.3", "--partition-for", "8"),
-        timeout=400,
-    )
-    assert code == 0, err[-3000:]
-    result = one_json_line(out)
-    assert result["nats_kill"] is None
-    cut = result["nats_partition"]
-    assert cut["server"].startswith("tandem-") and cut["down_s"] == 8, cut
-    assert cut["at_s"] > 0 and cut["back_s"] is not None, cut
-    assert result["assigned"] > 0 and result["assigned"] + result["unschedulable"] == 200
-    assert (result["lost"], result["double_held"], result["double_placed"], result["drained"]) == (
-        0,
-        0,
-        0,
-        True,
-    )
-    ledger = result["ledger"]
-    assert ledger["error"] is None and ledger["revisions_missed"] == 0, ledger
-    faults = ("double_held", "double_placed", "vanished", "freed_unknown", "overlap_at_apply")
-    assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
 
 
 @pytest.mark.integration
