@@ -102,6 +102,7 @@ def test_small_run_prints_the_issue_keys_and_keeps_the_invariants(replicas: int)
     assert list(result)[: len(ISSUE_KEYS)] == ISSUE_KEYS
     assert (result["nodes"], result["replicas"], result["requests"]) == (20, replicas, 200)
     assert (result["profile"], result["nats_servers"], result["security"]["auth"]) == ("dev", 1, "none")
+    assert result["nodes_lost"] == 0  # read from the inventory; 20 nodes heartbeat in time
     assert result["rate"] is None
     assert result["lost"] == 0
     assert result["double_held"] == 0
@@ -247,6 +248,7 @@ def test_a_nats_server_taken_away_in_the_middle_of_a_run_and_brought_back_loses_
     faults = ("double_held", "double_placed", "vanished", "freed_unknown", "overlap_at_apply")
     assert {k: ledger[k] for k in faults} == dict.fromkeys(faults, 0)
     assert result["longest_stall_s"] > 0 and result["longest_stall_from_s"] >= 0
+    assert result["nodes_lost"] is not None
 
 
 @pytest.mark.integration

@@ -243,6 +243,8 @@ class Harness:
         ports = {c.name: c.ops_port for c in self.children.children if c.role == "allocator" and c.ops_port}
         counters = await replicastats.read_counters(ports)
         report.by_replica = replicastats.by_replica(replicastats.decided(driver.reqs.values()), counters)
+        inventory = [c.ops_port for c in self.children.children if c.role == "inventory" and c.ops_port]
+        report.nodes_lost = await replicastats.nodes_lost(inventory[0]) if inventory else None
         if self.scraper is not None:
             report.scrape = await self.scraper.read_targets(window_s=time.perf_counter() - self._t0)
         now = self._cpu_now()

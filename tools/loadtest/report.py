@@ -15,7 +15,8 @@ servers summed —, ``fleet``, ``harness``, and in the production profile ``call
 ``stream_replicas``, ``security`` (TLS, auth, and whether the servers refused a plain and an
 unauthenticated connection), ``scrape`` (Prometheus's targets: up, scrapes), and
 ``cpu_ms_per_decision`` (per process, and ``_total``), ``longest_stall_s`` and, with
-``--kill-server-at``, ``nats_kill`` (with ``--partition-server-at``, ``nats_partition``); last
+``--kill-server-at``, ``nats_kill`` (with ``--partition-server-at``, ``nats_partition``),
+``nodes_lost``; last
 ``by_replica`` (each allocator replica's latency and counters,
 :mod:`tools.loadtest.replicastats`). A figure that was not measured is ``null``. ``shares`` and
 ``shares_assigned``, ``overcommitted`` and ``cleanup_fail_share`` sit among them as the
@@ -161,6 +162,10 @@ class Report(msgspec.Struct, kw_only=True):
     longest_stall_from_s: float | None = None  # when it began, from the first submit
     nats_kill: FaultFigures | None = None  # --kill-server-at: the server killed and brought back
     nats_partition: FaultFigures | None = None  # --partition-server-at: the server cut off and back
+    # Times the inventory took a node for lost (no heartbeat for node_lost_after) during the
+    # run, start-up included; null: not read. Beyond a fault's own nodes, a fleet too starved
+    # of CPU to heartbeat in time: the run measures that machine, not the allocator.
+    nodes_lost: int | None = None
     # Per allocator replica: the latency of what it decided, its counters (replicastats)
     by_replica: dict[str, ReplicaFigures] = msgspec.field(default_factory=dict)
 
@@ -242,6 +247,8 @@ def _profile(r: Report) -> str:
             f"\n  cut nats-server {k.server} off the network at {_num(k.at_s, ' s')} for {k.down_s:g} s, "
             f"healthy {_num(k.back_s, ' s')} after it was back"
         )
+    if r.nodes_lost:
+        line += f"\n  nodes taken for lost (no heartbeat in time) {r.nodes_lost} times"
     if r.longest_stall_s is not None:
         line += (
             f"\n  longest time without a decision: {r.longest_stall_s:g} s, "
