@@ -267,8 +267,8 @@ class EmbeddedNatsCluster:
     still win for names, addresses, ports and store. ``scheme``: ``tls`` when that config
     makes clients speak TLS, so that :attr:`urls` say so.
 
-    ``networks``: one :class:`~services.runtime.process.podnet.PodNetwork` per server (the
-    caller's, which it deletes after :meth:`stop`): each server then runs in its namespace and
+    ``networks``: one :class:`~services.runtime.process.podnet.PodNetwork` per server (made
+    and, after :meth:`stop`, deleted by the caller): each server then runs in its namespace and
     listens on its ``pod_ip`` instead, as three machines would, and :meth:`partition` cuts one
     off the network (every packet to and from it dropped) until :meth:`rejoin`.
     """
