@@ -6,7 +6,6 @@ sends; a flood is not silence."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import nats
@@ -14,6 +13,7 @@ from nats.aio.msg import Msg
 
 from services.runtime.nats.connection import connect
 from tests.conftest import make_settings
+from tests.waiting import wait_until
 
 
 async def test_messages_count_as_answers_and_silence_makes_the_connection_stale(nats_url: str) -> None:
@@ -23,7 +23,13 @@ async def test_messages_count_as_answers_and_silence_makes_the_connection_stale(
     async def unanswered(future: Any = None) -> None:
         """The ping never reaches the server, so no PONG ever comes back."""
 
-    got = 0
+    pings = got = 0
+
+    async def answered_by_a_message(future: Any = None) -> None:
+        """No PONG either, but a message from the server before the next ping is due."""
+        nonlocal pings
+        pings += 1
+        await peer.publish("ping-test.flood", b"x")
 
     async def count(msg: Msg) -> None:
         nonlocal got
@@ -32,18 +38,14 @@ async def test_messages_count_as_answers_and_silence_makes_the_connection_stale(
     try:
         await nc.subscribe("ping-test.flood", cb=count)
         await nc.flush()
-        nc._send_ping = unanswered  # type: ignore[method-assign]
-        # Ten ping intervals of messages and no PONG: alive.
-        for _ in range(40):
-            await peer.publish("ping-test.flood", b"x")
-            await asyncio.sleep(0.05)
-        assert got > 30 and nc.stats["reconnects"] == 0 and nc.is_connected
+        nc._send_ping = answered_by_a_message  # type: ignore[method-assign]
+        # Ten pings answered by messages alone: alive.
+        await wait_until(lambda: pings >= 10, timeout=10, what="ten pings answered by messages only")
+        assert got >= 9 and nc.stats["reconnects"] == 0 and nc.is_connected
         # Neither message nor PONG: stale within a few intervals, and connected again.
-        for _ in range(50):
-            if nc.stats["reconnects"] >= 1:
-                break
-            await asyncio.sleep(0.05)
-        assert nc.stats["reconnects"] >= 1
+        nc._send_ping = unanswered  # type: ignore[method-assign]
+        stale = "the silent connection taken for dead"
+        await wait_until(lambda: nc.stats["reconnects"] >= 1, timeout=5, what=stale)
     finally:
         await peer.close()
         await nc.close()

@@ -24,6 +24,7 @@ from services.runtime.nats.connection import connect
 from services.runtime.process.embedded import EmbeddedNatsCluster
 from services.runtime.process.podnet import PodNetwork, forwarding_back, forwarding_on
 from services.runtime.settings import Settings
+from tests.waiting import wait_until
 
 pytestmark = [
     pytest.mark.netns,
@@ -70,9 +71,7 @@ async def test_a_partitioned_server_is_silent_and_the_others_go_on(cluster: Embe
             await lonely.request("anything", b"", timeout=1.0)
         assert lonely.is_connected
         # The other two still make a quorum: writes go on, after an election if needed.
-        acks = []
-        for i in range(20):
-            acks.append(await _publish_retrying(js, f"part.during.{i}"))
+        acks = [await _publish_when_led(js, f"part.during.{i}") for i in range(20)]
         assert [a.seq for a in acks] == list(range(2, 22))
         assert cluster.members[cut].alive
 
@@ -80,8 +79,15 @@ async def test_a_partitioned_server_is_silent_and_the_others_go_on(cluster: Embe
         await asyncio.to_thread(cluster.wait_healthy, [cut], timeout=60)
         # Current again: the cut server's own view of the stream has every message.
         jsl = lonely.jetstream(timeout=10)
-        info = await _until(lambda: jsl.stream_info("PART"), lambda i: i.state.messages == 21)
-        assert info.state.last_seq == 21
+
+        async def current() -> bool:
+            try:
+                return (await jsl.stream_info("PART")).state.messages == 21
+            except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
+                return False  # still catching up
+
+        await wait_until(current, timeout=20, poll=0.1, what="the rejoined server's copy of the stream")
+        assert (await jsl.stream_info("PART")).state.last_seq == 21
     finally:
         await lonely.close()
         await writer.close()
@@ -110,16 +116,14 @@ async def test_a_client_on_the_cut_server_moves_to_another_within_its_pings(
         cut_at = time.monotonic()
         cluster.partition(cut)
         # A busy client: its publishes pile up behind the stalled socket meanwhile.
-        for i in range(3000):
+        for _ in range(3000):
             await nc.publish("part.queued", b"x" * 512)
-            if i % 100 == 0:
-                await asyncio.sleep(0)
 
         def moved() -> bool:
             url = nc.connected_url
             return nc.is_connected and url is not None and url.port != cluster.members[cut].port
 
-        await _until(_returns(moved), bool, tries=60)
+        await wait_until(moved, timeout=15, what="the client on another server")
         moved_after = time.monotonic() - cut_at
         assert nc.is_connected and moved_after < 10, moved_after
         await peer.publish("part.echo", b"after")
@@ -130,31 +134,17 @@ async def test_a_client_on_the_cut_server_moves_to_another_within_its_pings(
         await nc.close()
 
 
-def _returns(check):  # type: ignore[no-untyped-def]
-    async def call():  # type: ignore[no-untyped-def]
-        return check()
+async def _publish_when_led(js: nats.js.JetStreamContext, subject: str) -> nats.js.api.PubAck:
+    """Publish once the stream has a leader the client can reach (an election may be on)."""
+    acked: list[nats.js.api.PubAck] = []
 
-    return call
-
-
-async def _publish_retrying(js: nats.js.JetStreamContext, subject: str) -> nats.js.api.PubAck:
-    for _ in range(60):
+    async def publish() -> bool:
         try:
             # The same id on every try: one that was stored but not acked is not stored twice.
-            return await js.publish(subject, b"x", timeout=2, headers={"Nats-Msg-Id": subject})
+            acked.append(await js.publish(subject, b"x", timeout=2, headers={"Nats-Msg-Id": subject}))
         except (nats.errors.TimeoutError, nats.js.errors.NoStreamResponseError, nats.js.errors.APIError):
-            await asyncio.sleep(0.25)
-    raise AssertionError(f"{subject}: no quorum within the retries")
+            return False
+        return True
 
-
-async def _until(call, done, *, tries: int = 80):  # type: ignore[no-untyped-def]
-    last = None
-    for _ in range(tries):
-        try:
-            last = await call()
-            if done(last):
-                return last
-        except (nats.errors.TimeoutError, nats.errors.NoRespondersError, nats.js.errors.APIError):
-            pass
-        await asyncio.sleep(0.25)
-    raise AssertionError(f"not reached: {last}")
+    await wait_until(publish, timeout=30, poll=0.1, what=f"a quorum storing {subject}")
+    return acked[0]
