@@ -71,14 +71,12 @@ async def _patiently(call: Callable[[], Awaitable[T]]) -> T:
     out: a cluster just reported healthy can leave its first requests unanswered for a while
     (one 10,000-node run of ~50 stopped here with "NATS did not answer in time"). Each call
     here is safe to repeat (the same stream, the same durable)."""
-    for attempt in range(1, API_TRIES + 1):
+    for _ in range(API_TRIES - 1):
         try:
             return await while_forming(call, what="ceiling stream")
         except nats.errors.TimeoutError:
-            if attempt == API_TRIES:
-                raise
             await asyncio.sleep(PLACEMENT_WAIT_S)
-    raise AssertionError("unreachable")
+    return await while_forming(call, what="ceiling stream")
 
 
 async def _until_led(js: JetStreamContext, stream: str) -> None:

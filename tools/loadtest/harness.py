@@ -667,11 +667,9 @@ class Harness:
                 counts = ", ".join(f"{k} {v}" for k, v in stats.items() if k != "event")
                 self.progress(f"fleet: {counts}")
         await self.children.stop(services, grace=15.0)
-        if self._scraping is not None and not self._scraping.done():
-            self._scraping.cancel()
         if self._scraping is not None:
-            with contextlib.suppress(BaseException):  # a failure of a run already failing
-                await self._scraping
+            self._scraping.cancel()  # a failure of a run already failing is not reported twice
+            await asyncio.gather(self._scraping, return_exceptions=True)
         await self.tasks.aclose()
         if self.bus is not None:
             with contextlib.suppress(Exception):

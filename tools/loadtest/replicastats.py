@@ -48,8 +48,9 @@ COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
     "hand_over_unanswered": ("tandem_allocator_forwards_total", {"outcome": "unanswered"}),
     "redeliveries": ("tandem_redeliveries_total", {"why": "retry"}),
     "catch_up_s": ("tandem_allocator_catch_up_seconds_total", {}),
+    # The inventory's (nodes_lost), read from its own page.
+    "nodes_lost": ("tandem_inventory_node_transitions_total", {"to": "lost"}),
 }
-NODE_TRANSITIONS = "tandem_inventory_node_transitions_total"
 DECIDE_SUM = "tandem_allocator_decision_seconds_sum"
 DECIDE_COUNT = "tandem_allocator_decision_seconds_count"
 
@@ -93,24 +94,8 @@ def by_replica(
 async def nodes_lost(port: int) -> int | None:
     """How many times the inventory (its ops ``port``) took a node for lost, from its
     ``tandem_inventory_node_transitions_total{to="lost"}``; None when it does not answer."""
-    timeout = aiohttp.ClientTimeout(total=ASK_S)
-    with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
-        async with (
-            aiohttp.ClientSession(timeout=timeout) as http,
-            http.get(f"http://127.0.0.1:{port}/metrics") as resp,
-        ):
-            if resp.status == 200:
-                return int(_sum(await resp.text(), NODE_TRANSITIONS, {"to": "lost"}))
-    return None
-
-
-def _sum(text: str, name: str, labels: Mapping[str, str]) -> float:
-    return sum(
-        float(s.value)
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
-    )
+    page = (await read_counters({"inventory": port})).get("inventory")
+    return None if page is None else int(page.get("nodes_lost", 0))
 
 
 def parse_counters(text: str) -> dict[str, float]:
